@@ -1,0 +1,158 @@
+"""Encoding and decoding of envelopes, with failures sorted into unknown vs malformed.
+
+Encoders and decoders are built once at import (they hold no I/O and no config).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from shoal.events import (
+    EVENT_BY_TAG,
+    MAX_MESSAGE_BYTES,
+    AnyCommand,
+    AnyReply,
+    Envelope,
+    Event,
+    RawEnvelope,
+    event_tag,
+)
+from shoal.ids import new_ulid
+
+
+class DecodeFailure(Exception):
+    """Base of the two ways a message can fail to decode."""
+
+    code = "decode_failure"
+
+
+class MalformedMessage(DecodeFailure):
+    """Garbage bytes, a broken envelope, or a known type whose payload is invalid."""
+
+    code = "malformed"
+
+
+class UnknownEventType(DecodeFailure):
+    """A well-formed envelope whose type this reader does not know (skip and count)."""
+
+    code = "unknown_type"
+
+    def __init__(self, type_: str, envelope: RawEnvelope) -> None:
+        super().__init__(f"unknown event type {type_!r}")
+        self.type = type_
+        self.envelope = envelope
+
+
+class MessageTooLarge(DecodeFailure):
+    code = "too_large"
+
+
+_ENC = msgspec.msgpack.Encoder()
+_DEC_ENVELOPE = msgspec.msgpack.Decoder(Envelope)
+_DEC_RAW = msgspec.msgpack.Decoder(RawEnvelope)
+_DEC_COMMAND = msgspec.msgpack.Decoder(AnyCommand)
+_DEC_REPLY = msgspec.msgpack.Decoder(AnyReply)
+_JSON_ENC = msgspec.json.Encoder()
+_JSON_DEC_ENVELOPE = msgspec.json.Decoder(Envelope)
+_JSON_DEC_COMMAND = msgspec.json.Decoder(AnyCommand)
+_JSON_DEC_REPLY = msgspec.json.Decoder(AnyReply)
+
+
+def wrap(
+    event: Event,
+    *,
+    at: float | None = None,
+    causation_id: str | None = None,
+    correlation_id: str | None = None,
+    event_id: str | None = None,
+) -> Envelope:
+    """Put an event in an envelope with a fresh ULID and the current time (or ``at``)."""
+    now = time.time() if at is None else at
+    return Envelope(
+        id=event_id or new_ulid(now if at is None else None),
+        type=event_tag(event),
+        v=type(event).version,
+        at=now,
+        causation_id=causation_id,
+        correlation_id=correlation_id,
+        event=event,  # type: ignore[arg-type]
+    )
+
+
+def encode(envelope: Envelope) -> bytes:
+    """Envelope -> msgpack bytes."""
+    return _ENC.encode(envelope)
+
+
+def decode(data: bytes) -> Envelope:
+    """msgpack bytes -> Envelope.
+
+    Raises:
+        MessageTooLarge: over :data:`MAX_MESSAGE_BYTES`.
+        UnknownEventType: the envelope is fine but its type is not known here.
+        MalformedMessage: anything else that is wrong, with the decoder's reason.
+    """
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageTooLarge(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    try:
+        return _DEC_ENVELOPE.decode(data)
+    except msgspec.ValidationError as exc:
+        first_error = exc
+    except msgspec.DecodeError as exc:
+        raise MalformedMessage(f"not a msgpack envelope: {exc}") from None
+    try:
+        raw = _DEC_RAW.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise MalformedMessage(f"invalid envelope: {exc}") from None
+    if raw.type not in EVENT_BY_TAG:
+        raise UnknownEventType(raw.type, raw)
+    raise MalformedMessage(f"invalid {raw.type} payload: {first_error}")
+
+
+def decode_json(data: bytes | str) -> Envelope:
+    """JSON export -> Envelope (same rules as :func:`decode`, no unknown-type split)."""
+    try:
+        return _JSON_DEC_ENVELOPE.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise MalformedMessage(str(exc)) from None
+
+
+def to_json(obj: Any) -> bytes:
+    """Any contract object -> JSON bytes (for export, CLI output and JSON clients)."""
+    return _JSON_ENC.encode(obj)
+
+
+def to_builtins(obj: Any) -> Any:
+    return msgspec.to_builtins(obj)
+
+
+def encode_command(cmd: Any) -> bytes:
+    return _ENC.encode(cmd)
+
+
+def decode_command(data: bytes, *, json: bool = False) -> Any:
+    """Decode a command (msgpack, or JSON for language-neutral clients).
+
+    Raises:
+        MalformedMessage: with the decoder's field-level reason.
+    """
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageTooLarge(f"command of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    try:
+        return (_JSON_DEC_COMMAND if json else _DEC_COMMAND).decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise MalformedMessage(str(exc)) from None
+
+
+def encode_reply(reply: Any, *, json: bool = False) -> bytes:
+    return (_JSON_ENC if json else _ENC).encode(reply)
+
+
+def decode_reply(data: bytes, *, json: bool = False) -> Any:
+    try:
+        return (_JSON_DEC_REPLY if json else _DEC_REPLY).decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise MalformedMessage(str(exc)) from None

@@ -1,0 +1,1 @@
+"""Allocation policies (pure). See :mod:`shoal.policies.base` for the interface."""

@@ -1,0 +1,118 @@
+"""The policy interface: a pure function from a cluster view to a decision.
+
+A policy never touches the bus, the clock or shared state. It receives a frozen
+:class:`ClusterView` plus the ``memory`` it returned last time (stride passes,
+lease counters, queues …) and returns a :class:`Decision`. The allocator records
+``Decision.memory`` in ``SharesDecided.policy_memory``, so a replayed allocator
+(or the simulator, which uses the same log) decides exactly what the live one did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from msgspec import Struct
+
+
+class JobView(Struct, frozen=True, kw_only=True):
+    """What a policy may know about one active job."""
+
+    job_id: str
+    user: str = ""
+    arrival_s: float = 0.0
+    min_gpus: int = 1
+    max_gpus: int = 1
+    requested_gpus: int = 1
+    elastic: bool = True
+    allowed_gpu_counts: tuple[int, ...] | None = None
+    throughput: tuple[float, ...] = (0.0, 1.0)
+    """Iterations/s with k GPUs at index k (index 0 is 0.0); its length is at least
+    ``max_gpus + 1``. On a heterogeneous cluster, the curve of the default type."""
+    throughput_by_type: dict[str, tuple[float, ...]] = {}
+    """Per-GPU-generation curves (heterogeneous clusters)."""
+    remaining_iterations: float | None = None
+    """Known remaining work; ``None`` when the length is unknown. Length-unaware
+    policies (AFS-P, Tiresias, Max-Min, Gandiva_fair) must not read it."""
+    total_iterations: float | None = None
+    iterations_done: float = 0.0
+    attained_service_gpu_s: float = 0.0
+    """GPU-seconds allocated so far (since the job's last restart for Tiresias)."""
+    current_gpus: int = 0
+    current_gpu_type: str = ""
+    pinned_gpu_type: str | None = None
+    priority: int = 0
+
+
+class ClusterView(Struct, frozen=True, kw_only=True):
+    """The cluster as a policy sees it."""
+
+    now_s: float
+    total_gpus: int
+    jobs: tuple[JobView, ...]
+    gpus_by_type: dict[str, int] = {}
+    """Free-of-placement GPU inventory per generation (empty on a homogeneous cluster)."""
+    gpus_per_node: int = 0
+    """0 when the cluster is a flat pool."""
+    user_tickets: dict[str, float] = {}
+
+
+class Decision(Struct, frozen=True, kw_only=True):
+    """GPUs per job. Jobs absent from ``shares`` get 0."""
+
+    shares: dict[str, int]
+    gpu_types: dict[str, str] = {}
+    memory: dict[str, Any] = {}
+
+
+class Policy(Protocol):
+    """Every allocation policy has a name and a pure ``decide``."""
+
+    name: str
+
+    def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision: ...
+
+
+def feasible_counts(job: JobView) -> tuple[int, ...]:
+    """The positive GPU counts this job may be given, in increasing order.
+
+    Non-elastic jobs get exactly ``requested_gpus``; elastic jobs anything in
+    ``[min_gpus, max_gpus]`` that ``allowed_gpu_counts`` (when set) permits.
+    """
+    if not job.elastic:
+        return (job.requested_gpus,)
+    counts = range(job.min_gpus, job.max_gpus + 1)
+    if job.allowed_gpu_counts:
+        allowed = set(job.allowed_gpu_counts)
+        return tuple(c for c in counts if c in allowed)
+    return tuple(counts)
+
+
+class DecisionError(ValueError):
+    """A decision that breaks an invariant (a policy bug, never user input)."""
+
+
+def check_decision(view: ClusterView, decision: Decision) -> None:
+    """Raise :class:`DecisionError` unless the decision respects every job's
+    feasible counts and gives out no more GPUs than exist."""
+    jobs = {j.job_id: j for j in view.jobs}
+    total = 0
+    for job_id, gpus in decision.shares.items():
+        if job_id not in jobs:
+            raise DecisionError(f"share for unknown job {job_id!r}")
+        if gpus < 0:
+            raise DecisionError(f"negative share {gpus} for {job_id!r}")
+        if gpus and gpus not in feasible_counts(jobs[job_id]):
+            raise DecisionError(f"{job_id!r} given {gpus} GPUs, feasible {feasible_counts(jobs[job_id])}")
+        total += gpus
+    if total > view.total_gpus:
+        raise DecisionError(f"gave out {total} GPUs of {view.total_gpus}")
+    if view.gpus_by_type and decision.gpu_types:
+        used: dict[str, int] = {}
+        for job_id, gpus in decision.shares.items():
+            if gpus:
+                t = decision.gpu_types.get(job_id, "")
+                used[t] = used.get(t, 0) + gpus
+        for t, n in used.items():
+            if n > view.gpus_by_type.get(t, 0):
+                raise DecisionError(f"gave out {n} {t or '<untyped>'} GPUs of {view.gpus_by_type.get(t, 0)}")
