@@ -52,7 +52,9 @@ class UserState(Struct, kw_only=True):
 class ThroughputModel(Struct, kw_only=True):
     model_kind: str = "table"
     params: tuple[float, ...] = ()
-    throughput: dict[int, float] = {}
+    throughput: tuple[tuple[int, float], ...] = ()
+    """(GPU count, iterations/s) pairs sorted by count; a tuple, not a dict, so
+    the state stays canonical for :func:`digest`."""
     samples: int = 0
     overestimated: bool = False
 
@@ -130,7 +132,12 @@ class ClusterState(Struct, kw_only=True):
     jobs: dict[str, JobState] = {}
     nodes: dict[str, NodeState] = {}
     shares_epoch: int = 0
+    shares: dict[str, int] = {}
+    """Current non-zero shares of active jobs (an index: the fold touches only
+    these and the new decision's jobs, never every job ever submitted)."""
     placement_epoch: int = 0
+    placed: dict[str, int] = {}
+    """Active jobs that currently have a placement -> number of GPUs placed."""
     policy: str = ""
     policy_memory: dict[str, Any] = {}
     trades: dict[str, TradeState] = {}
@@ -172,6 +179,8 @@ def _finish(state: ClusterState, job_id: str, status: str, at: float, reason: st
     job.status = status
     job.finished_at = at
     job.reason = reason
+    state.shares.pop(job_id, None)
+    state.placed.pop(job_id, None)
     job.gpus = 0
     job.placement = ()
     job.world_size = 0
@@ -283,28 +292,44 @@ def _shares_decided(state: ClusterState, e: ev.SharesDecided, at: float) -> None
     state.shares_epoch = e.epoch
     state.policy = e.policy
     state.policy_memory = e.policy_memory
-    shares = e.shares
+    jobs = state.jobs
     types = e.gpu_types
-    for job_id, job in state.jobs.items():
-        if job.status in FINISHED_STATUSES:
+    new_shares: dict[str, int] = {}
+    for job_id in state.shares.keys() - e.shares.keys():
+        job = jobs[job_id]
+        _settle(job, at)
+        job.gpus = 0
+        job.gpu_type = ""
+    for job_id, gpus in e.shares.items():
+        job = jobs.get(job_id)
+        if job is None or job.status in FINISHED_STATUSES:
             continue
-        gpus = shares.get(job_id, 0)
         gpu_type = types.get(job_id, "")
         if gpus != job.gpus or gpu_type != job.gpu_type:
             _settle(job, at)
             job.gpus = gpus
             job.gpu_type = gpu_type
+        if gpus:
+            new_shares[job_id] = gpus
+    state.shares = new_shares
 
 
 def _placement_decided(state: ClusterState, e: ev.PlacementDecided, at: float) -> None:
     if e.epoch < state.placement_epoch:
         return
     state.placement_epoch = e.epoch
-    placements = e.placements
-    for job_id, job in state.jobs.items():
-        if job.status in FINISHED_STATUSES:
+    jobs = state.jobs
+    for job_id in state.placed.keys() - e.placements.keys():
+        jobs[job_id].placement = ()
+    placed: dict[str, int] = {}
+    for job_id, gpus in e.placements.items():
+        job = jobs.get(job_id)
+        if job is None or job.status in FINISHED_STATUSES:
             continue
-        job.placement = placements.get(job_id, ())
+        job.placement = gpus
+        if gpus:
+            placed[job_id] = len(gpus)
+    state.placed = placed
 
 
 def _reconf_started(state: ClusterState, e: ev.ReconfigurationStarted, at: float) -> None:
@@ -331,15 +356,13 @@ def _throughput_model(state: ClusterState, e: ev.ThroughputModelUpdated, at: flo
     job = state.jobs.get(e.job_id)
     if job is None:
         return
-    models = dict(job.throughput_models)
-    models[e.gpu_type] = ThroughputModel(
+    job.throughput_models[e.gpu_type] = ThroughputModel(
         model_kind=e.model_kind,
         params=e.params,
-        throughput=dict(e.throughput),
+        throughput=tuple(sorted(e.throughput.items())),
         samples=e.samples,
         overestimated=e.overestimated,
     )
-    job.throughput_models = models
 
 
 def _convergence(state: ClusterState, e: ev.ConvergenceEstimated, at: float) -> None:
@@ -446,13 +469,13 @@ def fold(envelopes: Iterable[Envelope], state: ClusterState | None = None) -> Cl
     return state
 
 
-_DIGEST_ENC = msgspec.msgpack.Encoder(order="sorted")
+_DIGEST_ENC = msgspec.msgpack.Encoder(order="deterministic")
 _STATE_ENC = msgspec.msgpack.Encoder()
 _STATE_DEC = msgspec.msgpack.Decoder(ClusterState)
 
 
 def digest(state: ClusterState) -> str:
-    """A stable SHA-256 of the state: dict keys and fields in sorted order."""
+    """A stable SHA-256 of the state (dict keys sorted, so insertion order never matters)."""
     return hashlib.sha256(_DIGEST_ENC.encode(state)).hexdigest()
 
 
