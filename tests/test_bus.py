@@ -11,6 +11,7 @@ from shoal import codec
 from shoal import events as ev
 from shoal import state as st
 from shoal.bus import Bus, ConcurrencyConflict, NoServerError, fold_log
+from shoal.events import Envelope
 
 pytestmark = pytest.mark.integration
 
@@ -129,3 +130,26 @@ async def test_snapshot_roundtrip(bus: Bus) -> None:
     snap = await bus.load_snapshot("allocator")
     assert snap is not None and snap.seq == 20
     assert st.digest(st.decode_state(snap.state)) == snap.digest == st.digest(state)
+
+
+async def test_trace_context_travels_in_headers(bus: Bus) -> None:
+    """A publish inside a span carries its W3C traceparent; the consumer continues that trace."""
+    from nats.aio.msg import Msg
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracer = TracerProvider().get_tracer("test")
+    with tracer.start_as_current_span("decide") as span:
+        await bus.publish(submitted(1))
+        want = span.get_span_context().trace_id
+    seen: list[int] = []
+    stop = asyncio.Event()
+
+    async def handler(env: Envelope, msg: Msg) -> None:
+        assert msg.headers and msg.headers["traceparent"].split("-")[1] == f"{want:032x}"
+        seen.append(trace.get_current_span().get_span_context().trace_id)
+        stop.set()
+
+    await bus.ensure_consumer("traced")
+    await asyncio.wait_for(bus.consume("traced", handler, stop=stop, fetch_timeout_s=0.2), 10)
+    assert seen == [want]

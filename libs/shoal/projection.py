@@ -1,0 +1,111 @@
+"""A service's view of the log: snapshot + replay + live tail, folded into ClusterState.
+
+Every service that needs state holds one :class:`Projection`. It starts from the
+newest snapshot (if a name is given and one exists), replays the rest of the log,
+and keeps following the live tail on the same consumer, so there is never a gap or
+a duplicate. ``ready`` is set once the projection has caught up with the log as it
+was at start; ``wait_for(seq)`` gives read-your-writes after a publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import structlog
+
+from shoal import state as st
+from shoal.bus import Bus
+from shoal.events import Envelope
+
+log = structlog.get_logger("shoal.projection")
+
+Listener = Callable[[int, Envelope, st.ClusterState], None]
+
+
+class Projection:
+    """The folded cluster state of one process, kept current from the log.
+
+    Args:
+        bus: a connected bus.
+        snapshot_name: load/save snapshots under this name (None: always replay all).
+        listeners: called after each event is applied, with (seq, envelope, state);
+            a listener must not block (it may set flags or put work on a queue).
+    """
+
+    def __init__(self, bus: Bus, *, snapshot_name: str | None = None, listeners: list[Listener] | None = None):
+        self.bus = bus
+        self.snapshot_name = snapshot_name
+        self.listeners = list(listeners or [])
+        self.state = st.ClusterState()
+        self.last_seq = 0
+        self.ready = asyncio.Event()
+        self._advanced = asyncio.Condition()
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.restored_from_snapshot = False
+
+    async def start(self) -> None:
+        """Restore the snapshot (if any) and start following the log."""
+        if self.snapshot_name:
+            snap = await self.bus.load_snapshot(self.snapshot_name)
+            if snap is not None:
+                self.state = st.decode_state(snap.state)
+                self.last_seq = snap.seq
+                self.restored_from_snapshot = True
+        target = await self.bus.last_seq()
+        if self.last_seq >= target:
+            self.ready.set()
+        self._task = asyncio.create_task(self._follow(target), name="projection")
+
+    async def _follow(self, target: int) -> None:
+        try:
+            async for batch in self.bus.replay_batches(
+                start_seq=self.last_seq + 1, follow=True, stop=self._stop, idle_expires_s=0.5
+            ):
+                state = self.state
+                for seq, env in batch:
+                    st.apply(state, env)
+                    for listener in self.listeners:
+                        listener(seq, env, state)
+                self.last_seq = max(self.last_seq, batch.last_seq)
+                if self.last_seq >= target:
+                    self.ready.set()
+                async with self._advanced:
+                    self._advanced.notify_all()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("projection_failed")
+            raise
+
+    async def wait_ready(self, timeout_s: float = 60.0) -> None:
+        await asyncio.wait_for(self.ready.wait(), timeout_s)
+
+    async def wait_for(self, seq: int, timeout_s: float = 10.0) -> None:
+        """Return once every event up to ``seq`` is folded (read-your-writes)."""
+
+        async def _wait() -> None:
+            async with self._advanced:
+                await self._advanced.wait_for(lambda: self.last_seq >= seq)
+
+        if self.last_seq < seq:
+            await asyncio.wait_for(_wait(), timeout_s)
+
+    async def save_snapshot(self) -> int:
+        """Store the current state and its sequence; returns the sequence."""
+        if not self.snapshot_name:
+            raise ValueError("this projection has no snapshot name")
+        seq = self.last_seq
+        await self.bus.save_snapshot(
+            self.snapshot_name, seq, st.encode_state(self.state), digest=st.digest(self.state)
+        )
+        return seq
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task

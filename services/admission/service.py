@@ -1,0 +1,119 @@
+"""admission: the front door for commands.
+
+Consumes: request/reply commands on ``<prefix>.cmd.submit_job``, ``cmd.cancel_job``
+and ``cmd.set_tickets`` (queue group ``admission``, so replicas share the load).
+A request is msgpack, or JSON when the request carries the header
+``Content-Type: application/json`` (and then the reply is JSON too).
+
+Decides: :mod:`shoal.admission` (pure) against the folded cluster state.
+
+Publishes: ``JobSubmitted`` / ``JobCancelled`` / ``TicketsSet``, then replies
+``CommandAccepted`` (with the job id) or ``CommandRejected`` (with a code and one
+message per problem). A rejected command publishes nothing.
+
+Idempotency: ``JobSubmitted`` is appended with ``Nats-Expected-Last-Subject-Sequence: 0``
+on ``<prefix>.job.<id>.submitted``, so however many admission replicas race, one
+submission per job id reaches the log; the loser answers as a duplicate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import structlog
+from nats.aio.msg import Msg
+
+from shoal import admission, codec
+from shoal import events as ev
+from shoal.bus import Bus, ConcurrencyConflict, Header, PublishRejected
+from shoal.ids import new_ulid
+from shoal.projection import Projection
+
+log = structlog.get_logger("shoal.admission")
+
+JSON = "application/json"
+COMMANDS = ("submit_job", "cancel_job", "set_tickets")
+
+
+class AdmissionService:
+    """Wiring around :mod:`shoal.admission`."""
+
+    def __init__(self, bus: Bus, projection: Projection, limits: admission.Limits) -> None:
+        self.bus = bus
+        self.projection = projection
+        self.limits = limits
+        self._subs: list[Any] = []
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        for name in COMMANDS:
+            self._subs.append(await self.bus.nc.subscribe(self.bus.names.cmd(name), queue="admission", cb=self._on_request))
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.drain()
+        self._subs.clear()
+
+    async def _on_request(self, msg: Msg) -> None:
+        as_json = (msg.headers or {}).get(Header.CONTENT_TYPE.value, "").startswith(JSON)
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(service="admission", subject=msg.subject)
+        try:
+            reply = await self.handle(msg.data, msg.subject.rsplit(".", 1)[-1], as_json)
+        except Exception as exc:  # never leave a client hanging
+            log.exception("admission_failed")
+            reply = ev.CommandRejected(code="internal", message=f"admission failed: {exc}")
+        if msg.reply:
+            await msg.respond(codec.encode_reply(reply, json=as_json))
+
+    async def handle(self, data: bytes, command: str, as_json: bool = False) -> ev.CommandAccepted | ev.CommandRejected:
+        """Decode, decide, publish; return the reply."""
+        try:
+            cmd = codec.decode_command(data, json=as_json)
+        except codec.MessageTooLarge as exc:
+            return ev.CommandRejected(code="too_large", message=str(exc))
+        except codec.MalformedMessage as exc:
+            return ev.CommandRejected(code="invalid_command", message=str(exc), errors=(str(exc),))
+        if cmd.name != command:
+            return ev.CommandRejected(
+                code="wrong_subject", message=f"a {cmd.name} command was sent to the {command} subject"
+            )
+        # One decision at a time per process, so a decision always sees the previous one's event.
+        async with self._lock:
+            return await self._decide_and_publish(cmd)
+
+    async def _decide_and_publish(self, cmd: Any) -> ev.CommandAccepted | ev.CommandRejected:
+        state = self.projection.state
+        if isinstance(cmd, ev.SubmitJob):
+            job_id = cmd.job_id or new_ulid()
+            decision = admission.decide_submit(state, cmd, job_id, self.limits)
+        elif isinstance(cmd, ev.CancelJob):
+            decision = admission.decide_cancel(state, cmd)
+        elif isinstance(cmd, ev.SetTickets):
+            decision = admission.decide_set_tickets(state, cmd)
+        else:
+            return ev.CommandRejected(code="unsupported", message=f"admission does not handle {cmd.name}")
+        if isinstance(decision, admission.Rejected):
+            log.info("command_rejected", code=decision.code, message=decision.message)
+            return decision.reply()
+        if decision.event is None:
+            return ev.CommandAccepted(id=decision.id, duplicate=True)
+        env = codec.wrap(decision.event)
+        try:
+            expected = 0 if isinstance(decision.event, ev.JobSubmitted) else None
+            result = await self.bus.publish(env, expected_last_subject_seq=expected)
+        except ConcurrencyConflict:
+            # Another replica submitted this job id first: decide again on the caught-up state.
+            await self.projection.wait_for(await self.bus.last_seq())
+            again = admission.decide_submit(self.projection.state, cmd, decision.id, self.limits)
+            if isinstance(again, admission.Rejected):
+                return again.reply()
+            return ev.CommandAccepted(id=decision.id, duplicate=True)
+        except PublishRejected as exc:
+            return ev.CommandRejected(code="log_refused", message=str(exc))
+        await self.projection.wait_for(result.seq)
+        log.info("command_accepted", id=decision.id, event_type=env.type, stream_seq=result.seq)
+        return ev.CommandAccepted(id=decision.id, event_id=env.id, duplicate=result.duplicate)
