@@ -1,0 +1,215 @@
+"""allocator: decides every job's share of GPUs.
+
+Consumes: the whole event log through a :class:`~shoal.projection.Projection`
+(snapshot + replay + live tail).
+
+Decides: :func:`shoal.allocation.decide_shares` over :func:`shoal.view.build_view` —
+the same functions the simulator calls — on churn: arrival, completion, model
+update, node change, trade and the policy's quantum tick. Bursts are coalesced:
+triggers only mark the state dirty, and one decision follows a short window.
+
+Publishes: ``SharesDecided`` with a strictly increasing epoch, appended with
+``Nats-Expected-Last-Subject-Sequence`` on ``<prefix>.alloc.shares_decided``: a
+deposed leader that still believes it leads cannot append a decision made on a
+stale view (it gets a conflict and re-reads the log). Also ``NodeLost`` for nodes
+whose heartbeats stopped.
+
+Exactly one allocator decides at a time: the leader lease lives in JetStream KV;
+standbys follow the log and take over when the lease lapses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import structlog
+
+from shoal import codec
+from shoal import events as ev
+from shoal.allocation import decide_shares
+from shoal.bus import Bus, ConcurrencyConflict
+from shoal.clock import Clock
+from shoal.cluster import gpus_per_node, stale_nodes
+from shoal.events import Envelope
+from shoal.models import Catalog
+from shoal.policies.base import Policy
+from shoal.projection import Projection
+from shoal.state import ClusterState
+
+log = structlog.get_logger("shoal.allocator")
+
+_TRIGGERS: dict[type, str] = {
+    ev.JobSubmitted: "arrival",
+    ev.JobCompleted: "completion",
+    ev.JobFailed: "completion",
+    ev.JobCancelled: "completion",
+    ev.JobRejected: "completion",
+    ev.ThroughputModelUpdated: "model_update",
+    ev.ConvergenceEstimated: "model_update",
+    ev.NodeRegistered: "node_change",
+    ev.NodeLost: "node_change",
+    ev.NodeDrained: "node_change",
+    ev.TradeExecuted: "trade",
+    ev.TradeUndone: "trade",
+    ev.TicketsSet: "tickets",
+}
+
+
+class AllocatorService:
+    """Leader-elected allocator. See the module docstring."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        policy: Policy,
+        *,
+        holder: str,
+        clock: Clock,
+        lease_ttl_s: float = 3.0,
+        coalesce_s: float = 0.02,
+        tick_s: float | None = None,
+        catalog: Catalog | None = None,
+        network_packing: bool = True,
+        node_timeout_s: float | None = 10.0,
+        snapshot_every: int = 10_000,
+    ) -> None:
+        self.bus = bus
+        self.policy = policy
+        self.holder = holder
+        self.clock = clock
+        self.lease_ttl_s = lease_ttl_s
+        self.coalesce_s = coalesce_s
+        self.tick_s = tick_s
+        self.catalog = catalog
+        self.network_packing = network_packing
+        self.node_timeout_s = node_timeout_s
+        self.snapshot_every = snapshot_every
+        self.projection = Projection(bus, snapshot_name="allocator", listeners=[self._on_event])
+        self.dirty = asyncio.Event()
+        self.trigger = ""
+        self.decisions_seq = 0
+        """Stream sequence of the newest SharesDecided (for the expected-sequence append)."""
+        self.decided = 0
+        self.is_leader = False
+        self._since_snapshot = 0
+        self._last_tick = 0.0
+
+    # -- consuming --------------------------------------------------------------
+
+    def _on_event(self, seq: int, env: Envelope, state: ClusterState) -> None:
+        self._since_snapshot += 1
+        if isinstance(env.event, ev.SharesDecided):
+            self.decisions_seq = seq
+            return
+        trigger = _TRIGGERS.get(type(env.event))
+        if trigger is not None:
+            if not self.dirty.is_set():
+                self.trigger = trigger
+            self.dirty.set()
+
+    # -- deciding ---------------------------------------------------------------
+
+    async def decide_once(self, trigger: str) -> ev.SharesDecided | None:
+        """Run the policy on the current state and publish the decision if it changed."""
+        state = self.projection.state
+        now = self.clock.now()
+        from shoal.view import build_view
+
+        view = build_view(state, now=now, gpus_per_node=gpus_per_node(state), catalog=self.catalog)
+        decision = decide_shares(
+            self.policy,
+            view,
+            state.policy_memory,
+            epoch=state.shares_epoch + 1,
+            trigger=trigger,
+            network_packing=self.network_packing,
+        )
+        current_types = {j: state.jobs[j].gpu_type for j in state.shares if state.jobs[j].gpu_type}
+        if (
+            decision.shares == state.shares
+            and decision.gpu_types == current_types
+            and decision.policy_memory == state.policy_memory
+            and state.shares_epoch
+        ):
+            return None
+        env = codec.wrap(decision, at=now)
+        try:
+            result = await self.bus.publish(env, expected_last_subject_seq=self.decisions_seq)
+        except ConcurrencyConflict:
+            log.warning("decision_conflict", epoch=decision.epoch, note="another allocator decided; re-reading")
+            await self.projection.wait_for(await self.bus.last_seq())
+            return None
+        await self.projection.wait_for(result.seq)
+        self.decided += 1
+        log.info(
+            "shares_decided",
+            epoch=decision.epoch,
+            trigger=trigger,
+            jobs=len(decision.shares),
+            gpus=sum(decision.shares.values()),
+            stream_seq=result.seq,
+        )
+        return decision
+
+    async def _mark_lost_nodes(self) -> None:
+        if self.node_timeout_s is None:
+            return
+        state = self.projection.state
+        timeout = self.node_timeout_s * getattr(self.clock, "scale", 1.0)
+        for node_id in stale_nodes(state, self.clock.now(), timeout):
+            await self.bus.publish(
+                codec.wrap(ev.NodeLost(node_id=node_id, reason="missed heartbeats"), at=self.clock.now())
+            )
+            log.warning("node_lost", node_id=node_id)
+
+    # -- the loop -----------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow the log; while holding the lease, decide on churn. Returns when ``stop`` is set."""
+        await self.projection.start()
+        await self.projection.wait_ready()
+        lease = await self.bus.lease("allocator", self.holder, ttl_s=self.lease_ttl_s)
+        renew_every = self.lease_ttl_s / 3
+        loop = asyncio.get_running_loop()
+        next_renew = 0.0
+        try:
+            while not stop.is_set():
+                if loop.time() >= next_renew:
+                    was = self.is_leader
+                    self.is_leader = await lease.try_acquire()
+                    next_renew = loop.time() + renew_every
+                    if self.is_leader and not was:
+                        log.info("leader_elected", holder=self.holder)
+                        # A new leader re-reads the log to its end before deciding.
+                        await self.projection.wait_for(await self.bus.last_seq())
+                        self.trigger = "takeover"
+                        self.dirty.set()
+                    elif was and not self.is_leader:
+                        log.warning("leadership_lost", holder=self.holder)
+                wait = max(0.0, next_renew - loop.time())
+                if self.tick_s:
+                    wait = min(wait, self.tick_s / getattr(self.clock, "scale", 1.0))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.dirty.wait(), wait)
+                if not self.is_leader:
+                    continue
+                await self._mark_lost_nodes()
+                tick_due = self.tick_s is not None and self.clock.now() - self._last_tick >= self.tick_s
+                if self.dirty.is_set() or tick_due:
+                    await asyncio.sleep(self.coalesce_s)  # let a burst land first
+                    trigger = self.trigger if self.dirty.is_set() else "tick"
+                    self.dirty.clear()
+                    self._last_tick = self.clock.now()
+                    await self.decide_once(trigger)
+                if self._since_snapshot >= self.snapshot_every:
+                    self._since_snapshot = 0
+                    await self.projection.save_snapshot()
+        finally:
+            await lease.release()
+            await self.projection.stop()
+
+
+def describe(decision: ev.SharesDecided) -> dict[str, Any]:
+    return {"epoch": decision.epoch, "shares": decision.shares, "trigger": decision.trigger}

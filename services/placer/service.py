@@ -1,0 +1,126 @@
+"""placer: turns share decisions into concrete GPUs.
+
+Consumes: the event log through a :class:`~shoal.projection.Projection`; acts on
+``SharesDecided`` and on node changes.
+
+Decides: :func:`shoal.allocation.place` (network-packed, min-migration placement,
+CoDDL §4.4) on :func:`shoal.cluster.topology_from_state` — the same functions the
+simulator calls.
+
+Publishes: ``PlacementDecided`` for the newest epoch only (an older epoch that is
+still waiting when a newer one arrives is skipped), appended with
+``Nats-Expected-Last-Subject-Sequence``; then one ``ReconfigurationRequested`` per job
+whose GPU set changed — the per-node commands. Node daemons act on the placement of
+the newest epoch for their node (level-triggered, so a missed message is repaired
+by the next one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import structlog
+
+from shoal import codec
+from shoal import events as ev
+from shoal.allocation import place
+from shoal.bus import Bus, ConcurrencyConflict
+from shoal.clock import Clock
+from shoal.cluster import topology_from_state
+from shoal.events import Envelope
+from shoal.projection import Projection
+from shoal.state import ClusterState
+
+log = structlog.get_logger("shoal.placer")
+
+
+class PlacerService:
+    def __init__(
+        self, bus: Bus, *, holder: str, clock: Clock, placer: str = "min-migration", lease_ttl_s: float = 3.0
+    ) -> None:
+        self.bus = bus
+        self.holder = holder
+        self.clock = clock
+        self.placer = placer
+        self.lease_ttl_s = lease_ttl_s
+        self.projection = Projection(bus, listeners=[self._on_event])
+        self.latest: ev.SharesDecided | None = None
+        self.placements_seq = 0
+        self.dirty = asyncio.Event()
+        self.is_leader = False
+
+    def _on_event(self, seq: int, env: Envelope, state: ClusterState) -> None:
+        e = env.event
+        if isinstance(e, ev.SharesDecided):
+            if self.latest is None or e.epoch > self.latest.epoch:
+                self.latest = e
+                self.dirty.set()
+        elif isinstance(e, ev.PlacementDecided):
+            self.placements_seq = seq
+        elif isinstance(e, ev.NodeLost | ev.NodeDrained | ev.NodeRegistered):
+            self.dirty.set()
+
+    async def place_once(self) -> ev.PlacementDecided | None:
+        shares = self.latest
+        state = self.projection.state
+        if shares is None or shares.epoch < state.placement_epoch:
+            return None
+        if shares.epoch == state.placement_epoch and not self._placement_broken(state):
+            return None
+        previous = {j: state.jobs[j].placement for j in state.placed}
+        decided, result = place(topology_from_state(state), shares, previous, placer=self.placer)
+        now = self.clock.now()
+        env = codec.wrap(decided, at=now)
+        try:
+            res = await self.bus.publish(env, expected_last_subject_seq=self.placements_seq)
+        except ConcurrencyConflict:
+            await self.projection.wait_for(await self.bus.last_seq())
+            return None
+        requests = [
+            codec.wrap(ev.ReconfigurationRequested(job_id=j, epoch=decided.epoch, gpus=gpus), at=now,
+                       causation_id=env.id)
+            for j, gpus in sorted(decided.placements.items())
+            if tuple(previous.get(j, ())) != gpus
+        ] + [
+            codec.wrap(ev.ReconfigurationRequested(job_id=j, epoch=decided.epoch, gpus=()), at=now,
+                       causation_id=env.id)
+            for j in sorted(previous.keys() - decided.placements.keys())
+            if j in state.jobs
+        ]
+        if requests:
+            await self.bus.publish_many(requests)
+        await self.projection.wait_for(res.seq)
+        if result.unplaced:
+            log.warning("unplaced", epoch=decided.epoch, unplaced=result.unplaced)
+        log.info("placement_decided", epoch=decided.epoch, jobs=len(decided.placements),
+                 migrations=decided.migrations, stream_seq=res.seq)
+        return decided
+
+    @staticmethod
+    def _placement_broken(state: ClusterState) -> bool:
+        """A placed GPU is on a node that is no longer up: re-place the same epoch."""
+        up = {n for n, node in state.nodes.items() if node.status == "up"}
+        return any(g.node_id not in up for j in state.placed for g in state.jobs[j].placement)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.projection.start()
+        await self.projection.wait_ready()
+        lease = await self.bus.lease("placer", self.holder, ttl_s=self.lease_ttl_s)
+        loop = asyncio.get_running_loop()
+        next_renew = 0.0
+        try:
+            while not stop.is_set():
+                if loop.time() >= next_renew:
+                    self.is_leader = await lease.try_acquire()
+                    next_renew = loop.time() + self.lease_ttl_s / 3
+                    if self.is_leader:
+                        self.dirty.set()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.dirty.wait(), max(0.0, next_renew - loop.time()))
+                if self.is_leader and self.dirty.is_set():
+                    self.dirty.clear()
+                    await self.place_once()
+        finally:
+            await lease.release()
+            await self.projection.stop()
