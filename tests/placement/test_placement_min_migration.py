@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
+from placement_strategies import scenario
 from shoal.events import GpuRef
 from shoal.placement import (
     NodeSlots,
@@ -155,7 +155,12 @@ def test_node_size_is_the_largest_usable_node() -> None:
 
 
 def test_a_job_whose_gpu_was_drained_keeps_the_rest() -> None:
-    topo = Topology(nodes=(NodeSlots(node_id="n0", gpu_indices=(0, 2, 3)), NodeSlots(node_id="n1", gpu_indices=(0, 1, 2, 3))))
+    topo = Topology(
+        nodes=(
+            NodeSlots(node_id="n0", gpu_indices=(0, 2, 3)),
+            NodeSlots(node_id="n1", gpu_indices=(0, 1, 2, 3)),
+        )
+    )
     p = place_min_migration(topo, {"a": 2}, {"a": gpus("n0", 0, 1)})
     assert p.migrations == 0
     assert GpuRef("n0", 0) in p.placements["a"]
@@ -194,27 +199,6 @@ def test_previous_gpus_on_a_node_of_the_wrong_type_count_as_a_move() -> None:
 
 
 # --- properties -------------------------------------------------------------------------
-
-
-@st.composite
-def scenario(draw: st.DrawFn) -> tuple[Topology, dict[str, int], dict[str, tuple[GpuRef, ...]], dict[str, str]]:
-    """A random, possibly heterogeneous and partly drained cluster with arbitrary shares
-    and an arbitrary (even overlapping or stale) previous placement."""
-    n_nodes = draw(st.integers(1, 6))
-    nodes = []
-    for o in range(n_nodes):
-        size = draw(st.sampled_from([1, 2, 4, 8]))
-        usable = draw(st.sets(st.integers(0, size - 1), max_size=size))
-        nodes.append(
-            NodeSlots(node_id=f"n{o}", gpu_indices=tuple(sorted(usable)), gpu_type=draw(st.sampled_from(["", "A", "B"])))
-        )
-    topo = Topology(nodes=tuple(nodes))
-    all_refs = [GpuRef(f"n{o}", i) for o in range(n_nodes) for i in range(8)] + [GpuRef("gone", 0)]
-    n_jobs = draw(st.integers(0, 8))
-    shares = {f"j{i}": draw(st.integers(0, 10)) for i in range(n_jobs)}
-    previous = {j: tuple(draw(st.lists(st.sampled_from(all_refs), max_size=6))) for j in shares if draw(st.booleans())}
-    types = {j: draw(st.sampled_from(["", "A", "B"])) for j in shares if draw(st.booleans())}
-    return topo, shares, previous, types
 
 
 @given(scenario(), st.booleans())
@@ -291,3 +275,20 @@ def test_regulated_churn_always_packs_and_keeps_what_fits(case, data: st.DataObj
     for job, v in new.items():
         if v:
             assert nodes_used(p.placements[job]) == -(-v // g)
+
+
+@given(scenario(), st.randoms(use_true_random=False))
+@settings(max_examples=200, deadline=None)
+def test_the_order_of_the_mappings_does_not_matter(case, rnd) -> None:  # type: ignore[no-untyped-def]
+    topo, shares, previous, types = case
+
+    def shuffled(d: dict) -> dict:  # type: ignore[type-arg]
+        items = list(d.items())
+        rnd.shuffle(items)
+        return dict(items)
+
+    a = place_min_migration(topo, shares, previous, types)
+    b = place_min_migration(topo, shuffled(shares), shuffled(previous), shuffled(types))
+    assert a.placements == b.placements
+    assert a.unplaced == b.unplaced
+    assert a.migrations == b.migrations

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
+from placement_strategies import scenario
 from shoal.placement import (
+    NodeSlots,
     Topology,
     check_placement,
     is_regulated,
     nodes_used,
     place_consolidated,
     place_min_migration,
+    regulate_for_topology,
     regulate_shares,
     regulated_floor,
     sub_node_sizes,
@@ -179,7 +181,9 @@ def _assert_network_packed(g: int, shares: dict[str, int], placements: dict) -> 
 
 @given(regulated_multiset())
 @settings(max_examples=300, deadline=None)
-def test_proposition_1_min_migration_packs_every_regulated_multiset(case: tuple[int, int, dict[str, int]]) -> None:
+def test_proposition_1_min_migration_packs_every_regulated_multiset(
+    case: tuple[int, int, dict[str, int]],
+) -> None:
     g, m, shares = case
     topo = Topology.homogeneous(m, g)
     p = place_min_migration(topo, shares, {}, allow_split=False)
@@ -190,7 +194,9 @@ def test_proposition_1_min_migration_packs_every_regulated_multiset(case: tuple[
 
 @given(regulated_multiset())
 @settings(max_examples=300, deadline=None)
-def test_proposition_1_consolidated_packs_every_regulated_multiset(case: tuple[int, int, dict[str, int]]) -> None:
+def test_proposition_1_consolidated_packs_every_regulated_multiset(
+    case: tuple[int, int, dict[str, int]],
+) -> None:
     g, m, shares = case
     topo = Topology.homogeneous(m, g)
     p = place_consolidated(topo, shares, {})
@@ -211,3 +217,80 @@ def test_regulate_then_place_end_to_end(case: tuple[int, int, dict[str, int]]) -
     assert p.unplaced == {}
     assert sum(len(v) for v in p.placements.values()) == g * m
     _assert_network_packed(g, positive, p.placements)
+
+
+# --- against a real topology ------------------------------------------------------------
+
+
+def test_regulate_for_topology_uses_the_usable_node_size() -> None:
+    # Each node has one GPU drained, so G = 3 and the sub-node sizes are just (1,): 4 -> 3
+    # and 2 -> 1; the 2 spare GPUs lift b from 1 to 3 (a whole node).
+    topo = Topology(
+        nodes=(NodeSlots(node_id="n0", gpu_indices=(0, 1, 2)), NodeSlots(node_id="n1", gpu_indices=(1, 2, 3)))
+    )
+    r = regulate_for_topology({"a": 4, "b": 2}, {}, topo)
+    assert r == {"a": 3, "b": 3}
+    p = place_min_migration(topo, r, {}, allow_split=False)
+    assert p.unplaced == {}
+
+
+def test_regulate_for_topology_shrinks_what_does_not_pack() -> None:
+    # Nodes of 4, 2 and 2 usable GPUs: two 4s fit the GPU count (8) but there is only one
+    # whole node, so the packing check steps the second 4 (by job id) down to 2.
+    topo = Topology(
+        nodes=(
+            NodeSlots(node_id="n0", gpu_indices=(0, 1, 2, 3)),
+            NodeSlots(node_id="n1", gpu_indices=(0, 1)),
+            NodeSlots(node_id="n2", gpu_indices=(2, 3)),
+        )
+    )
+    assert regulate_shares({"a": 4, "b": 4}, {}, 4, 8) == {"a": 4, "b": 4}
+    assert regulate_for_topology({"a": 4, "b": 4}, {}, topo) == {"a": 4, "b": 2}
+
+
+def test_regulate_for_topology_works_per_gpu_type() -> None:
+    topo = Topology(
+        nodes=(
+            *(NodeSlots(node_id=f"k{i}", gpu_indices=tuple(range(8)), gpu_type="K80") for i in range(2)),
+            *(NodeSlots(node_id=f"v{i}", gpu_indices=tuple(range(4)), gpu_type="V100") for i in range(2)),
+        )
+    )
+    types = {"k": "K80", "v": "V100"}
+    r = regulate_for_topology({"k": 12, "v": 6, "free": 3}, {}, topo, types)
+    # K80 nodes have 8 GPUs: 12 -> 8 (the 4 freed are less than a node). V100 nodes have 4:
+    # 6 -> 4. The untyped job is regulated against the largest node (8): 3 -> 2.
+    assert r == {"k": 8, "v": 4, "free": 2}
+
+
+@given(scenario(), st.data())
+@settings(max_examples=300, deadline=None)
+def test_regulate_for_topology_always_packs(case, data: st.DataObject) -> None:  # type: ignore[no-untyped-def]
+    topo, shares, _, types = case
+    feasible = {
+        j: tuple(data.draw(st.sets(st.integers(1, 12), min_size=1, max_size=6), label=j))
+        for j in shares
+        if data.draw(st.booleans(), label=f"{j} restricted")
+    }
+    r = regulate_for_topology(shares, feasible, topo, types)
+    assert set(r) == set(shares)
+    positive = {j: v for j, v in r.items() if v}
+    for job, v in positive.items():
+        assert shares[job] > 0
+        assert is_regulated(v, topo.gpus_per_node_of_type(types.get(job, "")))
+        if job in feasible:
+            assert v in feasible[job]
+    p = place_min_migration(topo, positive, {}, types, allow_split=False)
+    assert p.unplaced == {}
+    check_placement(topo, positive, p, types)
+
+
+def test_keep_unregulable_lets_a_rigid_job_run_unregulated() -> None:
+    shares = {"rigid": 3, "e": 4}
+    feasible = {"rigid": (3,)}
+    assert regulate_shares(shares, feasible, 4, 8) == {"rigid": 0, "e": 4}
+    r = regulate_shares(shares, feasible, 4, 8, keep_unregulable=True)
+    assert r == {"rigid": 3, "e": 4}
+    topo = Topology.homogeneous(2, 4)
+    p = place_min_migration(topo, r, {}, allow_split=False)
+    assert p.unplaced == {}
+    assert nodes_used(p.placements["rigid"]) == 1
