@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 from shoal import admission, codec
 from shoal import events as ev
 from shoal.bus import Bus, ConcurrencyConflict, Header, PublishRejected
+from shoal.clock import Clock, WallClock
 from shoal.ids import new_ulid
 from shoal.projection import Projection
 
@@ -40,8 +41,11 @@ COMMANDS = ("submit_job", "cancel_job", "set_tickets")
 class AdmissionService:
     """Wiring around :mod:`shoal.admission`."""
 
-    def __init__(self, bus: Bus, projection: Projection, limits: admission.Limits) -> None:
+    def __init__(
+        self, bus: Bus, projection: Projection, limits: admission.Limits, clock: Clock | None = None
+    ) -> None:
         self.bus = bus
+        self.clock = clock or WallClock()
         self.projection = projection
         self.limits = limits
         self._subs: list[Any] = []
@@ -101,7 +105,7 @@ class AdmissionService:
             return decision.reply()
         if decision.event is None:
             return ev.CommandAccepted(id=decision.id, duplicate=True)
-        env = codec.wrap(decision.event)
+        env = codec.wrap(decision.event, at=self.clock.now())
         try:
             expected = 0 if isinstance(decision.event, ev.JobSubmitted) else None
             result = await self.bus.publish(env, expected_last_subject_seq=expected)

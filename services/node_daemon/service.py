@@ -1,0 +1,204 @@
+"""node-daemon: one per machine; presents its GPUs and runs the sidecars placed on it.
+
+Consumes: the event log through a :class:`~shoal.projection.Projection`; acts on
+the placement of the newest epoch (``PlacementDecided``) and on job ends.
+
+Decides: nothing of policy; it reconciles. For every job with GPUs on this node
+at the newest placement it keeps one sidecar process and sends it a
+``Reconfigure(job, epoch, gpus)`` order when the job's GPU set changed; a job that
+left the node, finished or was cancelled has its sidecar stopped. Reconciliation is
+level-triggered: a missed message is repaired by the next one.
+
+Publishes: ``NodeRegistered`` at start, ``NodeHeartbeat`` every ``heartbeat_s``,
+``GpuHealth`` for each GPU every few heartbeats (NVML readings, or for emulated GPUs
+utilisation 1.0 while a job holds the GPU).
+
+Sidecars are supervised subprocesses: orders go to their stdin (closing it stops
+them), they die with the daemon (``PR_SET_PDEATHSIG``), and a sidecar that exits
+while its job still needs it is restarted and re-sent its order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import signal
+import sys
+from collections.abc import Callable, Sequence
+
+import structlog
+
+from shoal import codec
+from shoal import events as ev
+from shoal.bus import Bus
+from shoal.clock import Clock
+from shoal.events import Envelope, GpuRef
+from shoal.gpus import read_nvml
+from shoal.projection import Projection
+from shoal.state import FINISHED_STATUSES, ClusterState
+
+log = structlog.get_logger("shoal.node_daemon")
+
+SidecarArgv = Callable[[str], Sequence[str]]
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
+
+
+class Sidecar:
+    """A supervised sidecar process for one job on this node."""
+
+    def __init__(self, job_id: str, proc: asyncio.subprocess.Process) -> None:
+        self.job_id = job_id
+        self.proc = proc
+        self.epoch = 0
+        self.gpus: tuple[GpuRef, ...] = ()
+
+    async def send(self, order: ev.Reconfigure) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(codec.to_json(order) + b"\n")
+        await self.proc.stdin.drain()
+        self.epoch, self.gpus = order.epoch, order.gpus
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        if self.proc.returncode is not None:
+            return
+        with contextlib.suppress(Exception):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.terminate()
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            await self.proc.wait()
+
+
+class NodeDaemon:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        node_id: str,
+        gpus: tuple[ev.GpuInfo, ...],
+        *,
+        clock: Clock,
+        sidecar_argv: SidecarArgv,
+        emulated: bool = True,
+        heartbeat_s: float = 1.0,
+        health_every: int = 5,
+        hostname: str = "",
+    ) -> None:
+        self.bus = bus
+        self.node_id = node_id
+        self.gpus = gpus
+        self.clock = clock
+        self.sidecar_argv = sidecar_argv
+        self.emulated = emulated
+        self.heartbeat_s = heartbeat_s
+        self.health_every = health_every
+        self.hostname = hostname
+        self.projection = Projection(bus, listeners=[self._on_event])
+        self.sidecars: dict[str, Sidecar] = {}
+        self.dirty = asyncio.Event()
+
+    def _on_event(self, seq: int, env: Envelope, state: ClusterState) -> None:
+        if isinstance(
+            env.event, ev.PlacementDecided | ev.JobCompleted | ev.JobCancelled | ev.JobFailed | ev.NodeLost
+        ):
+            self.dirty.set()
+
+    async def _publish(self, event: ev.Event) -> None:
+        await self.bus.publish(codec.wrap(event, at=self.clock.now()))
+
+    def desired(self) -> dict[str, tuple[GpuRef, ...]]:
+        """job id -> the job's full GPU set, for jobs with GPUs on this node now."""
+        state = self.projection.state
+        out = {}
+        for job_id in state.placed:
+            job = state.jobs[job_id]
+            if job.status in FINISHED_STATUSES:
+                continue
+            if any(g.node_id == self.node_id for g in job.placement):
+                out[job_id] = tuple(job.placement)
+        return out
+
+    async def _spawn(self, job_id: str) -> Sidecar:
+        proc = await asyncio.create_subprocess_exec(
+            *self.sidecar_argv(job_id),
+            stdin=asyncio.subprocess.PIPE,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        log.info("sidecar_started", job_id=job_id, pid=proc.pid)
+        return Sidecar(job_id, proc)
+
+    async def reconcile(self) -> None:
+        state = self.projection.state
+        desired = self.desired()
+        for job_id in list(self.sidecars):
+            if job_id not in desired:
+                side = self.sidecars.pop(job_id)
+                await side.stop()
+                log.info("sidecar_stopped", job_id=job_id)
+        for job_id, gpus in desired.items():
+            side = self.sidecars.get(job_id)
+            if side is not None and side.proc.returncode is not None:
+                log.warning("sidecar_died", job_id=job_id, returncode=side.proc.returncode)
+                side = None
+            if side is None:
+                side = self.sidecars[job_id] = await self._spawn(job_id)
+            if side.gpus != gpus:
+                await side.send(ev.Reconfigure(job_id=job_id, epoch=state.placement_epoch, gpus=gpus))
+
+    async def _heartbeats(self, stop: asyncio.Event) -> None:
+        beat = 0
+        while not stop.is_set():
+            beat += 1
+            await self._publish(ev.NodeHeartbeat(node_id=self.node_id, seq=beat))
+            if beat % self.health_every == 1:
+                busy = {g.index for gpus in self.desired().values() for g in gpus if g.node_id == self.node_id}
+                healths = []
+                for gpu in self.gpus:
+                    reading = None if self.emulated else read_nvml(gpu.index)
+                    util, mem, temp = reading if reading else (1.0 if gpu.index in busy else 0.0, 0, 0.0)
+                    healths.append(
+                        codec.wrap(
+                            ev.GpuHealth(node_id=self.node_id, index=gpu.index, utilization=util,
+                                         memory_used_mb=mem, temperature_c=temp),
+                            at=self.clock.now(),
+                        )
+                    )
+                await self.bus.publish_many(healths)
+            # Sidecars that died get restarted at the next reconciliation.
+            if any(s.proc.returncode is not None for s in self.sidecars.values()):
+                self.dirty.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.heartbeat_s)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self._publish(
+            ev.NodeRegistered(node_id=self.node_id, gpus=self.gpus, hostname=self.hostname, emulated=self.emulated)
+        )
+        await self.projection.start()
+        await self.projection.wait_ready()
+        beats = asyncio.create_task(self._heartbeats(stop))
+        try:
+            self.dirty.set()
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.dirty.wait(), 0.5)
+                if self.dirty.is_set():
+                    self.dirty.clear()
+                    await self.reconcile()
+        finally:
+            beats.cancel()
+            await asyncio.gather(beats, return_exceptions=True)
+            await asyncio.gather(*(s.stop() for s in self.sidecars.values()), return_exceptions=True)
+            self.sidecars.clear()
+            await self.projection.stop()

@@ -1,0 +1,99 @@
+"""``python -m shoal_services.trainer_sidecar``: one sidecar process for one job on one node.
+
+The node daemon starts it and writes ``Reconfigure`` orders to its stdin, one JSON
+object per line. End of stdin means the node daemon is gone: the sidecar stops.
+A malformed order is reported on stderr and skipped; it never kills the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+import msgspec
+import structlog
+
+from shoal.bus import Bus
+from shoal.clock import make_clock
+from shoal.models import get_catalog
+from shoal.sim.costs import get_costs
+from shoal_services.trainer_sidecar.emulated import EmulatedTrainer, parse_order
+
+log = structlog.get_logger("shoal.sidecar")
+
+
+async def _read_orders(trainer: EmulatedTrainer, stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while True:
+        line = await reader.readline()
+        if not line:
+            stop.set()
+            return
+        if not line.strip():
+            continue
+        try:
+            order = parse_order(line)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.error("malformed_order", error=str(exc))
+            continue
+        if order.job_id != trainer.job_id:
+            log.error("order_for_another_job", job_id=order.job_id)
+            continue
+        await trainer.commands.put(order)
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    bus = await Bus.connect(args.nats_url, prefix=args.prefix, name=f"sidecar-{args.job}-{args.node}", declare=False)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    catalog = get_catalog(args.catalog) if args.catalog else None
+    trainer = EmulatedTrainer(
+        bus,
+        args.job,
+        args.node,
+        clock=make_clock(args.time_scale, args.clock_origin),
+        costs=get_costs(args.costs),
+        catalog=catalog,
+        report_every_s=args.report_every,
+    )
+    reader = asyncio.create_task(_read_orders(trainer, stop))
+    runner = asyncio.create_task(trainer.run(stop))
+    stopper = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if runner.done() and runner.exception():
+            raise runner.exception()  # type: ignore[misc]
+        # After completion keep holding the GPUs until the node daemon stops us.
+        await stop.wait()
+    finally:
+        for t in (reader, runner, stopper):
+            t.cancel()
+        await asyncio.gather(reader, runner, stopper, return_exceptions=True)
+        await bus.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="shoal-sidecar")
+    p.add_argument("--job", required=True)
+    p.add_argument("--node", required=True)
+    p.add_argument("--nats-url", required=True)
+    p.add_argument("--prefix", default="shoal")
+    p.add_argument("--emulate", action="store_true", default=True)
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--clock-origin", type=float, default=None)
+    p.add_argument("--costs", default="coddl")
+    p.add_argument("--catalog", default="afs")
+    p.add_argument("--report-every", type=float, default=0.25)
+    args = p.parse_args(argv)
+    return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

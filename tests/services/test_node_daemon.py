@@ -1,0 +1,84 @@
+"""node-daemon + emulated sidecars + allocator + placer: jobs run to completion on fake GPUs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest
+
+from shoal import codec
+from shoal import events as ev
+from shoal.bus import Bus
+from shoal.clock import ScaledClock
+from shoal.gpus import fake_gpus
+from shoal_services.allocator.service import AllocatorService
+from shoal_services.node_daemon.service import NodeDaemon
+from shoal_services.placer.service import PlacerService
+from tests.services.test_allocator_placer import GreedyRequested, events_of, wait_until
+
+pytestmark = pytest.mark.integration
+
+SCALE = 100.0
+
+
+def sidecar_argv(bus: Bus, nats_url: str, node_id: str, clock: ScaledClock):
+    def argv(job_id: str) -> list[str]:
+        return [
+            sys.executable, "-m", "shoal_services.trainer_sidecar",
+            "--job", job_id, "--node", node_id, "--nats-url", nats_url, "--prefix", bus.names.prefix,
+            "--time-scale", str(clock.scale), "--clock-origin", str(clock.origin),
+            "--costs", "coddl", "--catalog", "", "--report-every", "0.1",
+        ]
+    return argv
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+async def test_jobs_run_to_completion_on_emulated_gpus(bus: Bus, nats_url: str) -> None:
+    clock = ScaledClock(SCALE)
+    stop = asyncio.Event()
+    daemon = NodeDaemon(bus, "n0", fake_gpus(4), clock=clock,
+                        sidecar_argv=sidecar_argv(bus, nats_url, "n0", clock), heartbeat_s=0.2)
+    services = [
+        AllocatorService(bus, GreedyRequested(), holder="a", clock=clock, node_timeout_s=None),
+        PlacerService(bus, holder="p", clock=clock),
+        daemon,
+    ]
+    tasks = [asyncio.create_task(s.run(stop)) for s in services]
+    try:
+        await wait_until(lambda: "n0" in daemon.projection.state.nodes)
+        # 2 GPUs each, linear curve: 2 it/s -> 100 iterations take 50 virtual s = 0.5 wall s.
+        for j in ("a", "b", "c"):
+            spec = ev.JobSpec(user="u", min_gpus=1, max_gpus=4, requested_gpus=2, total_iterations=100)
+            await bus.publish(codec.wrap(ev.JobSubmitted(job_id=j, spec=spec), at=clock.now()))
+        state = daemon.projection.state
+        await wait_until(lambda: all(state.jobs[j].status == "completed" for j in "abc"), timeout=30)
+        pids = [s.proc.pid for s in daemon.sidecars.values()]
+        await wait_until(lambda: not daemon.sidecars, timeout=10)
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 20)
+    for pid in pids:
+        assert not _alive(pid)
+    completed = {e.job_id for e in await events_of(bus, ev.JobCompleted)}
+    assert completed == {"a", "b", "c"}
+    assert len(await events_of(bus, ev.JobCompleted)) == 3, "each job completes exactly once"
+    starts = await events_of(bus, ev.ReconfigurationStarted)
+    assert {s.job_id for s in starts if s.kind == "start"} == {"a", "b", "c"}
+    done = await events_of(bus, ev.ReconfigurationCompleted)
+    assert {d.job_id for d in done} >= {"a", "b", "c"}
+    # c waited for a or b: its JCT is about twice theirs (virtual seconds).
+    jct = {j: state.jobs[j].finished_at - state.jobs[j].submitted_at for j in "abc"}
+    assert 40 <= jct["a"] <= 80 and 40 <= jct["b"] <= 80
+    assert jct["c"] >= 90
+    heartbeats = await events_of(bus, ev.NodeHeartbeat)
+    assert len(heartbeats) >= 2
