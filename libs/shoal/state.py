@@ -301,9 +301,10 @@ def _shares_decided(state: ClusterState, e: ev.SharesDecided, at: float) -> None
         job.gpus = 0
         job.gpu_type = ""
     for job_id, gpus in e.shares.items():
-        job = jobs.get(job_id)
-        if job is None or job.status in FINISHED_STATUSES:
+        maybe = jobs.get(job_id)
+        if maybe is None or maybe.status in FINISHED_STATUSES:
             continue
+        job = maybe
         gpu_type = types.get(job_id, "")
         if gpus != job.gpus or gpu_type != job.gpu_type:
             _settle(job, at)

@@ -1,0 +1,138 @@
+"""The allocator's pure pipeline: policy → network packing → shares → placement.
+
+``decide → regulate → SharesDecided`` then ``place → PlacementDecided``, as plain
+functions over plain data. The simulator calls them in virtual time; the allocator and
+placer services call them on the live log. Neither side has its own copy.
+
+Choices:
+
+* Network packing (AFS/CoDDL §4.4, appendix E) runs only when the view has servers
+  (``gpus_per_node > 1``) and ``network_packing`` is on. The policy's shares are
+  regulated by :func:`shoal.placement.regulate_shares` with each job's feasible counts
+  (:func:`shoal.policies.base.feasible_counts`); a job may end at 0 (see that module).
+  Heterogeneous views are regulated per GPU type with that type's GPU count.
+* Every decision is checked with :func:`~shoal.policies.base.check_decision` before it
+  leaves the allocator (a policy bug raises, it is never published).
+* ``SharesDecided.shares`` lists only jobs with a positive share (absent = 0), sorted by
+  job id, so equal decisions encode to equal bytes.
+* Placement: ``min-migration`` (CoDDL §4.4) or ``consolidated`` (Optimus §5). A job
+  the placer could not place (``Placement.unplaced``) is absent from
+  ``PlacementDecided.placements`` and therefore runs on nothing at that epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from shoal.events import GpuRef, PlacementDecided, SharesDecided
+from shoal.policies.base import ClusterView, Decision, Policy, check_decision, feasible_counts
+
+if TYPE_CHECKING:
+    from shoal.placement import Placement, Topology
+
+PLACERS: tuple[str, ...] = ("min-migration", "consolidated")
+
+
+def pack_shares(view: ClusterView, decision: Decision) -> Decision:
+    """Regulate a decision's shares so they pack onto servers (AFS appendix E).
+
+    Args:
+        view: the view the decision was made on (gives feasible counts and node size).
+        decision: the policy's decision.
+
+    Returns:
+        A decision with regulated shares (same memory and GPU types); the input
+        unchanged when the view is a flat pool.
+    """
+    g = view.gpus_per_node
+    if g <= 1:
+        return decision
+    from shoal.placement import regulate_shares
+
+    feasible = {j.job_id: feasible_counts(j) for j in view.jobs}
+    if view.gpus_by_type and decision.gpu_types:
+        shares: dict[str, int] = {}
+        for gpu_type, count in sorted(view.gpus_by_type.items()):
+            part = {j: s for j, s in decision.shares.items() if decision.gpu_types.get(j, "") == gpu_type}
+            shares.update(regulate_shares(part, {j: feasible[j] for j in part}, g, count))
+        rest = {j: s for j, s in decision.shares.items() if j not in shares}
+        shares.update(rest)
+    else:
+        shares = regulate_shares(decision.shares, feasible, g, view.total_gpus)
+    return Decision(shares=shares, gpu_types=decision.gpu_types, memory=decision.memory)
+
+
+def decide_shares(
+    policy: Policy,
+    view: ClusterView,
+    memory: Mapping[str, Any],
+    *,
+    epoch: int,
+    trigger: str = "",
+    network_packing: bool = True,
+) -> SharesDecided:
+    """Run the policy once and return the fact to publish.
+
+    Args:
+        policy: the allocation policy.
+        view: the cluster view (see :func:`shoal.view.build_view`).
+        memory: the policy memory of the previous decision (``state.policy_memory``).
+        epoch: the new epoch (strictly greater than the last one).
+        trigger: what caused this decision (arrival, completion, tick …).
+        network_packing: regulate shares to server sizes when the view has servers.
+
+    Returns:
+        The ``SharesDecided`` event (positive shares only, sorted by job id).
+
+    Raises:
+        shoal.policies.base.DecisionError: the policy broke an invariant.
+    """
+    decision = policy.decide(view, memory)
+    check_decision(view, decision)
+    if network_packing:
+        decision = pack_shares(view, decision)
+        check_decision(view, decision)
+    shares = {j: s for j, s in sorted(decision.shares.items()) if s > 0}
+    gpu_types = {j: t for j, t in sorted(decision.gpu_types.items()) if j in shares and t}
+    return SharesDecided(
+        epoch=epoch,
+        shares=shares,
+        gpu_types=gpu_types,
+        policy=policy.name,
+        trigger=trigger,
+        policy_memory=dict(decision.memory),
+    )
+
+
+def place(
+    topology: Topology,
+    shares: SharesDecided,
+    previous: Mapping[str, tuple[GpuRef, ...]],
+    *,
+    placer: str = "min-migration",
+) -> tuple[PlacementDecided, Placement]:
+    """Place a shares decision on concrete GPUs.
+
+    Args:
+        topology: usable GPUs per node.
+        shares: the decision to place.
+        previous: job id -> GPUs each job holds now.
+        placer: one of :data:`PLACERS`.
+
+    Returns:
+        The ``PlacementDecided`` event (same epoch) and the placer's full result.
+
+    Raises:
+        ValueError: unknown placer.
+    """
+    from shoal.placement import place_consolidated, place_min_migration
+
+    if placer == "min-migration":
+        result = place_min_migration(topology, shares.shares, previous, shares.gpu_types or None)
+    elif placer == "consolidated":
+        result = place_consolidated(topology, shares.shares, previous, shares.gpu_types or None)
+    else:
+        raise ValueError(f"unknown placer {placer!r}; choose one of {', '.join(PLACERS)}")
+    placements = {j: tuple(g) for j, g in sorted(result.placements.items()) if g}
+    return PlacementDecided(epoch=shares.epoch, placements=placements, migrations=result.migrations), result
