@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from shoal.fairness.shares import (
     effective_tickets,
     fair_shares,
@@ -103,3 +102,12 @@ def test_water_filling_properties(users: dict[str, tuple[int, int]], capacity: i
         if shares[u] < demand[u] - 1e-9:
             for v in eligible:
                 assert shares[v] / tickets[v] <= shares[u] / tickets[u] + 1e-9
+
+
+def test_pinned_demand_counts_only_on_its_generation() -> None:
+    gpus = {"v100": 4, "k80": 8}
+    shares = fair_shares_newest_first(
+        {"a": 1, "b": 1}, {"a": 0, "b": 100}, gpus, ("v100", "k80"), pinned={"a": {"k80": 6}}
+    )
+    assert shares["a"] == pytest.approx({"v100": 0.0, "k80": 4.0})
+    assert shares["b"] == pytest.approx({"v100": 4.0, "k80": 4.0})

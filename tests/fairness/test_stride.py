@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from shoal.fairness.balance import job_tickets, tickets_per_gpu
 from shoal.fairness.stride import (
     StrideJob,
@@ -35,7 +34,9 @@ def percent_of_quanta(ran: dict[str, int], quanta: int) -> dict[str, float]:
 def test_table2_gang_aware_stride_is_exact_within_six_quanta() -> None:
     jobs = table2_jobs()
     share = percent_of_quanta(gpu_quanta_by_job(jobs, 4, 6), 6)
-    assert share == pytest.approx({"A1": 66.7, "A2": 66.7, "B1": 33.3, "B2": 33.3, "C1": 16.7, "C2": 16.7}, abs=0.05)
+    assert share == pytest.approx(
+        {"A1": 66.7, "A2": 66.7, "B1": 33.3, "B2": 33.3, "C1": 16.7, "C2": 16.7}, abs=0.05
+    )
     # Each user gets a third of the server: 1.33 GPUs.
     for user, size in (("A", 1), ("B", 2), ("C", 4)):
         gpu_quanta = sum(gpu_quanta_by_job(jobs, 4, 6)[f"{user}{k}"] * size for k in (1, 2))
@@ -44,7 +45,9 @@ def test_table2_gang_aware_stride_is_exact_within_six_quanta() -> None:
 
 def test_table2_stride_without_size_is_unfair() -> None:
     # stride ∝ 1/job_tickets (size left out): what REPRODUCTION.md warns about.
-    unnormalised = [StrideJob(job_id=j.job_id, size=j.size, job_tickets=j.job_tickets * j.size) for j in table2_jobs()]
+    unnormalised = [
+        StrideJob(job_id=j.job_id, size=j.size, job_tickets=j.job_tickets * j.size) for j in table2_jobs()
+    ]
     ran = gpu_quanta_by_job(unnormalised, 4, 6)
     gpu_quanta = {u: sum(ran[f"{u}{k}"] * s for k in (1, 2)) for u, s in (("A", 1), ("B", 2), ("C", 4))}
     # Users are no longer equal: the 4-GPU user gets far more than the 1-GPU user.
@@ -89,7 +92,10 @@ def test_new_job_starts_at_minimum_pass_and_zero_ticket_job_goes_last() -> None:
     assert new_job_pass([3.0, 1.5, math.inf]) == 1.5
     assert new_job_pass([]) == 0.0
     assert stride(2, 0.0) == math.inf
-    jobs = [StrideJob(job_id="free", size=1, job_tickets=0.0), StrideJob(job_id="paid", size=1, job_tickets=1.0)]
+    jobs = [
+        StrideJob(job_id="free", size=1, job_tickets=0.0),
+        StrideJob(job_id="paid", size=1, job_tickets=1.0),
+    ]
     res = gang_aware_stride(jobs, 1, {"free": 0.0, "paid": 100.0})
     assert res.scheduled == ("paid",)
     assert res.passes["free"] == 0.0

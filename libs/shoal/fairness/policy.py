@@ -1,0 +1,456 @@
+"""``GandivaFairPolicy``: Gandiva_fair behind the :class:`~shoal.policies.base.Policy` protocol.
+
+One call to :meth:`GandivaFairPolicy.decide` decides who runs in the current time
+quantum (§3.5: one/two minutes, default 60 s). Gandiva_fair time-slices whole
+gangs: a job runs with exactly its size or not at all. Each quantum:
+
+1. **Profiling** (§3.5): every job that ran since the last call and made progress
+   gives a per-GPU rate sample for (user, generation); see :mod:`.hetero`.
+2. **Entitlements** (§3.2, §3.4): per-generation fair shares by ticket-weighted
+   water-filling, newest generation first, pinned demand on its own generation
+   (:func:`.shares.fair_shares_newest_first`). Bonus shares are included.
+3. **Trading** (§3.4-3.5, heterogeneous clusters): on every call, trades no
+   longer affordable or beneficial are undone; at quantum starts one
+   second-price round runs (:mod:`.trader`).
+   Holdings = entitlements + trades. Users with a pinned job do not trade.
+4. **Generation** (Algorithm 2): jobs keep their generation while they fit the
+   user's holding there; new jobs and jobs pushed out by a trade or a shrunken
+   share are placed again (jobs follow traded GPUs); then at most one more job
+   per quantum moves between generations when that gains (§3.5 "Migration").
+5. **Placement** (§3.2-3.3): new (or moved) jobs go to the least ticket-loaded
+   node(s) of their generation, then at most one balance move and one packing
+   move per generation (:mod:`.balance`).
+6. **Split stride** (§3.1) per generation (:mod:`.split_stride`), with
+   ``tickets_per_gpu`` of a user on a generation = its holding there divided by
+   the GPUs its jobs there need (eq. (1) on effective, post-trade tickets), and
+   ``job_tickets`` by eq. (3).
+
+Choices where the paper or the interface leave room:
+
+- A job's size is ``requested_gpus`` when feasible, else the largest feasible
+  count not above it, else the smallest feasible count.
+- Users missing from ``ClusterView.user_tickets`` hold ``default_tickets`` (100,
+  as ``UserRegistered``).
+- Calls within one quantum (arrivals, completions) re-decide from the passes of
+  the quantum's start, so churn never charges a quantum twice; profiling, new
+  trades and migrations happen only at quantum starts (undoing trades does not
+  wait).
+- A homogeneous cluster is one generation named ``""`` and ``gpu_types`` stays
+  empty. ``gpus_per_node == 0`` makes each generation one node.
+- Large-cluster cost: placing *n* new jobs is O(n × nodes).
+
+``Decision.memory`` is plain msgpack-able data (str keys, floats, lists), so a
+replay reproduces every decision: ``placement`` (job -> nodes named
+``<generation>#<index>``, which also gives each job's generation), ``central``
+and ``local`` passes (and their ``base_*`` copies from the quantum's start),
+``profiles``, ``ran``/``ran_at`` (progress when last scheduled), ``trades``,
+``trade_seq`` and ``entitlements`` (per-user holdings after trades). It grows
+by about 55 bytes per job (4,000 jobs: about 220 KB of msgpack). Besides the state, it carries what happened in
+this decision for the caller to publish: ``trades_executed`` (fields of
+:class:`~shoal.events.TradeExecuted`), ``trades_undone`` (``trade_id``,
+``reason``) and ``migrations`` (``job_id``, ``source``, ``target``, ``reason``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from shoal.fairness.balance import Migration, packing_migrations, place_job, rebalance
+from shoal.fairness.hetero import (
+    best_generation_move,
+    choose_generation,
+    generation_order,
+    profiled_rate,
+    record_sample,
+)
+from shoal.fairness.shares import fair_shares_newest_first
+from shoal.fairness.split_stride import PlacedJob, split_stride_quantum
+from shoal.fairness.stride import STRIDE1
+from shoal.fairness.trader import Trade, holdings, trading_round, undo_trades
+from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
+
+MEMORY_VERSION = 1
+
+
+def gang_size(job: JobView) -> int:
+    """The GPUs a job runs with under Gandiva_fair (it is not resized)."""
+    counts = feasible_counts(job)
+    if not counts:
+        return 0
+    if job.requested_gpus in counts:
+        return job.requested_gpus
+    below = [c for c in counts if c <= job.requested_gpus]
+    return below[-1] if below else counts[0]
+
+
+def _node_gpus(gen: str, gpus: int, per_node: int) -> dict[str, int]:
+    per = per_node if per_node > 0 else gpus
+    nodes: dict[str, int] = {}
+    full, rest = divmod(gpus, per) if per > 0 else (0, 0)
+    for i in range(full):
+        nodes[f"{gen}#{i}"] = per
+    if rest:
+        nodes[f"{gen}#{full}"] = rest
+    return nodes
+
+
+def _generation_of(placement: Mapping[str, list[str]]) -> dict[str, str]:
+    """Job -> generation, read back from node names ``<generation>#<index>``."""
+    return {j: nodes[0].rsplit("#", 1)[0] for j, nodes in placement.items() if nodes}
+
+
+class GandivaFairPolicy:
+    """Gandiva_fair (EuroSys'20): tickets, split gang-aware stride, balancing, trading."""
+
+    name = "gandiva-fair"
+
+    def __init__(
+        self,
+        *,
+        quantum_s: float = 60.0,
+        stride1: float = STRIDE1,
+        default_tickets: float = 100.0,
+        trading: bool = True,
+        min_trade_gain: float = 0.1,
+        max_trades_per_pair: int | None = 1,
+        undo_tolerance: float = 0.05,
+        balance_threshold: float = 0.25,
+        generation_move_threshold: float = 0.05,
+        profile_window: int = 5,
+        generation_rank: Mapping[str, int] | None = None,
+        pack_on_placement: bool = False,
+    ) -> None:
+        """Configure the policy.
+
+        Args:
+            quantum_s: Length of a time quantum (§3.5).
+            stride1: Stride constant.
+            default_tickets: Tickets of users absent from ``user_tickets``.
+            trading: Enable GPU trading on heterogeneous clusters.
+            min_trade_gain: Least relative speedup gap for a trade (hysteresis).
+            max_trades_per_pair: Trades per generation pair per quantum.
+            undo_tolerance: Tolerated loss before a trade is undone.
+            balance_threshold: Relative ticket-load imbalance that triggers migration.
+            generation_move_threshold: Least relative gain to move a job across generations.
+            profile_window: Samples averaged per (user, generation) profile.
+            generation_rank: Generation name -> rank (newer is higher).
+            pack_on_placement: New small jobs avoid nodes whose idle risk they
+                would raise before looking at load (off: the paper's least-loaded rule).
+        """
+        self.quantum_s = quantum_s
+        self.stride1 = stride1
+        self.default_tickets = default_tickets
+        self.trading = trading
+        self.min_trade_gain = min_trade_gain
+        self.max_trades_per_pair = max_trades_per_pair
+        self.undo_tolerance = undo_tolerance
+        self.balance_threshold = balance_threshold
+        self.generation_move_threshold = generation_move_threshold
+        self.profile_window = profile_window
+        self.generation_rank = generation_rank
+        self.pack_on_placement = pack_on_placement
+
+    def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        """Decide which jobs run this quantum, on which generation.
+
+        Args:
+            view: The cluster.
+            memory: ``Decision.memory`` of the previous call (empty at first).
+
+        Returns:
+            Shares (each job's gang size or nothing), generations, and the new memory.
+        """
+        mem: dict[str, Any] = copy.deepcopy(dict(memory)) if memory.get("v") == MEMORY_VERSION else {}
+        now = view.now_s
+        new_quantum = "quantum_start" not in mem or now >= mem["quantum_start"] + self.quantum_s
+        if new_quantum:
+            mem["quantum_start"] = now
+            mem["base_central"] = mem.get("central", {})
+            mem["base_local"] = mem.get("local", {})
+        migrations: list[Migration] = []
+
+        gens = (
+            {g: n for g, n in view.gpus_by_type.items() if n > 0}
+            if view.gpus_by_type
+            else {"": view.total_gpus}
+        )
+        order = generation_order(gens, self.generation_rank)
+        jobs = {j.job_id: j for j in view.jobs if gang_size(j) > 0}
+        size = {jid: gang_size(j) for jid, j in jobs.items()}
+        by_user: dict[str, list[str]] = {}
+        for jid in sorted(jobs, key=lambda k: (-jobs[k].priority, jobs[k].arrival_s, k)):
+            by_user.setdefault(jobs[jid].user, []).append(jid)
+
+        # 1. Opportunistic profiling (§3.5).
+        profiles: dict[str, dict[str, list[float]]] = mem.get("profiles", {})
+        profiles = {u: p for u, p in profiles.items() if u in by_user}
+        if new_quantum:
+            t0 = float(mem.get("ran_at", now))
+            last_gen = _generation_of(mem.get("placement", {}))
+            for jid, it0 in sorted(mem.get("ran", {}).items()):
+                job = jobs.get(jid)
+                gen = last_gen.get(jid)
+                if job is None or gen is None or now <= t0 or job.iterations_done <= it0:
+                    continue
+                sample = (job.iterations_done - it0) / (now - t0) / size[jid]
+                per_user = profiles.setdefault(job.user, {})
+                per_user[gen] = record_sample(per_user.get(gen, []), sample, window=self.profile_window)
+        rates = {u: self._rates(u, by_user[u], jobs, size, profiles, gens) for u in by_user}
+
+        # 2. Entitlements: newest generation first, pinned demand on its generation.
+        cap = dict(gens)
+        flexible: dict[str, float] = {}
+        pinned: dict[str, dict[str, float]] = {}
+        for user, jids in by_user.items():
+            for jid in jids:
+                pin = jobs[jid].pinned_gpu_type
+                if pin is not None:
+                    if cap.get(pin, 0) >= size[jid]:
+                        pinned.setdefault(user, {})[pin] = pinned.get(user, {}).get(pin, 0.0) + size[jid]
+                elif any(n >= size[jid] for n in cap.values()):
+                    flexible[user] = flexible.get(user, 0.0) + size[jid]
+        tickets = {u: float(view.user_tickets.get(u, self.default_tickets)) for u in by_user}
+        entitled = fair_shares_newest_first(tickets, flexible, gens, order, pinned)
+
+        # 3. Trading on heterogeneous clusters (§3.4-3.5).
+        active = [Trade(**t) for t in mem.get("trades", [])]
+        executed: list[Trade] = []
+        undone_out: list[dict[str, str]] = []
+        if len(gens) > 1 and self.trading:
+            traders = {
+                u: r
+                for u, r in rates.items()
+                if u not in pinned and sum(1 for g in gens if r.get(g, 0.0) > 0) >= 2
+            }
+            # The undo check runs on every call (arrivals and departures, §3.5);
+            # new trades only at quantum starts.
+            active, undone = undo_trades(entitled, active, traders, undo_tolerance=self.undo_tolerance)
+            undone_out = [{"trade_id": u.trade_id, "reason": u.reason} for u in undone]
+            if new_quantum:
+                seq = int(mem.get("trade_seq", 0))
+                executed = trading_round(
+                    entitled,
+                    traders,
+                    order,
+                    active,
+                    demand={u: flexible.get(u, 0.0) for u in entitled},
+                    min_gain=self.min_trade_gain,
+                    max_trades_per_pair=self.max_trades_per_pair,
+                    first_id=seq,
+                )
+                mem["trade_seq"] = seq + len(executed)
+                active = active + executed
+        else:
+            undone_out = [{"trade_id": t.trade_id, "reason": "trading off"} for t in active]
+            active = []
+        held = holdings(entitled, active)
+        held = {u: {g: max(0.0, held.get(u, {}).get(g, 0.0)) for g in gens} for u in by_user}
+
+        # 4. Generation of each job (Algorithm 2) and one cross-generation move (§3.5).
+        gen_of: dict[str, str] = {}
+        old_gen = _generation_of(mem.get("placement", {}))
+        load: dict[str, dict[str, float]] = {u: {} for u in by_user}
+        for user, jids in by_user.items():
+            # Jobs stay where they are while they fit the user's holding there; the
+            # rest (new jobs, jobs whose holding shrank after a trade) are chosen
+            # again, so jobs follow traded GPUs (§3.5 "Trading").
+            rest: list[str] = []
+            for jid in jids:
+                job, prev = jobs[jid], old_gen.get(jid)
+                if job.pinned_gpu_type is not None:
+                    g = choose_generation(size[jid], order, {}, {}, pinned=job.pinned_gpu_type, capacity=cap)
+                elif prev in gens and load[user].get(prev, 0.0) + size[jid] <= held[user][prev] + 1e-9:
+                    g = prev
+                else:
+                    rest.append(jid)
+                    continue
+                if g is not None:
+                    gen_of[jid] = g
+                    load[user][g] = load[user].get(g, 0.0) + size[jid]
+            for jid in rest:
+                g = choose_generation(
+                    size[jid],
+                    order,
+                    held[user],
+                    load[user],
+                    rates[user] or None,
+                    capacity=cap,
+                    previous=old_gen.get(jid),
+                )
+                if g is not None:
+                    gen_of[jid] = g
+                    load[user][g] = load[user].get(g, 0.0) + size[jid]
+        if len(gens) > 1 and new_quantum:
+            movable: dict[str, dict[str, list[int]]] = {}
+            for jid, g in gen_of.items():
+                if jobs[jid].pinned_gpu_type is None:
+                    movable.setdefault(jobs[jid].user, {}).setdefault(g, []).append(size[jid])
+            move = best_generation_move(
+                {u: (held[u], load[u], rates[u] or None) for u in by_user},
+                movable,
+                order,
+                threshold=self.generation_move_threshold,
+            )
+            if move is not None and cap[move.target] >= move.size:
+                # The user's least urgent job of that size moves (latest in priority order).
+                jid = next(
+                    j
+                    for j in reversed(by_user[move.user])
+                    if gen_of.get(j) == move.source
+                    and size[j] == move.size
+                    and jobs[j].pinned_gpu_type is None
+                )
+                gen_of[jid] = move.target
+                load[move.user][move.source] -= move.size
+                load[move.user][move.target] = load[move.user].get(move.target, 0.0) + move.size
+                migrations.append(
+                    Migration(job_id=jid, source=move.source, target=move.target, reason="generation")
+                )
+
+        # 5-6. Placement, balance and split stride, per generation.
+        placement_mem: dict[str, list[str]] = mem.get("placement", {})
+        central_all: dict[str, dict[str, float]] = {}
+        local_all: dict[str, float] = {}
+        base_central: dict[str, dict[str, float]] = mem.get("base_central", {})
+        base_local: dict[str, float] = dict(mem.get("base_local", {}))
+        shares: dict[str, int] = {}
+        gpu_types: dict[str, str] = {}
+        new_placement: dict[str, list[str]] = {}
+        for gen in order:
+            node_gpus = _node_gpus(gen, gens[gen], view.gpus_per_node)
+            here = [j for j in gen_of if gen_of[j] == gen]
+            tpg = {
+                j: (
+                    held[jobs[j].user][gen] / load[jobs[j].user][gen]
+                    if load[jobs[j].user].get(gen, 0) > 0
+                    else 0.0
+                )
+                for j in here
+            }
+            placed: dict[str, tuple[str, ...]] = {}
+            fresh: list[str] = []
+            for j in here:
+                prev_nodes = placement_mem.get(j)
+                if (
+                    prev_nodes
+                    and all(n in node_gpus for n in prev_nodes)
+                    and sum(node_gpus[n] for n in prev_nodes) >= size[j]
+                ):
+                    placed[j] = tuple(prev_nodes)
+                else:
+                    fresh.append(j)
+            node_load = {n: 0.0 for n in node_gpus}
+            node_sizes: dict[str, list[int]] = {n: [] for n in node_gpus}
+            for j, nodes in placed.items():
+                self._add_load(node_load, node_gpus, nodes, size[j], tpg[j])
+                if len(nodes) == 1:
+                    node_sizes[nodes[0]].append(size[j])
+            for j in sorted(fresh, key=lambda k: (jobs[k].arrival_s, k)):
+                loads = {n: v / node_gpus[n] for n, v in node_load.items()}
+                nodes = place_job(size[j], node_gpus, loads, node_sizes if self.pack_on_placement else None)
+                if nodes:
+                    placed[j] = nodes
+                    self._add_load(node_load, node_gpus, nodes, size[j], tpg[j])
+                    if len(nodes) == 1:
+                        node_sizes[nodes[0]].append(size[j])
+                    base_local.pop(j, None)
+            if new_quantum:
+                sizes_here = {j: size[j] for j in placed}
+                moves = rebalance(
+                    node_gpus, placed, sizes_here, tpg, threshold=self.balance_threshold, max_migrations=1
+                )
+                for m in moves:
+                    placed[m.job_id] = (m.target,)
+                moves_pack = packing_migrations(
+                    node_gpus, placed, sizes_here, max_migrations=max(node_gpus.values(), default=1)
+                )
+                for m in moves_pack:
+                    placed[m.job_id] = (m.target,)
+                for m in moves + moves_pack:
+                    base_local.pop(m.job_id, None)
+                migrations.extend(moves + moves_pack)
+            result = split_stride_quantum(
+                node_gpus,
+                [
+                    PlacedJob(
+                        job_id=j,
+                        size=size[j],
+                        job_tickets=tpg[j] * size[j],
+                        servers=placed[j],
+                        arrival_s=jobs[j].arrival_s,
+                    )
+                    for j in sorted(placed)
+                ],
+                base_central.get(gen, {}),
+                base_local,
+                self.stride1,
+            )
+            central_all[gen] = result.central_passes
+            local_all.update(result.local_passes)
+            for j in result.scheduled:
+                shares[j] = size[j]
+                if view.gpus_by_type:
+                    gpu_types[j] = gen
+            new_placement.update({j: list(n) for j, n in placed.items()})
+
+        mem.update(
+            {
+                "v": MEMORY_VERSION,
+                "placement": new_placement,
+                "central": central_all,
+                "local": local_all,
+                "profiles": profiles,
+                "ran": {j: jobs[j].iterations_done for j in sorted(shares)},
+                "ran_at": now,
+                "trades": [msgspec.structs.asdict(t) for t in active],
+                "trades_executed": [msgspec.structs.asdict(t) for t in executed],
+                "trades_undone": undone_out,
+                "migrations": [msgspec.structs.asdict(m) for m in migrations],
+                "entitlements": held,
+            }
+        )
+        return Decision(shares=shares, gpu_types=gpu_types, memory=mem)
+
+    @staticmethod
+    def _add_load(
+        node_load: dict[str, float],
+        node_gpus: Mapping[str, int],
+        nodes: tuple[str, ...],
+        size: int,
+        tpg: float,
+    ) -> None:
+        rest = size
+        for n in nodes:
+            take = min(node_gpus[n], rest)
+            node_load[n] += take * tpg
+            rest -= take
+
+    @staticmethod
+    def _rates(
+        user: str,
+        jids: list[str],
+        jobs: Mapping[str, JobView],
+        size: Mapping[str, int],
+        profiles: Mapping[str, Mapping[str, list[float]]],
+        gens: Mapping[str, int],
+    ) -> dict[str, float]:
+        """Per-GPU rate of the user's jobs on each generation: profile, else declared curves."""
+        out: dict[str, float] = {}
+        for g in gens:
+            r = profiled_rate(profiles.get(user, {}).get(g, []))
+            if r is None:
+                declared = [
+                    jobs[j].throughput_by_type[g][size[j]] / size[j]
+                    for j in jids
+                    if g in jobs[j].throughput_by_type
+                    and len(jobs[j].throughput_by_type[g]) > size[j]
+                    and jobs[j].throughput_by_type[g][size[j]] > 0
+                ]
+                r = sum(declared) / len(declared) if declared else None
+            if r is not None:
+                out[g] = r
+        return out
