@@ -38,7 +38,6 @@ from pathlib import Path
 import msgspec
 import nats
 from nats.js import api
-
 from shoal import codec
 from shoal import events as ev
 from shoal import state as st
@@ -219,7 +218,9 @@ async def raw_ordered(bus: Bus, n: int) -> int:
         if count >= n:
             done.set()
 
-    sub = await bus.js.subscribe(f"{bus.names.prefix}.>", stream=bus.names.events_stream, cb=cb, ordered_consumer=True)
+    sub = await bus.js.subscribe(
+        f"{bus.names.prefix}.>", stream=bus.names.events_stream, cb=cb, ordered_consumer=True
+    )
     await asyncio.wait_for(done.wait(), 600)
     await sub.unsubscribe()
     return count
@@ -282,7 +283,7 @@ async def cold_start(bus: Bus, tail: int = 1000) -> tuple[float, int]:
     """Seconds to load the snapshot and fold the last ``tail`` events; and the snapshot's size."""
     last = await bus.last_seq()
     snap_seq = last - tail
-    state, got = await fold_log(bus, st.ClusterState(), st.apply, start_seq=1)
+    state, _got = await fold_log(bus, st.ClusterState(), st.apply, start_seq=1)
     # Build the snapshot as of ``snap_seq`` (fold the prefix only).
     prefix_state = st.ClusterState()
     async for batch in bus.replay_batches(start_seq=1):
@@ -349,7 +350,9 @@ async def main_async(args: argparse.Namespace) -> str:
     raw_replay = {k: v for k, v in rep.items() if k.startswith("raw")}
     best_raw_name = max(raw_replay, key=raw_replay.__getitem__)
     bus_replay = rep["Bus replay: fetch + decode + fold (fold_log)"]
-    nats_version = subprocess.run([find_nats_server(), "--version"], capture_output=True, text=True).stdout.strip()
+    nats_version = subprocess.run(
+        [find_nats_server(), "--version"], capture_output=True, text=True
+    ).stdout.strip()
     cmd = "python benchmarks/bench_bus.py" + (" --quick" if args.quick else "")
 
     def verdict(ok: bool) -> str:
@@ -411,7 +414,9 @@ async def main_async(args: argparse.Namespace) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--events", type=int, default=1_000_000, help="events in the replayed log")
     parser.add_argument("--publish-events", type=int, default=100_000)
     parser.add_argument("--runs", type=int, default=3)

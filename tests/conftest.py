@@ -12,7 +12,6 @@ import os
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-
 from shoal.bus import Bus
 from shoal.nats_server import EmbeddedNats
 

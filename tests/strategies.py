@@ -8,7 +8,6 @@ that do not, which the fold must tolerate).
 from __future__ import annotations
 
 from hypothesis import strategies as hs
-
 from shoal import codec
 from shoal import events as ev
 from shoal.events import Envelope

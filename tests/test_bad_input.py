@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 import msgspec
 import pytest
 from nats.aio.msg import Msg
-
 from shoal import codec
 from shoal import events as ev
 from shoal import state as st
@@ -98,7 +97,7 @@ async def after_bad_input_consumer_keeps_going(bus: Bus, consumer: FoldingConsum
 async def test_garbage_bytes_are_dead_lettered(bus: Bus, consumer: FoldingConsumer) -> None:
     before = st.digest(consumer.state)
     await bus.publish_raw(f"{bus.names.prefix}.job.j1.submitted", b"\x00\xffnot msgpack at all\xc1")
-    (headers, data), = await wait_dead_letters(bus, 1)
+    ((headers, data),) = await wait_dead_letters(bus, 1)
     assert headers[Header.DLQ_CODE] == "malformed"
     assert "msgpack" in headers[Header.DLQ_REASON] or "envelope" in headers[Header.DLQ_REASON]
     assert headers[Header.DLQ_SUBJECT] == f"{bus.names.prefix}.job.j1.submitted"
@@ -106,7 +105,9 @@ async def test_garbage_bytes_are_dead_lettered(bus: Bus, consumer: FoldingConsum
     await after_bad_input_consumer_keeps_going(bus, consumer, before)
 
 
-async def test_valid_envelope_with_invalid_payload_is_dead_lettered(bus: Bus, consumer: FoldingConsumer) -> None:
+async def test_valid_envelope_with_invalid_payload_is_dead_lettered(
+    bus: Bus, consumer: FoldingConsumer
+) -> None:
     before = st.digest(consumer.state)
     bad = msgspec.msgpack.encode(
         {
@@ -117,7 +118,7 @@ async def test_valid_envelope_with_invalid_payload_is_dead_lettered(bus: Bus, co
         }
     )
     await bus.publish_raw(f"{bus.names.prefix}.job.j1.submitted", bad)
-    (headers, _), = await wait_dead_letters(bus, 1)
+    ((headers, _),) = await wait_dead_letters(bus, 1)
     assert headers[Header.DLQ_CODE] == "malformed"
     assert "invalid job.submitted payload" in headers[Header.DLQ_REASON]
     assert "$.event.spec.min_gpus" in headers[Header.DLQ_REASON]
@@ -127,7 +128,13 @@ async def test_valid_envelope_with_invalid_payload_is_dead_lettered(bus: Bus, co
 async def test_unknown_event_type_is_skipped_and_counted(bus: Bus, consumer: FoldingConsumer) -> None:
     before = st.digest(consumer.state)
     future = msgspec.msgpack.encode(
-        {"id": "01NEW", "type": "job.teleported", "v": 7, "at": 1.0, "event": {"type": "job.teleported", "to": "mars"}}
+        {
+            "id": "01NEW",
+            "type": "job.teleported",
+            "v": 7,
+            "at": 1.0,
+            "event": {"type": "job.teleported", "to": "mars"},
+        }
     )
     await bus.publish_raw(f"{bus.names.prefix}.job.j1.teleported", future)
     await after_bad_input_consumer_keeps_going(bus, consumer, before)

@@ -6,7 +6,6 @@ import asyncio
 import datetime as dt
 
 import pytest
-
 from shoal import codec
 from shoal import events as ev
 from shoal import state as st
@@ -21,7 +20,7 @@ def submitted(i: int, user: str = "alice") -> ev.JobSubmitted:
 
 
 async def test_connect_to_nothing_is_a_clear_error() -> None:
-    with pytest.raises(NoServerError, match="no NATS server reachable at nats://127.0.0.1:1"):
+    with pytest.raises(NoServerError, match=r"no NATS server reachable at nats://127.0.0.1:1"):
         await Bus.connect("nats://127.0.0.1:1", connect_timeout_s=0.2, initial_connect_timeout_s=1.0)
 
 

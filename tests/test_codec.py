@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 from hypothesis import given
-
 from shoal import codec
 from shoal import events as ev
+
 from tests.strategies import events
 
 
@@ -30,7 +30,10 @@ def test_every_event_type_has_a_unique_tag_and_is_in_the_union() -> None:
     [
         (ev.JobSubmitted(job_id="j1", spec=ev.JobSpec(user="u")), "shoal.job.j1.submitted"),
         (ev.ReconfigurationCompleted(job_id="j1", epoch=3, world_size=2), "shoal.job.j1.reconf.completed"),
-        (ev.ThroughputModelUpdated(job_id="j1", gpu_type="V100"), "shoal.job.j1.profile.throughput_model_updated"),
+        (
+            ev.ThroughputModelUpdated(job_id="j1", gpu_type="V100"),
+            "shoal.job.j1.profile.throughput_model_updated",
+        ),
         (ev.NodeLost(node_id="n7"), "shoal.node.n7.lost"),
         (ev.TicketsSet(user="bob", tickets=5), "shoal.user.bob.tickets_set"),
         (ev.SharesDecided(epoch=1, shares={}), "shoal.alloc.shares_decided"),
@@ -49,13 +52,19 @@ def test_garbage_is_malformed() -> None:
 
 
 def test_unknown_type_is_told_apart_from_invalid_payload() -> None:
-    unknown = msgspec.msgpack.encode({"id": "x", "type": "job.new_thing", "at": 1.0, "event": {"type": "job.new_thing"}})
+    unknown = msgspec.msgpack.encode(
+        {"id": "x", "type": "job.new_thing", "at": 1.0, "event": {"type": "job.new_thing"}}
+    )
     with pytest.raises(codec.UnknownEventType) as info:
         codec.decode(unknown)
     assert info.value.type == "job.new_thing"
     invalid = msgspec.msgpack.encode(
-        {"id": "x", "type": "job.submitted", "at": 1.0, "event": {"type": "job.submitted", "job_id": "has.dot",
-                                                                  "spec": {"user": "u"}}}
+        {
+            "id": "x",
+            "type": "job.submitted",
+            "at": 1.0,
+            "event": {"type": "job.submitted", "job_id": "has.dot", "spec": {"user": "u"}},
+        }
     )
     with pytest.raises(codec.MalformedMessage, match=r"\$.event.job_id"):
         codec.decode(invalid)
@@ -68,7 +77,8 @@ def test_oversized_is_refused_before_decoding() -> None:
 
 def test_commands_decode_from_json_for_language_neutral_clients() -> None:
     cmd = codec.decode_command(
-        b'{"type":"cmd.submit_job","job_id":"abc","spec":{"user":"alice","min_gpus":1,"max_gpus":4}}', json=True
+        b'{"type":"cmd.submit_job","job_id":"abc","spec":{"user":"alice","min_gpus":1,"max_gpus":4}}',
+        json=True,
     )
     assert isinstance(cmd, ev.SubmitJob) and cmd.spec.max_gpus == 4
     with pytest.raises(codec.MalformedMessage, match="min_gpus"):

@@ -7,11 +7,11 @@ import asyncio
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
-
 from shoal import codec
 from shoal import events as ev
 from shoal import state as st
 from shoal.bus import Bus, fold_log
+
 from tests.strategies import histories
 
 

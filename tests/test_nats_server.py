@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from shoal.nats_server import EmbeddedNats, NatsServerError, find_nats_server
 
 pytestmark = pytest.mark.integration
@@ -79,5 +78,5 @@ def test_a_crashed_parent_leaves_no_orphan_server(tmp_path: Path) -> None:
 
 
 def test_a_bad_config_is_a_clear_error() -> None:
-    with pytest.raises(NatsServerError, match="exited|did not start"):
+    with pytest.raises(NatsServerError, match=r"exited|did not start"):
         EmbeddedNats(max_payload=-5, server_name='bad"name').start(timeout_s=5)

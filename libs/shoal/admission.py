@@ -119,7 +119,9 @@ def decide_submit(state: ClusterState, cmd: ev.SubmitJob, job_id: str, limits: L
     user = state.users.get(spec.user)
     if limits.enforce_users and (user is None or not user.registered):
         return Rejected("unknown_user", f"user {spec.user!r} is not registered")
-    max_jobs = (user.max_active_jobs if user and user.max_active_jobs else 0) or limits.max_active_jobs_per_user
+    max_jobs = (
+        user.max_active_jobs if user and user.max_active_jobs else 0
+    ) or limits.max_active_jobs_per_user
     max_gpus = (user.max_gpus if user and user.max_gpus else 0) or limits.max_gpus_per_user
     if max_jobs or max_gpus:
         active = [
@@ -127,7 +129,8 @@ def decide_submit(state: ClusterState, cmd: ev.SubmitJob, job_id: str, limits: L
         ]
         if max_jobs and len(active) >= max_jobs:
             return Rejected(
-                "limit_exceeded", f"user {spec.user!r} already has {len(active)} active jobs (limit {max_jobs})"
+                "limit_exceeded",
+                f"user {spec.user!r} already has {len(active)} active jobs (limit {max_jobs})",
             )
         used = sum(j.spec.min_gpus for j in active)
         if max_gpus and used + spec.min_gpus > max_gpus:

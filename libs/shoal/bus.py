@@ -442,7 +442,9 @@ class Bus:
             return PublishRejected("no stream captured the subject", subject=subject, event_id=event_id)
         return PublishResult(ack.stream, ack.seq, ack.duplicate)
 
-    async def publish_raw(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> PublishResult:
+    async def publish_raw(
+        self, subject: str, data: bytes, headers: dict[str, str] | None = None
+    ) -> PublishResult:
         """Publish bytes as they are (tests and fault injection; no envelope checks)."""
         try:
             ack = await self.js.publish(subject, data, headers=headers)

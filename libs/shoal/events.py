@@ -108,7 +108,7 @@ def _tag(cls: type[Event]) -> str:
 # --- users and tickets -------------------------------------------------------
 
 
-class UserRegistered(Event, tag="user.registered"):
+class UserRegistered(Event, frozen=True, tag="user.registered"):
     aggregate: ClassVar[str] = "user"
     key_field: ClassVar[str | None] = "user"
     user: UserName
@@ -119,7 +119,7 @@ class UserRegistered(Event, tag="user.registered"):
     """0 means no limit."""
 
 
-class TicketsSet(Event, tag="user.tickets_set"):
+class TicketsSet(Event, frozen=True, tag="user.tickets_set"):
     aggregate: ClassVar[str] = "user"
     key_field: ClassVar[str | None] = "user"
     user: UserName
@@ -129,14 +129,14 @@ class TicketsSet(Event, tag="user.tickets_set"):
 # --- job lifecycle ------------------------------------------------------------
 
 
-class JobSubmitted(Event, tag="job.submitted"):
+class JobSubmitted(Event, frozen=True, tag="job.submitted"):
     aggregate: ClassVar[str] = "job"
     key_field: ClassVar[str | None] = "job_id"
     job_id: Id
     spec: JobSpec
 
 
-class JobRejected(Event, tag="job.rejected"):
+class JobRejected(Event, frozen=True, tag="job.rejected"):
     aggregate: ClassVar[str] = "job"
     key_field: ClassVar[str | None] = "job_id"
     job_id: Id
@@ -144,14 +144,14 @@ class JobRejected(Event, tag="job.rejected"):
     reason: ShortText
 
 
-class JobStarted(Event, tag="job.started"):
+class JobStarted(Event, frozen=True, tag="job.started"):
     aggregate: ClassVar[str] = "job"
     key_field: ClassVar[str | None] = "job_id"
     job_id: Id
     epoch: Epoch = 0
 
 
-class ProgressReported(Event, tag="job.progress"):
+class ProgressReported(Event, frozen=True, tag="job.progress"):
     aggregate: ClassVar[str] = "job"
     key_field: ClassVar[str | None] = "job_id"
     job_id: Id
@@ -167,21 +167,21 @@ class ProgressReported(Event, tag="job.progress"):
     data_epoch: NonNegInt = 0
 
 
-class JobCompleted(Event, tag="job.completed"):
+class JobCompleted(Event, frozen=True, tag="job.completed"):
     aggregate: ClassVar[str] = "job"
     key_field: ClassVar[str | None] = "job_id"
     job_id: Id
     iterations: NonNegInt = 0
 
 
-class JobFailed(Event, tag="job.failed"):
+class JobFailed(Event, frozen=True, tag="job.failed"):
     aggregate: ClassVar[str] = "job"
     key_field: ClassVar[str | None] = "job_id"
     job_id: Id
     reason: ShortText
 
 
-class JobCancelled(Event, tag="job.cancelled"):
+class JobCancelled(Event, frozen=True, tag="job.cancelled"):
     aggregate: ClassVar[str] = "job"
     key_field: ClassVar[str | None] = "job_id"
     job_id: Id
@@ -191,7 +191,7 @@ class JobCancelled(Event, tag="job.cancelled"):
 # --- nodes and GPUs -----------------------------------------------------------
 
 
-class NodeRegistered(Event, tag="node.registered"):
+class NodeRegistered(Event, frozen=True, tag="node.registered"):
     aggregate: ClassVar[str] = "node"
     key_field: ClassVar[str | None] = "node_id"
     node_id: Id
@@ -200,14 +200,14 @@ class NodeRegistered(Event, tag="node.registered"):
     emulated: bool = False
 
 
-class NodeHeartbeat(Event, tag="node.heartbeat"):
+class NodeHeartbeat(Event, frozen=True, tag="node.heartbeat"):
     aggregate: ClassVar[str] = "node"
     key_field: ClassVar[str | None] = "node_id"
     node_id: Id
     seq: NonNegInt = 0
 
 
-class GpuHealth(Event, tag="node.gpu_health"):
+class GpuHealth(Event, frozen=True, tag="node.gpu_health"):
     aggregate: ClassVar[str] = "node"
     key_field: ClassVar[str | None] = "node_id"
     node_id: Id
@@ -218,14 +218,14 @@ class GpuHealth(Event, tag="node.gpu_health"):
     temperature_c: float = 0.0
 
 
-class NodeLost(Event, tag="node.lost"):
+class NodeLost(Event, frozen=True, tag="node.lost"):
     aggregate: ClassVar[str] = "node"
     key_field: ClassVar[str | None] = "node_id"
     node_id: Id
     reason: ShortText = ""
 
 
-class NodeDrained(Event, tag="node.drained"):
+class NodeDrained(Event, frozen=True, tag="node.drained"):
     aggregate: ClassVar[str] = "node"
     key_field: ClassVar[str | None] = "node_id"
     node_id: Id
@@ -235,7 +235,7 @@ class NodeDrained(Event, tag="node.drained"):
 # --- allocation -----------------------------------------------------------------
 
 
-class SharesDecided(Event, tag="alloc.shares_decided"):
+class SharesDecided(Event, frozen=True, tag="alloc.shares_decided"):
     """The allocator's decision: GPUs per job at ``epoch`` (strictly increasing)."""
 
     aggregate: ClassVar[str] = "alloc"
@@ -252,18 +252,21 @@ class SharesDecided(Event, tag="alloc.shares_decided"):
     replayed allocator decides exactly what the live one did."""
 
 
-class PlacementDecided(Event, tag="alloc.placement_decided"):
+class PlacementDecided(Event, frozen=True, tag="alloc.placement_decided"):
     aggregate: ClassVar[str] = "alloc"
     epoch: Epoch
     placements: dict[str, tuple[GpuRef, ...]]
     """job id -> the concrete GPUs it runs on."""
     migrations: NonNegInt = 0
+    decided_at: float = 0.0
+    """Occurred-at of the ``SharesDecided`` this placement realises: the instant the
+    new shares take effect (0 = unknown)."""
 
 
 # --- reconfiguration --------------------------------------------------------------
 
 
-class ReconfigurationRequested(Event, tag="reconf.requested"):
+class ReconfigurationRequested(Event, frozen=True, tag="reconf.requested"):
     aggregate: ClassVar[str] = "job"
     key_field: ClassVar[str | None] = "job_id"
     job_id: Id
@@ -271,7 +274,7 @@ class ReconfigurationRequested(Event, tag="reconf.requested"):
     gpus: tuple[GpuRef, ...]
 
 
-class ReconfigurationStarted(Event, tag="reconf.started"):
+class ReconfigurationStarted(Event, frozen=True, tag="reconf.started"):
     aggregate: ClassVar[str] = "job"
     key_field: ClassVar[str | None] = "job_id"
     job_id: Id
@@ -282,7 +285,7 @@ class ReconfigurationStarted(Event, tag="reconf.started"):
     to_world: NonNegInt = 0
 
 
-class ReconfigurationPhase(Event, tag="reconf.phase"):
+class ReconfigurationPhase(Event, frozen=True, tag="reconf.phase"):
     aggregate: ClassVar[str] = "job"
     key_field: ClassVar[str | None] = "job_id"
     job_id: Id
@@ -291,7 +294,7 @@ class ReconfigurationPhase(Event, tag="reconf.phase"):
     duration_s: NonNegFloat = 0.0
 
 
-class ReconfigurationCompleted(Event, tag="reconf.completed"):
+class ReconfigurationCompleted(Event, frozen=True, tag="reconf.completed"):
     aggregate: ClassVar[str] = "job"
     key_field: ClassVar[str | None] = "job_id"
     job_id: Id
@@ -303,7 +306,7 @@ class ReconfigurationCompleted(Event, tag="reconf.completed"):
     duration_s: NonNegFloat = 0.0
 
 
-class ReconfigurationCancelled(Event, tag="reconf.cancelled"):
+class ReconfigurationCancelled(Event, frozen=True, tag="reconf.cancelled"):
     aggregate: ClassVar[str] = "job"
     key_field: ClassVar[str | None] = "job_id"
     job_id: Id
@@ -312,7 +315,7 @@ class ReconfigurationCancelled(Event, tag="reconf.cancelled"):
     reason: ShortText = ""
 
 
-class ReconfigurationFailed(Event, tag="reconf.failed"):
+class ReconfigurationFailed(Event, frozen=True, tag="reconf.failed"):
     aggregate: ClassVar[str] = "job"
     key_field: ClassVar[str | None] = "job_id"
     job_id: Id
@@ -323,7 +326,7 @@ class ReconfigurationFailed(Event, tag="reconf.failed"):
 # --- profiling ------------------------------------------------------------------------
 
 
-class ThroughputModelUpdated(Event, tag="profile.throughput_model_updated"):
+class ThroughputModelUpdated(Event, frozen=True, tag="profile.throughput_model_updated"):
     """A fitted speed function for one job on one GPU generation.
 
     ``params`` are the model's coefficients (for ``optimus-allreduce``: θ0..θ3 of
@@ -343,7 +346,7 @@ class ThroughputModelUpdated(Event, tag="profile.throughput_model_updated"):
     """True while the value is AFS §4.5's optimistic first guess, before measurement."""
 
 
-class ConvergenceEstimated(Event, tag="profile.convergence_estimated"):
+class ConvergenceEstimated(Event, frozen=True, tag="profile.convergence_estimated"):
     """Optimus §3.1 fit l = 1/(β0·k+β1)+β2 and the iterations it predicts."""
 
     aggregate: ClassVar[str] = "job"
@@ -359,7 +362,7 @@ class ConvergenceEstimated(Event, tag="profile.convergence_estimated"):
 # --- trading -------------------------------------------------------------------------
 
 
-class TradeExecuted(Event, tag="trade.executed"):
+class TradeExecuted(Event, frozen=True, tag="trade.executed"):
     """Gandiva_fair §3.4: ``buyer`` gets ``fast_gpus`` of ``fast_type`` from ``seller``
     and pays ``slow_gpus`` of ``slow_type``; ``price`` is slow GPUs per fast GPU."""
 
@@ -374,7 +377,7 @@ class TradeExecuted(Event, tag="trade.executed"):
     price: NonNegFloat
 
 
-class TradeUndone(Event, tag="trade.undone"):
+class TradeUndone(Event, frozen=True, tag="trade.undone"):
     aggregate: ClassVar[str] = "trade"
     trade_id: Id
     reason: ShortText = ""
@@ -452,26 +455,26 @@ class Command(Struct, frozen=True, kw_only=True, tag_field="type"):
     name: ClassVar[str] = ""
 
 
-class SubmitJob(Command, tag="cmd.submit_job"):
+class SubmitJob(Command, frozen=True, tag="cmd.submit_job"):
     name: ClassVar[str] = "submit_job"
     spec: JobSpec
     job_id: Id | None = None
     """Client-supplied id; makes submission idempotent."""
 
 
-class CancelJob(Command, tag="cmd.cancel_job"):
+class CancelJob(Command, frozen=True, tag="cmd.cancel_job"):
     name: ClassVar[str] = "cancel_job"
     job_id: Id
     reason: ShortText = ""
 
 
-class SetTickets(Command, tag="cmd.set_tickets"):
+class SetTickets(Command, frozen=True, tag="cmd.set_tickets"):
     name: ClassVar[str] = "set_tickets"
     user: UserName
     tickets: Annotated[int, Meta(ge=0)]
 
 
-class Reconfigure(Command, tag="cmd.reconfigure"):
+class Reconfigure(Command, frozen=True, tag="cmd.reconfigure"):
     """Node-daemon -> sidecar: run ``job_id`` on ``gpus`` from ``epoch`` on.
     A newer epoch cancels any older in-flight one (CoDDL §4.3)."""
 
@@ -479,6 +482,10 @@ class Reconfigure(Command, tag="cmd.reconfigure"):
     job_id: Id
     epoch: Epoch
     gpus: tuple[GpuRef, ...]
+    effective_at: float | None = None
+    """When the allocator decided it (virtual seconds). An emulated trainer applies
+    the order as of this instant, so that emulation at a high time scale does not
+    inflate control-plane latency by the scale factor."""
 
 
 class CommandAccepted(Struct, frozen=True, kw_only=True, tag_field="type", tag="reply.accepted"):

@@ -11,13 +11,20 @@ from shoal.events import GpuInfo
 
 def fake_gpus(n: int, gpu_type: str = "V100", memory_mb: int = 16_384) -> tuple[GpuInfo, ...]:
     """``n`` emulated GPUs of one type."""
-    return tuple(GpuInfo(index=i, gpu_type=gpu_type, memory_mb=memory_mb, uuid=f"fake-{gpu_type}-{i}") for i in range(n))
+    return tuple(
+        GpuInfo(index=i, gpu_type=gpu_type, memory_mb=memory_mb, uuid=f"fake-{gpu_type}-{i}")
+        for i in range(n)
+    )
 
 
 def _short_type(name: str) -> str:
     # "Tesla V100-SXM2-16GB" -> "V100", "NVIDIA H100 80GB HBM3" -> "H100"
     for token in name.replace("-", " ").split():
-        if any(c.isdigit() for c in token) and any(c.isalpha() for c in token) and token.upper() not in {"16GB", "32GB", "80GB", "40GB"}:
+        if (
+            any(c.isdigit() for c in token)
+            and any(c.isalpha() for c in token)
+            and token.upper() not in {"16GB", "32GB", "80GB", "40GB"}
+        ):
             return token.upper()
     return name.replace(" ", "_")[:32]
 
@@ -41,7 +48,9 @@ def discover_nvml() -> tuple[GpuInfo, ...]:
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
             uuid = pynvml.nvmlDeviceGetUUID(h)
             uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
-            out.append(GpuInfo(index=i, gpu_type=_short_type(name), memory_mb=int(mem.total // 2**20), uuid=uuid))
+            out.append(
+                GpuInfo(index=i, gpu_type=_short_type(name), memory_mb=int(mem.total // 2**20), uuid=uuid)
+            )
         return tuple(out)
     finally:
         pynvml.nvmlShutdown()

@@ -143,13 +143,15 @@ class EmbeddedNats:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
         ports_file = self._workdir / f"nats-server_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise NatsServerError(f"nats-server exited with {self.proc.returncode}: {self._log_tail(log_path)}")
+                raise NatsServerError(
+                    f"nats-server exited with {self.proc.returncode}: {self._log_tail(log_path)}"
+                )
             if ports_file.exists():
                 try:
                     ports = json.loads(ports_file.read_text())

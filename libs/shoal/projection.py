@@ -34,7 +34,9 @@ class Projection:
             a listener must not block (it may set flags or put work on a queue).
     """
 
-    def __init__(self, bus: Bus, *, snapshot_name: str | None = None, listeners: list[Listener] | None = None):
+    def __init__(
+        self, bus: Bus, *, snapshot_name: str | None = None, listeners: list[Listener] | None = None
+    ):
         self.bus = bus
         self.snapshot_name = snapshot_name
         self.listeners = list(listeners or [])

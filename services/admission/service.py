@@ -24,7 +24,6 @@ from typing import Any
 
 import structlog
 from nats.aio.msg import Msg
-
 from shoal import admission, codec
 from shoal import events as ev
 from shoal.bus import Bus, ConcurrencyConflict, Header, PublishRejected
@@ -53,7 +52,9 @@ class AdmissionService:
 
     async def start(self) -> None:
         for name in COMMANDS:
-            self._subs.append(await self.bus.nc.subscribe(self.bus.names.cmd(name), queue="admission", cb=self._on_request))
+            self._subs.append(
+                await self.bus.nc.subscribe(self.bus.names.cmd(name), queue="admission", cb=self._on_request)
+            )
 
     async def stop(self) -> None:
         for sub in self._subs:
@@ -73,7 +74,9 @@ class AdmissionService:
         if msg.reply:
             await msg.respond(codec.encode_reply(reply, json=as_json))
 
-    async def handle(self, data: bytes, command: str, as_json: bool = False) -> ev.CommandAccepted | ev.CommandRejected:
+    async def handle(
+        self, data: bytes, command: str, as_json: bool = False
+    ) -> ev.CommandAccepted | ev.CommandRejected:
         """Decode, decide, publish; return the reply."""
         try:
             cmd = codec.decode_command(data, json=as_json)

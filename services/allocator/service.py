@@ -25,7 +25,6 @@ import contextlib
 from typing import Any
 
 import structlog
-
 from shoal import codec
 from shoal import events as ev
 from shoal.allocation import decide_shares
@@ -138,7 +137,9 @@ class AllocatorService:
         try:
             result = await self.bus.publish(env, expected_last_subject_seq=self.decisions_seq)
         except ConcurrencyConflict:
-            log.warning("decision_conflict", epoch=decision.epoch, note="another allocator decided; re-reading")
+            log.warning(
+                "decision_conflict", epoch=decision.epoch, note="another allocator decided; re-reading"
+            )
             await self.projection.wait_for(await self.bus.last_seq())
             return None
         await self.projection.wait_for(result.seq)

@@ -28,7 +28,6 @@ import sys
 from collections.abc import Callable, Sequence
 
 import structlog
-
 from shoal import codec
 from shoal import events as ev
 from shoal.bus import Bus
@@ -107,8 +106,11 @@ class NodeDaemon:
         self.projection = Projection(bus, listeners=[self._on_event])
         self.sidecars: dict[str, Sidecar] = {}
         self.dirty = asyncio.Event()
+        self.placement_decided_at = 0.0
 
     def _on_event(self, seq: int, env: Envelope, state: ClusterState) -> None:
+        if isinstance(env.event, ev.PlacementDecided) and env.event.epoch >= state.placement_epoch:
+            self.placement_decided_at = env.event.decided_at
         if isinstance(
             env.event, ev.PlacementDecided | ev.JobCompleted | ev.JobCancelled | ev.JobFailed | ev.NodeLost
         ):
@@ -154,7 +156,14 @@ class NodeDaemon:
             if side is None:
                 side = self.sidecars[job_id] = await self._spawn(job_id)
             if side.gpus != gpus:
-                await side.send(ev.Reconfigure(job_id=job_id, epoch=state.placement_epoch, gpus=gpus))
+                await side.send(
+                    ev.Reconfigure(
+                        job_id=job_id,
+                        epoch=state.placement_epoch,
+                        gpus=gpus,
+                        effective_at=self.placement_decided_at or None,
+                    )
+                )
 
     async def _heartbeats(self, stop: asyncio.Event) -> None:
         beat = 0
@@ -162,15 +171,22 @@ class NodeDaemon:
             beat += 1
             await self._publish(ev.NodeHeartbeat(node_id=self.node_id, seq=beat))
             if beat % self.health_every == 1:
-                busy = {g.index for gpus in self.desired().values() for g in gpus if g.node_id == self.node_id}
+                busy = {
+                    g.index for gpus in self.desired().values() for g in gpus if g.node_id == self.node_id
+                }
                 healths = []
                 for gpu in self.gpus:
                     reading = None if self.emulated else read_nvml(gpu.index)
                     util, mem, temp = reading if reading else (1.0 if gpu.index in busy else 0.0, 0, 0.0)
                     healths.append(
                         codec.wrap(
-                            ev.GpuHealth(node_id=self.node_id, index=gpu.index, utilization=util,
-                                         memory_used_mb=mem, temperature_c=temp),
+                            ev.GpuHealth(
+                                node_id=self.node_id,
+                                index=gpu.index,
+                                utilization=util,
+                                memory_used_mb=mem,
+                                temperature_c=temp,
+                            ),
                             at=self.clock.now(),
                         )
                     )
@@ -183,7 +199,9 @@ class NodeDaemon:
 
     async def run(self, stop: asyncio.Event) -> None:
         await self._publish(
-            ev.NodeRegistered(node_id=self.node_id, gpus=self.gpus, hostname=self.hostname, emulated=self.emulated)
+            ev.NodeRegistered(
+                node_id=self.node_id, gpus=self.gpus, hostname=self.hostname, emulated=self.emulated
+            )
         )
         await self.projection.start()
         await self.projection.wait_ready()

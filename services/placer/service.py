@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import msgspec
 import structlog
-
 from shoal import codec
 from shoal import events as ev
 from shoal.allocation import place
@@ -46,6 +46,7 @@ class PlacerService:
         self.lease_ttl_s = lease_ttl_s
         self.projection = Projection(bus, listeners=[self._on_event])
         self.latest: ev.SharesDecided | None = None
+        self.latest_at = 0.0
         self.placements_seq = 0
         self.dirty = asyncio.Event()
         self.is_leader = False
@@ -55,6 +56,7 @@ class PlacerService:
         if isinstance(e, ev.SharesDecided):
             if self.latest is None or e.epoch > self.latest.epoch:
                 self.latest = e
+                self.latest_at = env.at
                 self.dirty.set()
         elif isinstance(e, ev.PlacementDecided):
             self.placements_seq = seq
@@ -70,6 +72,7 @@ class PlacerService:
             return None
         previous = {j: state.jobs[j].placement for j in state.placed}
         decided, result = place(topology_from_state(state), shares, previous, placer=self.placer)
+        decided = msgspec.structs.replace(decided, decided_at=self.latest_at)
         now = self.clock.now()
         env = codec.wrap(decided, at=now)
         try:
@@ -78,13 +81,19 @@ class PlacerService:
             await self.projection.wait_for(await self.bus.last_seq())
             return None
         requests = [
-            codec.wrap(ev.ReconfigurationRequested(job_id=j, epoch=decided.epoch, gpus=gpus), at=now,
-                       causation_id=env.id)
+            codec.wrap(
+                ev.ReconfigurationRequested(job_id=j, epoch=decided.epoch, gpus=gpus),
+                at=now,
+                causation_id=env.id,
+            )
             for j, gpus in sorted(decided.placements.items())
             if tuple(previous.get(j, ())) != gpus
         ] + [
-            codec.wrap(ev.ReconfigurationRequested(job_id=j, epoch=decided.epoch, gpus=()), at=now,
-                       causation_id=env.id)
+            codec.wrap(
+                ev.ReconfigurationRequested(job_id=j, epoch=decided.epoch, gpus=()),
+                at=now,
+                causation_id=env.id,
+            )
             for j in sorted(previous.keys() - decided.placements.keys())
             if j in state.jobs
         ]
@@ -93,8 +102,13 @@ class PlacerService:
         await self.projection.wait_for(res.seq)
         if result.unplaced:
             log.warning("unplaced", epoch=decided.epoch, unplaced=result.unplaced)
-        log.info("placement_decided", epoch=decided.epoch, jobs=len(decided.placements),
-                 migrations=decided.migrations, stream_seq=res.seq)
+        log.info(
+            "placement_decided",
+            epoch=decided.epoch,
+            jobs=len(decided.placements),
+            migrations=decided.migrations,
+            stream_seq=res.seq,
+        )
         return decided
 
     @staticmethod

@@ -14,7 +14,6 @@ import sys
 
 import msgspec
 import structlog
-
 from shoal.bus import Bus
 from shoal.clock import make_clock
 from shoal.models import get_catalog
@@ -47,7 +46,9 @@ async def _read_orders(trainer: EmulatedTrainer, stop: asyncio.Event) -> None:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    bus = await Bus.connect(args.nats_url, prefix=args.prefix, name=f"sidecar-{args.job}-{args.node}", declare=False)
+    bus = await Bus.connect(
+        args.nats_url, prefix=args.prefix, name=f"sidecar-{args.job}-{args.node}", declare=False
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -29,7 +29,6 @@ import contextlib
 import msgspec
 import nats.js.errors
 import structlog
-
 from shoal import codec
 from shoal import events as ev
 from shoal.bus import Bus, ConcurrencyConflict
@@ -227,8 +226,9 @@ class EmulatedTrainer:
                 self.iteration = float(total)
                 await self._report(now)
                 try:
-                    await self._publish(ev.JobCompleted(job_id=self.job_id, iterations=total),
-                                        expected_last_subject_seq=0)
+                    await self._publish(
+                        ev.JobCompleted(job_id=self.job_id, iterations=total), expected_last_subject_seq=0
+                    )
                 except ConcurrencyConflict:
                     pass  # another sidecar of this job completed it first
                 self.completed = True

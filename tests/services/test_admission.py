@@ -10,7 +10,6 @@ import textwrap
 from collections.abc import AsyncIterator
 
 import pytest
-
 from shoal import admission, codec
 from shoal import events as ev
 from shoal import state as st
@@ -25,7 +24,9 @@ pytestmark = pytest.mark.integration
 async def service(bus: Bus) -> AsyncIterator[AdmissionService]:
     await bus.publish_many(
         [
-            ev.NodeRegistered(node_id="n0", gpus=tuple(ev.GpuInfo(index=i, gpu_type="V100") for i in range(4))),
+            ev.NodeRegistered(
+                node_id="n0", gpus=tuple(ev.GpuInfo(index=i, gpu_type="V100") for i in range(4))
+            ),
             ev.UserRegistered(user="alice", tickets=100, max_active_jobs=3),
         ]
     )
@@ -44,7 +45,10 @@ async def service(bus: Bus) -> AsyncIterator[AdmissionService]:
 async def request(bus: Bus, name: str, body: dict, *, as_json: bool = True) -> dict:
     if as_json:
         msg = await bus.nc.request(
-            bus.names.cmd(name), json.dumps(body).encode(), timeout=5, headers={"Content-Type": "application/json"}
+            bus.names.cmd(name),
+            json.dumps(body).encode(),
+            timeout=5,
+            headers={"Content-Type": "application/json"},
         )
         return json.loads(msg.data)
     import msgspec
@@ -85,7 +89,11 @@ async def test_concurrent_duplicate_submissions_land_once(bus: Bus, service: Adm
     [
         ({"min_gpus": 0}, "invalid_command", "Expected `int` >= 1 - at `$.spec.min_gpus`"),
         ({"max_gpus": -2}, "invalid_command", "Expected `int` >= 1 - at `$.spec.max_gpus`"),
-        ({"min_gpus": 4, "max_gpus": 2, "requested_gpus": 2}, "invalid_spec", "min_gpus (4) is greater than max_gpus (2)"),
+        (
+            {"min_gpus": 4, "max_gpus": 2, "requested_gpus": 2},
+            "invalid_spec",
+            "min_gpus (4) is greater than max_gpus (2)",
+        ),
         ({"gpu_type": "H100"}, "invalid_spec", "unknown gpu_type 'H100'"),
         ({"max_gpus": "eight"}, "invalid_command", "Expected `int`, got `str` - at `$.spec.max_gpus`"),
         ({"min_gpus": 8, "max_gpus": 8, "requested_gpus": 8}, "invalid_spec", "exceeds the cluster's 4 GPUs"),
@@ -108,7 +116,12 @@ async def test_bad_specs_get_a_specific_error_and_change_nothing(
 
 async def test_cancel_unknown_job_is_a_clear_error(bus: Bus, service: AdmissionService) -> None:
     reply = await request(bus, "cancel_job", {"type": "cmd.cancel_job", "job_id": "nope"})
-    assert reply == {"type": "reply.rejected", "code": "unknown_job", "message": "no job 'nope'", "errors": []}
+    assert reply == {
+        "type": "reply.rejected",
+        "code": "unknown_job",
+        "message": "no job 'nope'",
+        "errors": [],
+    }
 
 
 async def test_per_user_limit(bus: Bus, service: AdmissionService) -> None:
@@ -128,7 +141,9 @@ async def test_command_on_the_wrong_subject(bus: Bus, service: AdmissionService)
     assert reply["code"] == "wrong_subject"
 
 
-async def test_a_client_with_only_nats_py_and_json(bus: Bus, service: AdmissionService, nats_url: str) -> None:
+async def test_a_client_with_only_nats_py_and_json(
+    bus: Bus, service: AdmissionService, nats_url: str
+) -> None:
     """The documented wire contract works from a program that does not import shoal."""
     client = textwrap.dedent(
         f"""
@@ -139,7 +154,7 @@ async def test_a_client_with_only_nats_py_and_json(bus: Bus, service: AdmissionS
             body = {{"type": "cmd.submit_job", "job_id": "plain-1",
                      "spec": {{"user": "alice", "model": "resnet50", "min_gpus": 1, "max_gpus": 2,
                               "requested_gpus": 1, "total_iterations": 100}}}}
-            msg = await nc.request({bus.names.cmd('submit_job')!r}, json.dumps(body).encode(),
+            msg = await nc.request({bus.names.cmd("submit_job")!r}, json.dumps(body).encode(),
                                    timeout=5, headers={{"Content-Type": "application/json"}})
             print(msg.data.decode())
             await nc.close()
@@ -148,8 +163,12 @@ async def test_a_client_with_only_nats_py_and_json(bus: Bus, service: AdmissionS
     )
     # The service runs in this event loop: wait for the client without blocking it.
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-I", "-c", "import sys; sys.modules['shoal'] = None\n" + client,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-I",
+        "-c",
+        "import sys; sys.modules['shoal'] = None\n" + client,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     stdout, stderr = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 0, stderr.decode()

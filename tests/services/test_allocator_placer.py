@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
-
 from shoal import events as ev
 from shoal import state as st
 from shoal.bus import Bus, fold_log
@@ -36,7 +35,9 @@ class GreedyRequested:
 
 
 def node(node_id: str, n: int = 4) -> ev.NodeRegistered:
-    return ev.NodeRegistered(node_id=node_id, gpus=tuple(ev.GpuInfo(index=i, gpu_type="V100") for i in range(n)))
+    return ev.NodeRegistered(
+        node_id=node_id, gpus=tuple(ev.GpuInfo(index=i, gpu_type="V100") for i in range(n))
+    )
 
 
 def job(job_id: str, gpus: int) -> ev.JobSubmitted:
@@ -63,8 +64,9 @@ async def test_churn_gives_increasing_epochs_and_valid_placements(bus: Bus) -> N
     try:
         await bus.publish_many([node("n0"), node("n1")])
         await bus.publish_many([job("a", 4), job("b", 2), job("c", 2)])
-        await wait_until(lambda: placer.projection.state.placement_epoch >= 1
-                         and len(placer.projection.state.placed) == 3)
+        await wait_until(
+            lambda: placer.projection.state.placement_epoch >= 1 and len(placer.projection.state.placed) == 3
+        )
         await bus.publish(ev.JobCompleted(job_id="a", iterations=100))
         await bus.publish(job("d", 4))
         await wait_until(lambda: "d" in placer.projection.state.placed)
@@ -90,14 +92,20 @@ async def test_churn_gives_increasing_epochs_and_valid_placements(bus: Bus) -> N
 async def test_standby_takes_over_without_losing_or_duplicating_decisions(bus: Bus) -> None:
     await bus.publish_many([node("n0"), node("n1")])
     stop1, stop2 = asyncio.Event(), asyncio.Event()
-    a1 = AllocatorService(bus, GreedyRequested(), holder="a1", clock=WallClock(), lease_ttl_s=1.0, node_timeout_s=None)
-    a2 = AllocatorService(bus, GreedyRequested(), holder="a2", clock=WallClock(), lease_ttl_s=1.0, node_timeout_s=None)
+    a1 = AllocatorService(
+        bus, GreedyRequested(), holder="a1", clock=WallClock(), lease_ttl_s=1.0, node_timeout_s=None
+    )
+    a2 = AllocatorService(
+        bus, GreedyRequested(), holder="a2", clock=WallClock(), lease_ttl_s=1.0, node_timeout_s=None
+    )
     t1 = asyncio.create_task(a1.run(stop1))
     await wait_until(lambda: a1.is_leader)
     t2 = asyncio.create_task(a2.run(stop2))
     try:
         await bus.publish_many([job(f"j{i}", 1) for i in range(4)])
-        await wait_until(lambda: a2.projection.state.shares_epoch >= 1 and len(a2.projection.state.shares) == 4)
+        await wait_until(
+            lambda: a2.projection.state.shares_epoch >= 1 and len(a2.projection.state.shares) == 4
+        )
         assert not a2.is_leader
         # The leader stops (its task is cancelled and it releases the lease on the way out);
         # the TTL-lapse path is covered by the lease test and the kill -9 test.

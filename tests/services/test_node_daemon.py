@@ -7,7 +7,6 @@ import os
 import sys
 
 import pytest
-
 from shoal import codec
 from shoal import events as ev
 from shoal.bus import Bus
@@ -16,6 +15,7 @@ from shoal.gpus import fake_gpus
 from shoal_services.allocator.service import AllocatorService
 from shoal_services.node_daemon.service import NodeDaemon
 from shoal_services.placer.service import PlacerService
+
 from tests.services.test_allocator_placer import GreedyRequested, events_of, wait_until
 
 pytestmark = pytest.mark.integration
@@ -26,11 +26,29 @@ SCALE = 100.0
 def sidecar_argv(bus: Bus, nats_url: str, node_id: str, clock: ScaledClock):
     def argv(job_id: str) -> list[str]:
         return [
-            sys.executable, "-m", "shoal_services.trainer_sidecar",
-            "--job", job_id, "--node", node_id, "--nats-url", nats_url, "--prefix", bus.names.prefix,
-            "--time-scale", str(clock.scale), "--clock-origin", str(clock.origin),
-            "--costs", "coddl", "--catalog", "", "--report-every", "0.1",
+            sys.executable,
+            "-m",
+            "shoal_services.trainer_sidecar",
+            "--job",
+            job_id,
+            "--node",
+            node_id,
+            "--nats-url",
+            nats_url,
+            "--prefix",
+            bus.names.prefix,
+            "--time-scale",
+            str(clock.scale),
+            "--clock-origin",
+            str(clock.origin),
+            "--costs",
+            "coddl",
+            "--catalog",
+            "",
+            "--report-every",
+            "0.1",
         ]
+
     return argv
 
 
@@ -46,8 +64,14 @@ def _alive(pid: int) -> bool:
 async def test_jobs_run_to_completion_on_emulated_gpus(bus: Bus, nats_url: str) -> None:
     clock = ScaledClock(SCALE)
     stop = asyncio.Event()
-    daemon = NodeDaemon(bus, "n0", fake_gpus(4), clock=clock,
-                        sidecar_argv=sidecar_argv(bus, nats_url, "n0", clock), heartbeat_s=0.2)
+    daemon = NodeDaemon(
+        bus,
+        "n0",
+        fake_gpus(4),
+        clock=clock,
+        sidecar_argv=sidecar_argv(bus, nats_url, "n0", clock),
+        heartbeat_s=0.2,
+    )
     services = [
         AllocatorService(bus, GreedyRequested(), holder="a", clock=clock, node_timeout_s=None),
         PlacerService(bus, holder="p", clock=clock),

@@ -1,0 +1,196 @@
+"""The whole emulated stack in one event loop: admission, allocator, placer and node daemons.
+
+Used by ``shoal demo`` and by the emulate-vs-simulate conformance test. Node
+daemons still run every sidecar as a real subprocess; the services themselves are
+asyncio tasks here (``shoal up`` runs each as its own supervised process instead).
+All parts share one :class:`~shoal.clock.ScaledClock`, so the log is stamped in
+virtual seconds, like the simulator's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+from collections.abc import Callable, Sequence
+
+from msgspec import Struct
+from shoal import admission
+from shoal.bus import Bus
+from shoal.clock import ScaledClock
+from shoal.gpus import fake_gpus
+from shoal.models import Catalog, get_catalog
+from shoal.policies.base import Policy
+from shoal.projection import Projection
+from shoal.sim.metrics import jct_summary
+from shoal.state import COMPLETED, FINISHED_STATUSES, ClusterState
+from shoal.workloads import TraceJob
+from shoal_services.admission.service import AdmissionService
+from shoal_services.allocator.service import AllocatorService
+from shoal_services.node_daemon.service import NodeDaemon
+from shoal_services.placer.service import PlacerService
+
+
+class StackConfig(Struct, frozen=True, kw_only=True):
+    nodes: int = 4
+    gpus_per_node: int = 4
+    gpu_type: str = "V100"
+    time_scale: float = 1000.0
+    costs: str = "coddl"
+    catalog: str = "afs"
+    placer: str = "min-migration"
+    network_packing: bool = True
+    heartbeat_s: float = 1.0
+    report_every_s: float = 0.25
+
+
+class EmulatedStack:
+    """Start and stop every service of one installation on emulated GPUs."""
+
+    def __init__(self, bus: Bus, nats_url: str, policy: Policy, config: StackConfig | None = None) -> None:
+        self.bus = bus
+        self.nats_url = nats_url
+        self.policy = policy
+        self.config = config or StackConfig()
+        self.clock = ScaledClock(self.config.time_scale)
+        self.catalog: Catalog | None = get_catalog(self.config.catalog) if self.config.catalog else None
+        self.stop_event = asyncio.Event()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.daemons: list[NodeDaemon] = []
+        self.projection = Projection(bus)
+        self.admission: AdmissionService | None = None
+
+    def _sidecar_argv(self, node_id: str) -> Callable[[str], Sequence[str]]:
+        c = self.config
+
+        def argv(job_id: str) -> list[str]:
+            return [
+                sys.executable,
+                "-m",
+                "shoal_services.trainer_sidecar",
+                "--job",
+                job_id,
+                "--node",
+                node_id,
+                "--nats-url",
+                self.nats_url,
+                "--prefix",
+                self.bus.names.prefix,
+                "--time-scale",
+                repr(self.clock.scale),
+                "--clock-origin",
+                repr(self.clock.origin),
+                "--costs",
+                c.costs,
+                "--catalog",
+                c.catalog,
+                "--report-every",
+                repr(c.report_every_s),
+            ]
+
+        return argv
+
+    async def start(self) -> None:
+        c = self.config
+        stop = self.stop_event
+        await self.projection.start()
+        await self.projection.wait_ready()
+        self.admission = AdmissionService(self.bus, self.projection, admission.Limits(), clock=self.clock)
+        await self.admission.start()
+        allocator = AllocatorService(
+            self.bus,
+            self.policy,
+            holder="stack-allocator",
+            clock=self.clock,
+            catalog=self.catalog,
+            network_packing=c.network_packing,
+            node_timeout_s=max(10.0, 5 * c.heartbeat_s),
+        )
+        placer = PlacerService(self.bus, holder="stack-placer", clock=self.clock, placer=c.placer)
+        self.tasks += [asyncio.create_task(allocator.run(stop)), asyncio.create_task(placer.run(stop))]
+        for i in range(c.nodes):
+            node_id = f"node{i}"
+            daemon = NodeDaemon(
+                self.bus,
+                node_id,
+                fake_gpus(c.gpus_per_node, c.gpu_type),
+                clock=self.clock,
+                sidecar_argv=self._sidecar_argv(node_id),
+                heartbeat_s=c.heartbeat_s,
+                hostname=node_id,
+            )
+            self.daemons.append(daemon)
+            self.tasks.append(asyncio.create_task(daemon.run(stop)))
+        await self.wait(lambda s: len(s.nodes) >= c.nodes, timeout_s=30)
+
+    async def wait(self, predicate: Callable[[ClusterState], bool], timeout_s: float) -> None:
+        """Wait until ``predicate(state)`` holds on the stack's folded state."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not predicate(self.projection.state):
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError("the emulated stack did not reach the expected state in time")
+            for t in self.tasks:
+                if t.done() and t.exception():
+                    raise RuntimeError("a service of the emulated stack failed") from t.exception()
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        self.stop_event.set()
+        if self.admission is not None:
+            await self.admission.stop()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.projection.stop()
+
+
+async def replay_trace(
+    stack: EmulatedStack,
+    jobs: Sequence[TraceJob],
+    *,
+    on_tick: Callable[[ClusterState, float], None] | None = None,
+    tick_s: float = 0.5,
+) -> None:
+    """Submit each job at its trace time (virtual, from the stack's clock origin) and
+    wait until all are finished. Submissions go through the admission service."""
+    from shoal import events as ev
+    from shoal.client import Client
+
+    client = Client(stack.bus)
+    origin = stack.clock.now()
+    pending = sorted(jobs, key=lambda j: (j.submit_time_s, j.job_id))
+    t0 = pending[0].submit_time_s if pending else 0.0
+    loop = asyncio.get_running_loop()
+    next_tick = loop.time()
+    ids = {j.job_id for j in jobs}
+    while True:
+        now = stack.clock.now()
+        while pending and origin + pending[0].submit_time_s - t0 <= now:
+            job = pending.pop(0)
+            await client.command(ev.SubmitJob(spec=job.spec, job_id=job.job_id))
+        state = stack.projection.state
+        if on_tick is not None and loop.time() >= next_tick:
+            on_tick(state, now - origin)
+            next_tick = loop.time() + tick_s
+        if not pending and all(j in state.jobs and state.jobs[j].status in FINISHED_STATUSES for j in ids):
+            return
+        wait = stack.clock.to_wall(origin + pending[0].submit_time_s - t0 - now) if pending else 0.05
+        await asyncio.sleep(min(max(wait, 0.0), 0.05))
+
+
+def summarize(state: ClusterState, job_ids: Sequence[str], total_gpus: int) -> dict[str, float]:
+    """JCT statistics, makespan and GPU utilisation of the given jobs, from the folded log."""
+    jobs = [state.jobs[j] for j in job_ids if j in state.jobs]
+    done = [j for j in jobs if j.status == COMPLETED and j.finished_at is not None]
+    jcts = [j.finished_at - j.submitted_at for j in done]  # type: ignore[operator]
+    start = min((j.submitted_at for j in jobs), default=0.0)
+    end = max((j.finished_at or start for j in jobs), default=start)
+    makespan = max(0.0, end - start)
+    gpu_s = sum(j.attained_service_gpu_s for j in jobs)
+    out = {
+        **jct_summary(jcts),
+        "makespan_s": makespan,
+        "completed": float(len(done)),
+        "jobs": float(len(jobs)),
+        "gpu_utilisation": gpu_s / (total_gpus * makespan) if makespan > 0 and total_gpus else math.nan,
+        "reconfigurations": float(sum(j.reconfigurations for j in jobs)),
+    }
+    return out
