@@ -14,10 +14,12 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 
+import msgspec
 from msgspec import Struct
 from shoal import admission
 from shoal.bus import Bus
 from shoal.clock import ScaledClock
+from shoal.events import JobSpec
 from shoal.gpus import fake_gpus
 from shoal.models import Catalog, get_catalog
 from shoal.policies.base import Policy
@@ -59,6 +61,7 @@ class EmulatedStack:
         self.daemons: list[NodeDaemon] = []
         self.projection = Projection(bus)
         self.admission: AdmissionService | None = None
+        self.allocator: AllocatorService | None = None
 
     def _sidecar_argv(self, node_id: str) -> Callable[[str], Sequence[str]]:
         c = self.config
@@ -95,7 +98,9 @@ class EmulatedStack:
         stop = self.stop_event
         await self.projection.start()
         await self.projection.wait_ready()
-        self.admission = AdmissionService(self.bus, self.projection, admission.Limits(), clock=self.clock)
+        self.admission = AdmissionService(
+            self.bus, self.projection, admission.Limits(), clock=self.clock, accept_submitted_at=True
+        )
         await self.admission.start()
         allocator = AllocatorService(
             self.bus,
@@ -106,6 +111,7 @@ class EmulatedStack:
             network_packing=c.network_packing,
             node_timeout_s=max(10.0, 5 * c.heartbeat_s),
         )
+        self.allocator = allocator
         placer = PlacerService(self.bus, holder="stack-placer", clock=self.clock, placer=c.placer)
         self.tasks += [asyncio.create_task(allocator.run(stop)), asyncio.create_task(placer.run(stop))]
         for i in range(c.nodes):
@@ -148,6 +154,7 @@ async def replay_trace(
     *,
     on_tick: Callable[[ClusterState, float], None] | None = None,
     tick_s: float = 0.5,
+    attach_profiles: bool = True,
 ) -> None:
     """Submit each job at its trace time (virtual, from the stack's clock origin) and
     wait until all are finished. Submissions go through the admission service."""
@@ -155,9 +162,14 @@ async def replay_trace(
     from shoal.client import Client
 
     client = Client(stack.bus)
-    origin = stack.clock.now()
+    # A whole virtual second, so that arrivals, completions (rounded up to whole
+    # seconds) and periodic decisions fall on the same grid as in the simulator.
+    origin = float(math.ceil(stack.clock.now()))
     pending = sorted(jobs, key=lambda j: (j.submit_time_s, j.job_id))
     t0 = pending[0].submit_time_s if pending else 0.0
+    if stack.allocator is not None:
+        # Periodic decisions on the trace's own grid, as in the simulator.
+        stack.allocator.tick_origin = origin - t0
     loop = asyncio.get_running_loop()
     next_tick = loop.time()
     ids = {j.job_id for j in jobs}
@@ -165,7 +177,12 @@ async def replay_trace(
         now = stack.clock.now()
         while pending and origin + pending[0].submit_time_s - t0 <= now:
             job = pending.pop(0)
-            await client.command(ev.SubmitJob(spec=job.spec, job_id=job.job_id))
+            # Recorded at its trace instant, not when this loop got to it.
+            arrival = origin + job.submit_time_s - t0
+            # The job's calibrated curve travels with it (the simulator publishes it
+            # on arrival), so the arrival decision already uses it.
+            spec = with_profile(job) if attach_profiles else job.spec
+            await client.command(ev.SubmitJob(spec=spec, job_id=job.job_id, submitted_at=arrival))
         state = stack.projection.state
         if on_tick is not None and loop.time() >= next_tick:
             on_tick(state, now - origin)
@@ -174,6 +191,14 @@ async def replay_trace(
             return
         wait = stack.clock.to_wall(origin + pending[0].submit_time_s - t0 - now) if pending else 0.05
         await asyncio.sleep(min(max(wait, 0.0), 0.05))
+
+
+def with_profile(job: TraceJob) -> JobSpec:
+    """The job's spec carrying its calibrated curves as a known profile."""
+    profile = {"": {k: v for k, v in enumerate(job.throughput) if k > 0}}
+    for gpu_type, curve in sorted(job.throughput_by_type.items()):
+        profile[gpu_type] = {k: v for k, v in enumerate(curve) if k > 0}
+    return msgspec.structs.replace(job.spec, profile=profile)
 
 
 def summarize(state: ClusterState, job_ids: Sequence[str], total_gpus: int) -> dict[str, float]:

@@ -136,3 +136,23 @@ def place(
         raise ValueError(f"unknown placer {placer!r}; choose one of {', '.join(PLACERS)}")
     placements = {j: tuple(g) for j, g in sorted(result.placements.items()) if g}
     return PlacementDecided(epoch=shares.epoch, placements=placements, migrations=result.migrations), result
+
+
+def policy_tick(policy: Policy) -> float | None:
+    """The policy's re-run period in seconds (``tick_s``, ``lease_s`` or ``quantum_s``), if any.
+
+    The simulator re-runs the policy on the grid ``k·tick`` while jobs are active; the
+    allocator does the same on the log's virtual time, so both decide at the same instants.
+    """
+    for attr in ("tick_s", "lease_s", "quantum_s"):
+        value = getattr(policy, attr, None)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            return float(value)
+    return None
+
+
+def next_tick(last_at: float, tick: float, origin: float = 0.0) -> float:
+    """The first grid point ``origin + k·tick`` strictly after ``last_at``."""
+    import math
+
+    return origin + (math.floor((last_at - origin) / tick + 1e-9) + 1) * tick

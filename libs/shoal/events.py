@@ -71,6 +71,10 @@ class JobSpec(Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
     priority: int = 0
     entrypoint: tuple[Annotated[str, Meta(max_length=4096)], ...] = ()
     """Command for real mode (argv)."""
+    profile: dict[str, dict[GpuCount, NonNegFloat]] = {}
+    """Throughput known ahead (an offline profile, or a trace's calibrated curve):
+    GPU type ("" = any) -> GPU count -> iterations/s. Used until the profiler has
+    measured the job; empty when unknown."""
     env: dict[str, str] = {}
 
 
@@ -460,6 +464,9 @@ class SubmitJob(Command, frozen=True, tag="cmd.submit_job"):
     spec: JobSpec
     job_id: Id | None = None
     """Client-supplied id; makes submission idempotent."""
+    submitted_at: float | None = None
+    """Trace replay only: the arrival instant to record (virtual seconds). Admission
+    rejects it unless the installation replays traces (``accept_submitted_at``)."""
 
 
 class CancelJob(Command, frozen=True, tag="cmd.cancel_job"):

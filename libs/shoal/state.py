@@ -203,7 +203,11 @@ def _tickets_set(state: ClusterState, e: ev.TicketsSet, at: float) -> None:
 def _job_submitted(state: ClusterState, e: ev.JobSubmitted, at: float) -> None:
     if e.job_id in state.jobs:
         return  # idempotent: the first submission wins
-    state.jobs[e.job_id] = JobState(spec=e.spec, submitted_at=at, since=at)
+    job = state.jobs[e.job_id] = JobState(spec=e.spec, submitted_at=at, since=at)
+    for gpu_type, table in sorted(e.spec.profile.items()):
+        job.throughput_models[gpu_type] = ThroughputModel(
+            model_kind="profile", throughput=tuple(sorted(table.items()))
+        )
     if e.spec.user not in state.users:
         state.users[e.spec.user] = UserState()
 

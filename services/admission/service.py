@@ -41,9 +41,26 @@ class AdmissionService:
     """Wiring around :mod:`shoal.admission`."""
 
     def __init__(
-        self, bus: Bus, projection: Projection, limits: admission.Limits, clock: Clock | None = None
+        self,
+        bus: Bus,
+        projection: Projection,
+        limits: admission.Limits,
+        clock: Clock | None = None,
+        *,
+        accept_submitted_at: bool = False,
+        mqtt_bridge: bool = False,
     ) -> None:
         self.bus = bus
+        self.mqtt_bridge: Any = None
+        """With ``mqtt_bridge=True``, a :class:`~shoal_services.admission.mqtt.MqttBridge`
+        started and stopped with the service (MQTT devices submit through it)."""
+        if mqtt_bridge:
+            from shoal_services.admission.mqtt import MqttBridge
+
+            self.mqtt_bridge = MqttBridge(bus.nc, bus.names.prefix)
+        self.accept_submitted_at = accept_submitted_at
+        """Trace replay (emulate mode): record ``SubmitJob.submitted_at`` as the arrival
+        instant when it is not in the future. Off in production."""
         self.clock = clock or WallClock()
         self.projection = projection
         self.limits = limits
@@ -55,8 +72,12 @@ class AdmissionService:
             self._subs.append(
                 await self.bus.nc.subscribe(self.bus.names.cmd(name), queue="admission", cb=self._on_request)
             )
+        if self.mqtt_bridge is not None:
+            await self.mqtt_bridge.start()
 
     async def stop(self) -> None:
+        if self.mqtt_bridge is not None:
+            await self.mqtt_bridge.stop()
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.drain()
@@ -94,6 +115,20 @@ class AdmissionService:
 
     async def _decide_and_publish(self, cmd: Any) -> ev.CommandAccepted | ev.CommandRejected:
         state = self.projection.state
+        now = self.clock.now()
+        at = now
+        if isinstance(cmd, ev.SubmitJob) and cmd.submitted_at is not None:
+            if not self.accept_submitted_at:
+                return ev.CommandRejected(
+                    code="submitted_at_not_allowed",
+                    message="submitted_at is only accepted by an installation that replays traces",
+                )
+            if cmd.submitted_at > now + 1e-3 or cmd.submitted_at < 0:
+                return ev.CommandRejected(
+                    code="invalid_submitted_at",
+                    message=f"submitted_at {cmd.submitted_at} is in the future (now {now:.3f})",
+                )
+            at = cmd.submitted_at
         if isinstance(cmd, ev.SubmitJob):
             job_id = cmd.job_id or new_ulid()
             decision = admission.decide_submit(state, cmd, job_id, self.limits)
@@ -108,7 +143,7 @@ class AdmissionService:
             return decision.reply()
         if decision.event is None:
             return ev.CommandAccepted(id=decision.id, duplicate=True)
-        env = codec.wrap(decision.event, at=self.clock.now())
+        env = codec.wrap(decision.event, at=at)
         try:
             expected = 0 if isinstance(decision.event, ev.JobSubmitted) else None
             result = await self.bus.publish(env, expected_last_subject_seq=expected)

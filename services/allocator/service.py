@@ -8,6 +8,16 @@ the same functions the simulator calls — on churn: arrival, completion, model
 update, node change, trade and the policy's quantum tick. Bursts are coalesced:
 triggers only mark the state dirty, and one decision follows a short window.
 
+Decision time. A decision is made *as of* the newest triggering event of its burst
+(its ``at``), not as of the wall clock when the allocator got round to it: the
+``SharesDecided`` is stamped with that instant, so attained service and the policy's
+inputs do not depend on control-plane latency, and a replayed allocator (or the
+simulator, fed the same events) decides at the same instants. Periodic policies
+(``tick_s``/``lease_s``/``quantum_s``) and ``policy_memory["next_decision_at_s"]``
+wake the allocator on the grid ``tick_origin + k·tick`` of virtual time, as the
+simulator does. In emulation at 1000× this is what keeps a 20 ms coalescing window
+from becoming 20 virtual seconds of delay.
+
 Publishes: ``SharesDecided`` with a strictly increasing epoch, appended with
 ``Nats-Expected-Last-Subject-Sequence`` on ``<prefix>.alloc.shares_decided``: a
 deposed leader that still believes it leads cannot append a decision made on a
@@ -27,7 +37,7 @@ from typing import Any
 import structlog
 from shoal import codec
 from shoal import events as ev
-from shoal.allocation import decide_shares
+from shoal.allocation import decide_shares, next_tick, policy_tick
 from shoal.bus import Bus, ConcurrencyConflict
 from shoal.clock import Clock
 from shoal.cluster import gpus_per_node, stale_nodes
@@ -35,7 +45,7 @@ from shoal.events import Envelope
 from shoal.models import Catalog
 from shoal.policies.base import Policy
 from shoal.projection import Projection
-from shoal.state import ClusterState
+from shoal.state import ClusterState, apply, copy_state
 
 log = structlog.get_logger("shoal.allocator")
 
@@ -73,6 +83,7 @@ class AllocatorService:
         network_packing: bool = True,
         node_timeout_s: float | None = 10.0,
         snapshot_every: int = 10_000,
+        tick_origin: float = 0.0,
     ) -> None:
         self.bus = bus
         self.policy = policy
@@ -80,7 +91,8 @@ class AllocatorService:
         self.clock = clock
         self.lease_ttl_s = lease_ttl_s
         self.coalesce_s = coalesce_s
-        self.tick_s = tick_s
+        self.tick_s = tick_s if tick_s is not None else policy_tick(policy)
+        self.tick_origin = tick_origin
         self.catalog = catalog
         self.network_packing = network_packing
         self.node_timeout_s = node_timeout_s
@@ -88,32 +100,74 @@ class AllocatorService:
         self.projection = Projection(bus, snapshot_name="allocator", listeners=[self._on_event])
         self.dirty = asyncio.Event()
         self.trigger = ""
+        self.pending: list[tuple[float, str, str | None]] = []
+        """Triggering events not yet decided on: (occurred-at, trigger, event id)."""
+        self.asof: ClusterState | None = None
+        """The leader's decision state: the log folded up to the last decision instant."""
+        self.buffer: list[Envelope] = []
+        """Events of the log not yet folded into ``asof`` (stamped after its instant)."""
+        self.last_decision_at = 0.0
         self.decisions_seq = 0
         """Stream sequence of the newest SharesDecided (for the expected-sequence append)."""
         self.decided = 0
         self.is_leader = False
         self._since_snapshot = 0
-        self._last_tick = 0.0
 
     # -- consuming --------------------------------------------------------------
 
     def _on_event(self, seq: int, env: Envelope, state: ClusterState) -> None:
         self._since_snapshot += 1
+        if self.asof is not None:
+            self.buffer.append(env)
         if isinstance(env.event, ev.SharesDecided):
             self.decisions_seq = seq
+            self.last_decision_at = max(self.last_decision_at, env.at)
             return
         trigger = _TRIGGERS.get(type(env.event))
         if trigger is not None:
-            if not self.dirty.is_set():
-                self.trigger = trigger
+            self.pending.append((env.at, trigger, env.id))
             self.dirty.set()
+
+    def _state_as_of(self, at: float) -> ClusterState:
+        """Fold the buffered events stamped at or before ``at`` into the decision state.
+
+        A decision as of ``at`` sees exactly the events that occurred by then, whatever
+        order or delay they reached the allocator in: the same instants and inputs as
+        the simulator, and as a replay of the log.
+        """
+        if self.asof is None:
+            return self.projection.state
+        keep: list[Envelope] = []
+        for env in self.buffer:
+            if env.at <= at + 1e-9:
+                apply(self.asof, env)
+            else:
+                keep.append(env)
+        self.buffer = keep
+        return self.asof
 
     # -- deciding ---------------------------------------------------------------
 
-    async def decide_once(self, trigger: str) -> ev.SharesDecided | None:
-        """Run the policy on the current state and publish the decision if it changed."""
-        state = self.projection.state
-        now = self.clock.now()
+    def _wakeup_at(self) -> float | None:
+        """Virtual instant of the next periodic decision, or ``None``."""
+        state = self.asof if self.asof is not None else self.projection.state
+        if not state.active_jobs():
+            return None
+        due: list[float] = []
+        if self.tick_s:
+            due.append(next_tick(self.last_decision_at, self.tick_s, self.tick_origin))
+        wake = state.policy_memory.get("next_decision_at_s")
+        if isinstance(wake, int | float) and wake > self.last_decision_at:
+            due.append(float(wake))
+        return min(due) if due else None
+
+    async def decide_once(
+        self, trigger: str, *, at: float | None = None, causation_id: str | None = None
+    ) -> ev.SharesDecided | None:
+        """Run the policy on the current state as of ``at`` (default: now) and publish
+        the decision if it changed."""
+        now = max(self.clock.now() if at is None else at, self.last_decision_at)
+        state = self._state_as_of(now)
         from shoal.view import build_view
 
         view = build_view(state, now=now, gpus_per_node=gpus_per_node(state), catalog=self.catalog)
@@ -133,7 +187,7 @@ class AllocatorService:
             and state.shares_epoch
         ):
             return None
-        env = codec.wrap(decision, at=now)
+        env = codec.wrap(decision, at=now, causation_id=causation_id)
         try:
             result = await self.bus.publish(env, expected_last_subject_seq=self.decisions_seq)
         except ConcurrencyConflict:
@@ -153,6 +207,30 @@ class AllocatorService:
             stream_seq=result.seq,
         )
         return decision
+
+    async def _decide_due(self) -> None:
+        """Decide for every pending trigger instant and periodic wake-up, in time order.
+
+        Triggers stamped with the same instant (a burst of arrivals in one second, a
+        completion and the arrival it makes room for) make one decision, as in the
+        simulator.
+        """
+        while True:
+            self.pending.sort(key=lambda p: p[0])
+            t_trig = self.pending[0][0] if self.pending else None
+            wake = self._wakeup_at()
+            if wake is not None and wake <= self.clock.now() and (t_trig is None or wake < t_trig - 1e-9):
+                await self.decide_once("tick", at=wake)
+                self.last_decision_at = max(self.last_decision_at, wake)
+                continue
+            if t_trig is None:
+                return
+            batch = [p for p in self.pending if p[0] <= t_trig + 1e-9]
+            self.pending = self.pending[len(batch) :]
+            kinds = {p[1] for p in batch}
+            trigger = next((k for k in ("arrival", "completion") if k in kinds), batch[-1][1])
+            await self.decide_once(trigger, at=t_trig, causation_id=batch[-1][2])
+            self.last_decision_at = max(self.last_decision_at, t_trig)
 
     async def _mark_lost_nodes(self) -> None:
         if self.node_timeout_s is None:
@@ -185,25 +263,26 @@ class AllocatorService:
                         log.info("leader_elected", holder=self.holder)
                         # A new leader re-reads the log to its end before deciding.
                         await self.projection.wait_for(await self.bus.last_seq())
-                        self.trigger = "takeover"
+                        self.asof = copy_state(self.projection.state)
+                        self.buffer.clear()
+                        self.pending = [(max(self.clock.now(), self.last_decision_at), "takeover", None)]
                         self.dirty.set()
                     elif was and not self.is_leader:
                         log.warning("leadership_lost", holder=self.holder)
                 wait = max(0.0, next_renew - loop.time())
-                if self.tick_s:
-                    wait = min(wait, self.tick_s / getattr(self.clock, "scale", 1.0))
+                wake = self._wakeup_at() if self.is_leader else None
+                scale = getattr(self.clock, "scale", 1.0)
+                if wake is not None:
+                    wait = min(wait, max(0.0, (wake - self.clock.now()) / scale))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.dirty.wait(), wait)
                 if not self.is_leader:
                     continue
                 await self._mark_lost_nodes()
-                tick_due = self.tick_s is not None and self.clock.now() - self._last_tick >= self.tick_s
-                if self.dirty.is_set() or tick_due:
+                if self.dirty.is_set():
                     await asyncio.sleep(self.coalesce_s)  # let a burst land first
-                    trigger = self.trigger if self.dirty.is_set() else "tick"
                     self.dirty.clear()
-                    self._last_tick = self.clock.now()
-                    await self.decide_once(trigger)
+                await self._decide_due()
                 if self._since_snapshot >= self.snapshot_every:
                     self._since_snapshot = 0
                     await self.projection.save_snapshot()

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import ctypes
 import signal
-import sys
 from collections.abc import Callable, Sequence
 
 import structlog
@@ -62,12 +61,17 @@ class Sidecar:
         await self.proc.stdin.drain()
         self.epoch, self.gpus = order.epoch, order.gpus
 
-    async def stop(self, timeout_s: float = 5.0) -> None:
+    async def stop(self, timeout_s: float = 5.0, grace_s: float = 2.0) -> None:
+        """End of stdin asks the sidecar to finish its orders and exit; SIGTERM after
+        ``grace_s``, SIGKILL after ``timeout_s`` more."""
         if self.proc.returncode is not None:
             return
         with contextlib.suppress(Exception):
             assert self.proc.stdin is not None
             self.proc.stdin.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.proc.wait(), grace_s)
+            return
         with contextlib.suppress(ProcessLookupError):
             self.proc.terminate()
         try:
@@ -105,6 +109,9 @@ class NodeDaemon:
         self.hostname = hostname
         self.projection = Projection(bus, listeners=[self._on_event])
         self.sidecars: dict[str, Sidecar] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
+        """Sidecars on their way out: stopped in the background, so that a sidecar
+        finishing its last orders never holds up the orders of the others."""
         self.dirty = asyncio.Event()
         self.placement_decided_at = 0.0
 
@@ -135,19 +142,42 @@ class NodeDaemon:
         proc = await asyncio.create_subprocess_exec(
             *self.sidecar_argv(job_id),
             stdin=asyncio.subprocess.PIPE,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            # No preexec_fn: it forces a slow fork that blocks this event loop for a
+            # quarter of a second per sidecar. A sidecar needs no death signal: when
+            # this process dies its stdin reaches end-of-file and it stops.
         )
         log.info("sidecar_started", job_id=job_id, pid=proc.pid)
         return Sidecar(job_id, proc)
 
+    @staticmethod
+    async def _stop(job_id: str, side: Sidecar) -> None:
+        await side.stop()
+        log.info("sidecar_stopped", job_id=job_id)
+
     async def reconcile(self) -> None:
         state = self.projection.state
+        # Read everything an order carries now: spawning and sending yield to the event
+        # loop, and the state may move on meanwhile (the next reconciliation sends that).
         desired = self.desired()
-        for job_id in list(self.sidecars):
-            if job_id not in desired:
-                side = self.sidecars.pop(job_id)
-                await side.stop()
-                log.info("sidecar_stopped", job_id=job_id)
+        epoch = state.placement_epoch
+        decided_at = self.placement_decided_at or None
+        placements = {j: tuple(job.placement) for j, job in state.jobs.items() if j in self.sidecars}
+        finished = {j for j in self.sidecars if j in state.jobs and state.jobs[j].status in FINISHED_STATUSES}
+        leaving = [(j, self.sidecars.pop(j)) for j in list(self.sidecars) if j not in desired]
+        for job_id, side in leaving:
+            if job_id in placements and job_id not in finished and side.proc.returncode is None:
+                # The job left this node (moved or preempted): the last order tells
+                # the sidecar so, and it hands the job's progress over before exiting.
+                with contextlib.suppress(Exception):
+                    await side.send(
+                        ev.Reconfigure(
+                            job_id=job_id, epoch=epoch, gpus=placements[job_id], effective_at=decided_at
+                        )
+                    )
+        for job_id, side in leaving:
+            task = asyncio.create_task(self._stop(job_id, side))
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
         for job_id, gpus in desired.items():
             side = self.sidecars.get(job_id)
             if side is not None and side.proc.returncode is not None:
@@ -157,12 +187,7 @@ class NodeDaemon:
                 side = self.sidecars[job_id] = await self._spawn(job_id)
             if side.gpus != gpus:
                 await side.send(
-                    ev.Reconfigure(
-                        job_id=job_id,
-                        epoch=state.placement_epoch,
-                        gpus=gpus,
-                        effective_at=self.placement_decided_at or None,
-                    )
+                    ev.Reconfigure(job_id=job_id, epoch=epoch, gpus=gpus, effective_at=decided_at)
                 )
 
     async def _heartbeats(self, stop: asyncio.Event) -> None:
@@ -217,6 +242,8 @@ class NodeDaemon:
         finally:
             beats.cancel()
             await asyncio.gather(beats, return_exceptions=True)
-            await asyncio.gather(*(s.stop() for s in self.sidecars.values()), return_exceptions=True)
+            await asyncio.gather(
+                *(s.stop() for s in self.sidecars.values()), *self._stopping, return_exceptions=True
+            )
             self.sidecars.clear()
             await self.projection.stop()

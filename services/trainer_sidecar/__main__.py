@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 import sys
 
@@ -72,6 +73,10 @@ async def main_async(args: argparse.Namespace) -> int:
             raise runner.exception()  # type: ignore[misc]
         # After completion keep holding the GPUs until the node daemon stops us.
         await stop.wait()
+        if not runner.done():
+            # Let the trainer apply the orders that came with the end of stdin.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(runner), 5.0)
     finally:
         for t in (reader, runner, stopper):
             t.cancel()

@@ -14,6 +14,16 @@ job's catalog curve for ``spec.model``, else linear scaling). The trainer comput
 the exact virtual instant the job finishes and wakes for it, so completion times
 do not depend on a polling period.
 
+Timing at a high time scale. At 1000× a 30 ms control-plane path (allocator →
+placer → node daemon → this process, plus spawning the process) would be 30
+virtual seconds per change, an artefact of emulation and not of the scheduler. So
+an order applies as of its ``effective_at`` (the instant the allocator decided it,
+carried on ``Reconfigure``): progress under the old shape is counted up to that
+instant, the cost model's stop time runs from it, and the events are stamped with
+it. The job completes at its exact virtual finish instant, rounded up to a whole
+second as in the simulator, and ``JobCompleted`` carries that instant. This is what
+makes emulate-mode runs agree with ``shoal simulate`` (the conformance test).
+
 Leadership (emulated mode): of the job's sidecars, the one on the node that holds
 the job's lowest ``GpuRef`` drives it: it advances, reports and completes; the
 others only hold the GPUs. A new leader resumes from the newest
@@ -25,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 
 import msgspec
 import nats.js.errors
@@ -33,10 +44,14 @@ from shoal import codec
 from shoal import events as ev
 from shoal.bus import Bus, ConcurrencyConflict
 from shoal.clock import Clock
-from shoal.models import Catalog
+from shoal.models import Catalog, interpolate
 from shoal.sim.costs import ReconfigCosts, classify
 
 log = structlog.get_logger("shoal.sidecar")
+
+_EPS = 1e-6
+_DRAIN_S = 0.01
+"""Wall seconds to wait for orders already in the pipe before acting on an overdue instant."""
 
 
 class EmulatedTrainer:
@@ -65,10 +80,13 @@ class EmulatedTrainer:
         self.gpus: tuple[ev.GpuRef, ...] = ()
         self.iteration = 0.0
         self.stopped_until = 0.0
+        """Progress resumes at this virtual instant (end of the current stop)."""
+        self.segment_at = 0.0
+        """Start of the current segment: ``iteration`` is the progress at that instant
+        and progress is linear at ``rate()`` from ``stopped_until`` on."""
         self.in_flight: tuple[int, float, float] | None = None
         """(epoch, started at, stop time) of the reconfiguration under way."""
         self.completed = False
-        self._last_progress_at = 0.0
         self._last_report_wall = 0.0
 
     @property
@@ -79,13 +97,17 @@ class EmulatedTrainer:
     def is_leader(self) -> bool:
         return bool(self.gpus) and min(self.gpus).node_id == self.node_id
 
-    async def _last_event(self, name: str) -> ev.Event | None:
+    async def _last_envelope(self, name: str) -> ev.Envelope | None:
         subject = f"{self.bus.names.prefix}.job.{self.job_id}.{name}"
         try:
             raw = await self.bus.js.get_last_msg(self.bus.names.events_stream, subject)
         except nats.js.errors.NotFoundError:
             return None
-        return codec.decode(raw.data or b"").event
+        return codec.decode(raw.data or b"")
+
+    async def _last_event(self, name: str) -> ev.Event | None:
+        env = await self._last_envelope(name)
+        return None if env is None else env.event
 
     async def load(self) -> None:
         submitted = await self._last_event("submitted")
@@ -94,7 +116,15 @@ class EmulatedTrainer:
         self.spec = submitted.spec
         want = self.spec.max_gpus
         curve: tuple[float, ...] | None = None
-        if self.catalog is not None and self.spec.model in self.catalog.curves:
+        # The job's own throughput model in the log (a profile, or the calibrated
+        # curve a trace replay published, as the simulator does) comes first.
+        model = await self._last_event("profile.throughput_model_updated")
+        if isinstance(model, ev.ThroughputModelUpdated) and model.throughput:
+            curve = interpolate(dict(model.throughput), upto=want)
+        elif self.spec.profile:
+            table = self.spec.profile.get("") or self.spec.profile[sorted(self.spec.profile)[0]]
+            curve = interpolate(dict(table), upto=want)
+        if curve is None and self.catalog is not None and self.spec.model in self.catalog.curves:
             by_type = self.catalog.curves[self.spec.model]
             curve = by_type[sorted(by_type)[0]].throughput
         if curve is None:
@@ -104,26 +134,55 @@ class EmulatedTrainer:
         self.curve = curve
         await self._resume_progress()
 
-    async def _resume_progress(self) -> None:
-        progress = await self._last_event("progress")
-        if isinstance(progress, ev.ProgressReported):
-            self.iteration = max(self.iteration, float(progress.iteration))
-        done = await self._last_event("completed")
-        self.completed = done is not None
+    async def _resume_progress(self, at: float | None = None) -> int:
+        """Take over the job's progress from the log: the newest report, carried
+        forward to ``at`` at the rate the job had then. Returns the number of GPUs
+        the job ran on according to that report (0: it was not running).
+
+        Whoever gave up the job reported the instant it did (see :meth:`apply`), so
+        the carry-over only bridges a report that was cut short (a killed process)."""
+        env = await self._last_envelope("progress")
+        world = 0
+        if env is not None and isinstance(env.event, ev.ProgressReported):
+            done = float(env.event.iteration)
+            world = env.event.num_gpus
+            if at is not None and world and at > env.at:
+                done += self.curve[min(world, len(self.curve) - 1)] * (at - env.at)
+            total = self.total
+            self.iteration = max(self.iteration, done if total is None else min(total, done))
+        done_env = await self._last_event("completed")
+        self.completed = done_env is not None
+        return world
 
     def rate(self) -> float:
         if not self.world or self.world >= len(self.curve):
             return self.curve[-1] if self.world else 0.0
         return self.curve[self.world]
 
-    def _advance(self, now: float) -> None:
-        start = max(self._last_progress_at, self.stopped_until)
-        if self.world and now > start and not self.completed:
-            self.iteration += self.rate() * (now - start)
-        self._last_progress_at = max(self._last_progress_at, now)
+    @property
+    def total(self) -> float | None:
+        return float(self.spec.total_iterations) if self.spec and self.spec.total_iterations else None
 
-    async def _publish(self, event: ev.Event, **kw: object) -> None:
-        await self.bus.publish(codec.wrap(event, at=self.clock.now()), **kw)  # type: ignore[arg-type]
+    def iteration_at(self, t: float) -> float:
+        """Iterations done at virtual time ``t`` (within the current segment)."""
+        if not self.world or self.completed:
+            return self.iteration
+        done = self.iteration + self.rate() * max(0.0, t - self.stopped_until)
+        total = self.total
+        return done if total is None else min(total, done)
+
+    def finish_at(self) -> float | None:
+        """The virtual instant the job completes at the current rate, rounded up to a
+        whole second exactly as the simulator does (``SimConfig`` completions)."""
+        total, rate = self.total, self.rate()
+        if total is None or rate <= 0 or not self.world or self.completed:
+            return None
+        exact = self.stopped_until + max(0.0, total - self.iteration) / rate
+        return float(math.ceil(exact - _EPS))
+
+    async def _publish(self, event: ev.Event, *, at: float | None = None, **kw: object) -> None:
+        stamp = self.clock.now() if at is None else at
+        await self.bus.publish(codec.wrap(event, at=stamp), **kw)  # type: ignore[arg-type]
 
     async def apply(self, cmd: ev.Reconfigure) -> None:
         """Handle one order (see the module docstring)."""
@@ -131,23 +190,35 @@ class EmulatedTrainer:
         if cmd.epoch <= self.epoch:
             log.info("stale_order_ignored", job_id=self.job_id, epoch=cmd.epoch, newest=self.epoch)
             return
+        # The order takes effect when the allocator decided it, not when it reached
+        # this process (see the module docstring); never before the current segment.
+        t = now if cmd.effective_at is None else min(now, max(cmd.effective_at, self.segment_at))
         was_leader = self.is_leader
-        self._advance(now)
+        done = self.iteration_at(t)
         old_world, old_gpus = self.world, self.gpus
         if self.in_flight is not None and was_leader:
             await self._publish(
                 ev.ReconfigurationCancelled(
                     job_id=self.job_id, epoch=self.in_flight[0], by_epoch=cmd.epoch, reason="superseded"
-                )
+                ),
+                at=t,
             )
             self.in_flight = None
+        self.iteration = done
+        self.segment_at = t
+        self.stopped_until = t
         if was_leader and old_world:
-            await self._report(now)
+            # Hand the exact progress at this instant to whoever leads next (0 GPUs
+            # from now on when the job is preempted).
+            await self._report(t, num_gpus=old_world if cmd.gpus else 0)
         self.epoch = cmd.epoch
         self.gpus = tuple(sorted(cmd.gpus))
         if self.is_leader and not was_leader:
-            await self._resume_progress()
-            self._last_progress_at = now
+            # Leadership moved to this node: carry the job's progress over, and count
+            # the change from the shape the job had (a move, not a fresh start).
+            previous = await self._resume_progress(at=t)
+            if previous and not old_world:
+                old_world, old_gpus = previous, ()
         kind = classify(old_world, self.world, set(old_gpus) != set(self.gpus))
         if not self.is_leader or kind is None:
             return
@@ -155,14 +226,15 @@ class EmulatedTrainer:
         await self._publish(
             ev.ReconfigurationStarted(
                 job_id=self.job_id, epoch=cmd.epoch, kind=kind, from_world=old_world, to_world=self.world
-            )
+            ),
+            at=t,
         )
-        self.stopped_until = now + stop
-        self.in_flight = (cmd.epoch, now, stop)
-        if stop == 0:
-            await self._finish_reconfiguration(now)
+        self.stopped_until = t + stop
+        self.in_flight = (cmd.epoch, t, stop)
+        if now >= self.stopped_until:
+            await self._finish_reconfiguration()
 
-    async def _finish_reconfiguration(self, now: float) -> None:
+    async def _finish_reconfiguration(self) -> None:
         if self.in_flight is None:
             return
         epoch, started, stop = self.in_flight
@@ -174,22 +246,24 @@ class EmulatedTrainer:
                 world_size=self.world,
                 gpus=self.gpus,
                 stop_time_s=stop,
-                duration_s=max(0.0, now - started),
-            )
+                duration_s=stop,
+            ),
+            at=started + stop,
         )
 
-    async def _report(self, now: float) -> None:
+    async def _report(self, at: float, num_gpus: int | None = None) -> None:
         if self.spec is None:
             return
         self._last_report_wall = asyncio.get_running_loop().time()
         await self._publish(
             ev.ProgressReported(
                 job_id=self.job_id,
-                iteration=int(self.iteration),
+                iteration=int(self.iteration_at(at) + _EPS),
                 samples_per_s=self.rate() * max(1, self.spec.global_batch_size),
-                num_gpus=self.world,
+                num_gpus=self.world if num_gpus is None else num_gpus,
                 epoch=self.epoch,
-            )
+            ),
+            at=at,
         )
 
     def _seconds_to_next_wake(self, now: float) -> float:
@@ -198,12 +272,9 @@ class EmulatedTrainer:
         scale = getattr(self.clock, "scale", 1.0)
         if self.in_flight is not None:
             waits.append((self.stopped_until - now) / scale)
-        if self.is_leader and self.world and self.spec and self.spec.total_iterations and not self.completed:
-            start = max(now, self.stopped_until)
-            remaining = self.spec.total_iterations - self.iteration
-            rate = self.rate()
-            if rate > 0:
-                waits.append((start - now + remaining / rate) / scale)
+        finish = self.finish_at() if self.is_leader else None
+        if finish is not None:
+            waits.append((finish - now) / scale)
         return max(0.0, min(waits))
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -211,30 +282,41 @@ class EmulatedTrainer:
         loop = asyncio.get_running_loop()
         while not stop.is_set() and not self.completed:
             now = self.clock.now()
+            # When something is already overdue (this process started late, or is
+            # behind), first take the orders already sent: one of them may change the
+            # job before that instant.
+            wait = min(max(self._seconds_to_next_wake(now), _DRAIN_S), 0.5)
             with contextlib.suppress(TimeoutError):
-                cmd = await asyncio.wait_for(self.commands.get(), self._seconds_to_next_wake(now))
+                cmd = await asyncio.wait_for(self.commands.get(), wait)
                 await self.apply(cmd)
                 continue
             now = self.clock.now()
             if not self.is_leader:
                 continue
-            self._advance(now)
             if self.in_flight is not None and now >= self.stopped_until:
-                await self._finish_reconfiguration(now)
-            total = self.spec.total_iterations if self.spec else None
-            if total is not None and self.iteration >= total - 1e-6:
-                self.iteration = float(total)
-                await self._report(now)
+                await self._finish_reconfiguration()
+            finish = self.finish_at()
+            total = self.total
+            if finish is not None and total is not None and now >= finish:
+                self.iteration = total
+                self.segment_at = self.stopped_until = finish
+                await self._report(finish)
                 try:
                     await self._publish(
-                        ev.JobCompleted(job_id=self.job_id, iterations=total), expected_last_subject_seq=0
+                        ev.JobCompleted(job_id=self.job_id, iterations=int(total)),
+                        at=finish,
+                        expected_last_subject_seq=0,
                     )
                 except ConcurrencyConflict:
                     pass  # another sidecar of this job completed it first
                 self.completed = True
-                log.info("job_completed", job_id=self.job_id, iterations=total)
+                log.info("job_completed", job_id=self.job_id, iterations=total, at=finish)
             elif self.world and loop.time() - self._last_report_wall >= self.report_every_s:
                 await self._report(now)
+        # Orders sent just before the end of stdin (the node daemon's last word on a
+        # job leaving this node) still hand the progress over.
+        while not self.completed and not self.commands.empty():
+            await self.apply(self.commands.get_nowait())
 
 
 def parse_order(line: bytes) -> ev.Reconfigure:
