@@ -1,0 +1,282 @@
+"""One typed settings struct for every shoal process, read from ``SHOAL_*`` variables and flags.
+
+Precedence, lowest first: the defaults below, then the environment
+(``SHOAL_<FIELD>``, e.g. ``SHOAL_TIME_SCALE=500``), then explicit overrides (the
+command-line flags). ``nats_url`` also honours the plain ``NATS_URL`` that NATS
+tooling uses; when both are set ``NATS_URL`` wins, the same order the client
+commands use to find the server, so services and clients never disagree.
+
+Parsing rules, chosen to match what an operator of a production scheduler expects:
+
+* every value is validated on load; a bad one (``SHOAL_TIME_SCALE=abc``) raises
+  :class:`SettingsError` naming the variable (or flag) and what was expected, and no
+  settings object is produced at all (nothing is half-applied);
+* booleans accept ``1/0, true/false, yes/no, on/off`` (any case);
+* an empty variable means "unset" for optional fields (``SHOAL_MQTT_PORT=``) and is
+  an error for required ones;
+* ``SHOAL_POLICY_PARAMS`` is a JSON object of keyword arguments for the policy;
+* an unknown ``SHOAL_*`` variable is ignored by :meth:`Settings.load` but reported by
+  :func:`unknown_variables` (with the closest known name), which ``shoal run``/``up``/
+  ``demo`` and :func:`shoal.runtime.run_service` print as a warning: a typo must not
+  pass silently, yet other shoal tools own variables of their own (``SHOAL_TRAIN_*``
+  of the training workers, ``SHOAL_USER`` of the client), and a service must not
+  refuse to start because a shell exports one. Unknown *overrides* (flags) are
+  programming errors and raise.
+
+Loading reads nothing but the mapping it is given: no file, no network. Modules deep
+in the code never read the environment; they get a :class:`Settings`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import socket
+import typing
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+ENV_PREFIX = "SHOAL_"
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+LogFormat = Literal["auto", "json", "pretty"]
+PositiveFloat = Annotated[float, Meta(gt=0)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+Port = Annotated[int, Meta(ge=-1, le=65535)]
+Token = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
+Prefix = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")]
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class SettingsError(ValueError):
+    """A setting has a value that cannot be used; the message names its source."""
+
+
+def default_state_dir() -> str:
+    """The per-user state directory (e.g. ``~/.local/state/shoal`` on Linux)."""
+    import platformdirs
+
+    return platformdirs.user_state_dir("shoal", appauthor=False)
+
+
+def default_node_id() -> str:
+    """A node id derived from the host name (a valid id token: no dots)."""
+    host = socket.gethostname().split(".")[0] or "node"
+    token = "".join(c if c.isalnum() or c in "-_" else "-" for c in host)
+    return token[:128] or "node"
+
+
+class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything a shoal process can be configured with.
+
+    Build it with :meth:`load`, not the constructor, so the environment is honoured
+    and values are validated.
+    """
+
+    nats_url: str | None = None
+    """NATS server URL. Unset: the embedded server that `shoal up` runs for ``state_dir``."""
+    prefix: Prefix = "shoal"
+    """Subject/stream prefix of one installation (several can share a NATS server)."""
+    state_dir: str = ""
+    """Where `shoal up` keeps its JetStream store and its ``nats.json``; default: per-user state dir."""
+    log_level: LogLevel = "info"
+    log_format: LogFormat = "auto"
+    """``auto``: pretty on a terminal, JSON lines otherwise."""
+    policy: str = "afs-p"
+    """Allocation policy name (see ``shoal.policies.registry``)."""
+    policy_params: dict[str, Any] = {}
+    """Keyword arguments of the policy's constructor (``SHOAL_POLICY_PARAMS`` is JSON)."""
+    time_scale: PositiveFloat = 1.0
+    """Virtual seconds per wall second (emulation)."""
+    clock_origin: float | None = None
+    """Shared origin of the scaled clock; every process of one emulated installation needs the same."""
+    node_id: Token | None = None
+    """This node daemon's id; default: the host name."""
+    fake_gpus: NonNegInt = 0
+    """Emulated GPUs on this node; 0 discovers real GPUs through NVML."""
+    gpu_type: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,32}$")] = "V100"
+    """Generation of the emulated GPUs."""
+    heartbeat_s: PositiveFloat = 1.0
+    lease_ttl_s: PositiveFloat = 3.0
+    """Leader lease TTL of the allocator and the placer."""
+    node_timeout_s: PositiveFloat = 10.0
+    """Wall seconds without heartbeat after which the allocator declares a node lost."""
+    mqtt_port: Port | None = None
+    """Enable the embedded server's MQTT listener on this port (-1: any free port)."""
+    catalog: str | None = "afs"
+    """Throughput-model catalog (``shoal.models.get_catalog``); empty: none."""
+    costs: str = "coddl"
+    """Reconfiguration cost model of emulated trainers (``shoal.sim.costs``)."""
+    placer: str = "min-migration"
+    network_packing: bool = True
+    report_every_s: PositiveFloat = 0.25
+    """Wall seconds between progress reports of an emulated trainer."""
+    drain_timeout_s: PositiveFloat = 10.0
+    """How long a service may take to drain in-flight work after SIGTERM."""
+    trace_jsonl: str | None = None
+    """Append every finished span as one JSON line to this file."""
+
+    # -- loading ---------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from ``env`` (default ``os.environ``) and explicit overrides.
+
+        Args:
+            env: the environment to read ``SHOAL_*`` (and ``NATS_URL``) from.
+            **overrides: field values from flags; ``None`` means "not given".
+
+        Returns:
+            Validated settings.
+
+        Raises:
+            SettingsError: an unknown override, or a value that does not parse or is
+                out of range; the message names the variable or flag.
+        """
+        env = os.environ if env is None else env
+        hints = _field_types()
+        values: dict[str, Any] = {}
+        for key, text in env.items():
+            if not key.startswith(ENV_PREFIX):
+                continue
+            name = key[len(ENV_PREFIX) :].lower()
+            if name not in hints:
+                continue  # see unknown_variables()
+            values[name] = _parse_text(key, text, hints[name], name)
+        if env.get("NATS_URL", "").strip():
+            # NATS tooling's own variable wins, as in the CLI's server lookup (commands/_connect).
+            values["nats_url"] = env["NATS_URL"].strip()
+        for name, value in overrides.items():
+            if value is None:
+                continue
+            if name not in hints:
+                raise SettingsError(_unknown(name, list(hints)))
+            flag = "--" + name.replace("_", "-")
+            values[name] = _convert(flag, value, hints[name])
+        if not values.get("state_dir"):
+            values["state_dir"] = default_state_dir()
+        try:
+            return msgspec.convert(values, cls)
+        except msgspec.ValidationError as exc:  # pragma: no cover - each field was checked above
+            raise SettingsError(str(exc)) from None
+
+    def to_env(self) -> dict[str, str]:
+        """The ``SHOAL_*`` variables that reproduce these settings in a child process."""
+        out: dict[str, str] = {}
+        for name, value in msgspec.structs.asdict(self).items():
+            key = ENV_PREFIX + name.upper()
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                out[key] = "true" if value else "false"
+            elif isinstance(value, dict):
+                out[key] = json.dumps(value, sort_keys=True)
+            elif isinstance(value, float):
+                out[key] = repr(value)
+            else:
+                out[key] = str(value)
+        return out
+
+    def resolved_node_id(self) -> str:
+        return self.node_id or default_node_id()
+
+
+#: ``SHOAL_*`` names owned by other shoal tools, never reported as unknown.
+FOREIGN_PREFIXES: tuple[str, ...] = ("SHOAL_TRAIN_",)
+FOREIGN_NAMES: frozenset[str] = frozenset({"SHOAL_USER"})
+
+
+def unknown_variables(env: Mapping[str, str] | None = None) -> list[str]:
+    """One message per ``SHOAL_*`` variable of ``env`` that no setting reads (sorted),
+    e.g. ``"SHOAL_TIME_SCLAE (did you mean SHOAL_TIME_SCALE?)"``."""
+    env = os.environ if env is None else env
+    known = [ENV_PREFIX + n.upper() for n in _field_types()]
+    out = []
+    for key in sorted(env):
+        if not key.startswith(ENV_PREFIX) or key in known or key in FOREIGN_NAMES:
+            continue
+        if key.startswith(FOREIGN_PREFIXES):
+            continue
+        out.append(_unknown(key, known).removeprefix("unknown setting "))
+    return out
+
+
+def _field_types() -> dict[str, Any]:
+    hints = typing.get_type_hints(Settings, include_extras=True)
+    return {f.name: hints[f.name] for f in msgspec.structs.fields(Settings)}
+
+
+def _unknown(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"unknown setting {name}{hint}"
+
+
+def _is_optional(tp: Any) -> bool:
+    return type(None) in typing.get_args(tp)
+
+
+def _base(tp: Any) -> Any:
+    if typing.get_origin(tp) is Annotated:
+        return typing.get_args(tp)[0]
+    return tp
+
+
+def _parse_text(source: str, text: str, tp: Any, name: str) -> Any:
+    text = text.strip()
+    if text == "":
+        if _is_optional(tp):
+            return None
+        raise SettingsError(f"{source} is empty; expected {_describe(tp)}")
+    base = _base(tp)
+    if base is bool:
+        low = text.lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise SettingsError(f"{source}={text!r}: expected a boolean (true/false, 1/0, yes/no, on/off)")
+    if typing.get_origin(base) is dict:
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SettingsError(f"{source}={text!r}: expected a JSON object ({exc})") from None
+        return _convert(source, parsed, tp)
+    return _convert(source, text, tp, shown=text)
+
+
+def _convert(source: str, value: Any, tp: Any, shown: Any = None) -> Any:
+    try:
+        return msgspec.convert(value, tp, strict=False)
+    except msgspec.ValidationError as exc:
+        shown = value if shown is None else shown
+        raise SettingsError(f"{source}={shown!r}: {_reason(exc, tp)}") from None
+
+
+def _reason(exc: msgspec.ValidationError, tp: Any) -> str:
+    base = _base(tp)
+    if typing.get_origin(base) is Literal:
+        return "expected one of " + ", ".join(str(a) for a in typing.get_args(base))
+    msg = str(exc)
+    if "got `str`" in msg:
+        return f"expected {_describe(tp)}"
+    return msg[0].lower() + msg[1:] if msg else f"expected {_describe(tp)}"
+
+
+def _describe(tp: Any) -> str:
+    base = _base(tp)
+    args = [a for a in typing.get_args(base) if a is not type(None)]
+    if typing.get_origin(base) is Literal:
+        return "one of " + ", ".join(str(a) for a in args)
+    if args and _is_optional(base):
+        return _describe(args[0])
+    return _NAMES.get(base, getattr(base, "__name__", str(base)))
+
+
+_NAMES: dict[Any, str] = {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}
