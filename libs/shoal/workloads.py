@@ -9,7 +9,10 @@ Sources (``load_workload(spec)``):
 * ``philly:<vc>[:<n>]`` — the Microsoft Philly VCs that AFS uses (AFS/CoDDL §5.1,
   Table 3), rows with ``in_afs_pcs_trace == 1``; ``<n>`` keeps the first n jobs.
 * ``pollux:<workload_set>:<id>`` — the Pollux (OSDI'21) testbed workloads.
-* ``poisson:n=<jobs>,rate=<per hour>[,...]`` — synthetic arrivals.
+* ``poisson:n=<jobs>,rate=<per hour>[,mean_duration_s=..][,users=<k>][,catalog=gavel]
+  [,reference=v100]`` — synthetic arrivals; ``users=k`` spreads jobs over users
+  ``user-0 … user-<k-1>`` (uniformly at random, seeded); ``catalog=gavel`` draws Gavel
+  job types with their per-generation curves (K80/P100/V100) for heterogeneous clusters.
 
 Modelling choices (REPRODUCTION.md, "AFS / CoDDL"):
 
@@ -28,6 +31,12 @@ Modelling choices (REPRODUCTION.md, "AFS / CoDDL"):
   sets ``max_gpus = requested`` (the "capped" variant REPRODUCTION.md warns about).
 * Times: arrivals and durations are whole seconds in the trace; fractional synthetic
   values are rounded up.
+* Heterogeneous curves (``catalog=gavel``): a job's length is calibrated on its
+  ``reference`` generation (default ``v100``, Gavel's reference worker type when it turns
+  a trace duration into steps), and every generation's curve is scaled by the same
+  factor, so the ratios between generations are Gavel's measurements. ``max_gpus`` is
+  the reference curve's maximum; a generation whose measured curve is shorter repeats
+  its last value beyond (no further speedup, as :func:`shoal.view.job_curve` does).
 * Pollux workloads carry no run time. The run time of each job at its requested
   replicas is an explicit parameter (``durations_s`` per application, or one
   ``duration_s`` for all); there is no default pretending to be data.
@@ -316,23 +325,61 @@ def poisson_workload(
     mean_duration_s: float = 3600.0,
     gpu_choices: Sequence[int] = (1, 1, 1, 1, 2, 4, 8),
     curves: Sequence[ThroughputCurve] | None = None,
+    users: int | Sequence[str] = 1,
+    catalog: Catalog | None = None,
+    reference_type: str = "v100",
 ) -> tuple[TraceJob, ...]:
     """Poisson arrivals, exponential run times, requests drawn from ``gpu_choices``.
 
     Run times are at least one second; arrivals are rounded up to whole seconds.
+
+    Args:
+        n_jobs: number of jobs.
+        rate_per_hour: mean arrivals per hour.
+        seed: seed of every draw (arrivals, run times, requests, users; models use seed + 1).
+        mean_duration_s: mean run time at the request.
+        gpu_choices: requests are drawn uniformly from this list.
+        curves: model pool (default the nine AFS Table 4 models).
+        users: how many users (named ``user-<i>``) or their names; each job's user is
+            drawn uniformly (one user: ``default``).
+        catalog: a heterogeneous catalog (e.g. Gavel); models are drawn from its curves
+            on ``reference_type`` and jobs carry every generation's curve.
+        reference_type: the generation the run time is calibrated on.
     """
+    if n_jobs < 0 or rate_per_hour <= 0 or mean_duration_s <= 0:
+        raise ValueError("poisson workload needs n >= 0, rate > 0 and mean_duration_s > 0")
+    names = [f"user-{i}" for i in range(users)] if isinstance(users, int) else list(users)
+    if not names:
+        raise ValueError("poisson workload needs at least one user")
     rng = random.Random(seed)
     t = 0.0
-    arrivals, durations, requests = [], [], []
+    arrivals, durations, requests, owners = [], [], [], []
     for _ in range(n_jobs):
         arrivals.append(math.ceil(t))
         durations.append(max(1, math.ceil(rng.expovariate(1.0 / mean_duration_s))))
         requests.append(rng.choice(list(gpu_choices)))
         t += rng.expovariate(rate_per_hour / 3600.0)
+    if len(names) > 1:
+        owners = [rng.choice(names) for _ in range(n_jobs)]
+    else:
+        owners = ["default" if users == 1 else names[0]] * n_jobs
+    by_type: dict[str, Mapping[str, ThroughputCurve]] = {}
+    if catalog is not None:
+        pool = []
+        for model in catalog.models():
+            types = catalog.curves[model]
+            if reference_type not in types:
+                raise ValueError(
+                    f"catalog {catalog.name!r} has no {reference_type!r} curve for {model!r}; "
+                    f"generations: {sorted(types)}"
+                )
+            pool.append(types[reference_type])
+            by_type[model] = types
+        curves = pool
     models = assign_models(requests, seed + 1, curves)
     return tuple(
-        make_job(f"poisson-{i:06d}", a, d, g, m)
-        for i, (a, d, g, m) in enumerate(zip(arrivals, durations, requests, models, strict=True))
+        make_job(f"poisson-{i:06d}", a, d, g, m, user=u, by_type=by_type.get(m.model))
+        for i, (a, d, g, m, u) in enumerate(zip(arrivals, durations, requests, models, owners, strict=True))
     )
 
 
@@ -383,9 +430,14 @@ def load_workload(spec: str, *, seed: int = 0, cap_at_request: bool = False) -> 
         except KeyError as exc:
             raise ValueError(f"poisson workload needs n= and rate=; missing {exc}") from None
         mean = float(kv.pop("mean_duration_s", "3600"))
+        n_users = int(kv.pop("users", "1"))
+        cat = get_catalog(kv.pop("catalog")) if "catalog" in kv else None
+        reference = kv.pop("reference", "v100")
         if kv:
             raise ValueError(f"unknown poisson parameters: {sorted(kv)}")
-        loaders[kind] = lambda: poisson_workload(n, rate, seed=seed, mean_duration_s=mean)
+        loaders[kind] = lambda: poisson_workload(
+            n, rate, seed=seed, mean_duration_s=mean, users=n_users, catalog=cat, reference_type=reference
+        )
     else:
         raise ValueError(
             f"unknown workload kind {kind!r} in {spec!r}; use philly:<vc>, pollux:<set>:<id> or poisson:n=..,rate=.."

@@ -2,32 +2,84 @@
 
 The simulator drives the same code the services run: every state change is an event
 appended to an :class:`~shoal.sim.log.InMemoryLog` and folded by
-:func:`shoal.state.apply`; decisions come from :func:`shoal.view.build_view` and
+:func:`shoal.state.apply`; decisions come from the views of :mod:`shoal.view` (the
+same as ``build_view``, memoised per waiting job) and
 :mod:`shoal.allocation`. Only the passage of time and the jobs' progress are modelled
 here, in place of the trainer sidecars.
 
 Event sequence (REPRODUCTION.md, "AFS / CoDDL"):
 
-* Nodes are registered at t = 0 (``NodeRegistered``): one node of ``total_gpus`` in
-  the flat pool (``flat=True``; no network packing, no placement), else
-  ``total_gpus / gpus_per_node`` servers.
-* Arrival: ``JobSubmitted`` and the job's curve as a ``ThroughputModelUpdated``
-  (``model_kind="table"``). Arrivals are whole seconds (rounded up by the loader).
-* Decision at every arrival, completion and policy tick, after all events of that
-  virtual second (coalesced): ``ProgressReported`` for each running job whose GPUs
-  change (settles its continuous progress), ``SharesDecided`` (skipped when shares and
-  memory are unchanged), ``PlacementDecided`` (topology mode, when it changed), and one
-  ``ReconfigurationCompleted`` per changed job, at ``now + stop_time`` with the cost
-  model's stop time (a newer change before that cancels it: ``ReconfigurationCancelled``).
+* Users of ``SimConfig.users`` (``UserRegistered``) and nodes (``NodeRegistered``) are
+  registered at t = 0: one node of ``total_gpus`` in the flat pool (``flat=True``; no
+  network packing, no placement), else ``total_gpus / gpus_per_node`` servers.
+* Arrival: ``JobSubmitted`` and, with ``profiling="oracle"``, the job's curve as a
+  ``ThroughputModelUpdated`` (``model_kind="table"``; one more per GPU generation on a
+  heterogeneous cluster). Arrivals are whole seconds (rounded up by the loader).
+* Decision at every arrival, completion, model update and policy tick, after all events
+  of that virtual second (coalesced): ``ProgressReported`` for each running job whose
+  GPUs change (settles its continuous progress), ``SharesDecided`` (skipped when shares
+  and memory are unchanged, as the allocator skips it), ``PlacementDecided`` (when
+  placing, and the placement changed; the placer is not asked when no new decision was
+  published, or when the shares equal what every job holds and the placer is
+  min-migration, which then keeps every GPU), and one ``ReconfigurationCompleted`` per
+  changed job at ``now + stop_time``, with the cost model's stop time for the kind of
+  change (:mod:`shoal.sim.costs`: start, stop, scale-out, scale-in, migrate).
+* A newer change before a job's stop ends cancels the in-flight one (CoDDL §4.3):
+  ``ReconfigurationCancelled(epoch, by_epoch)``, the old epoch never completes, the
+  new change's stop starts at once, and only the elapsed part of the cancelled stop
+  counts as lost GPU time.
 * Completion: at ``ceil(exact finish time)`` (whole seconds, a 1 µs tolerance absorbs
   float error), ``JobCompleted``.
 * Progress is continuous: ``rate = curve[gpus]`` iterations/s from
-  ``max(change time, end of the stop)`` on.
+  ``max(change time, end of the stop)`` on; a job makes no progress while stopped.
+* Metrics (:mod:`shoal.sim.metrics`) are sampled after every decision from running
+  sums kept as jobs change (:meth:`Simulator.recompute_metrics` is the from-scratch
+  version the tests compare against).
 
 Policy ticks (lease/quantum timeouts): the policy's ``tick_s`` attribute (or
 ``lease_s``/``quantum_s``), overridable by ``SimConfig.tick_s``, re-runs the policy on the
 grid ``k·tick_s`` while jobs are active; in addition a decision whose memory holds
 ``next_decision_at_s`` asks for a re-run then (rounded up to a whole second).
+
+Heterogeneous clusters (Gavel, Gandiva_fair §3.4): ``SimConfig.cluster`` maps GPU
+generation -> count (``parse_cluster("64xk80,24xp100,12xv100")``). Each generation gets
+its own nodes (``<type>-n<i>``; in the flat setting one pool node per generation), so
+``view.gpus_by_type`` lists the inventory and the placer keeps a job on the generation
+the policy chose (``Decision.gpu_types`` -> ``SharesDecided`` -> ``PlacementDecided``).
+A policy that names no type is placed anywhere. Progress uses the curve of the
+generation the job actually runs on; a gang spread over several generations runs at
+the slowest one's rate at its GPU count (synchronous steps wait for the slowest
+worker; choice). A generation the job has no curve for uses the job's default curve.
+The job's per-generation curves are published at arrival as one
+``ThroughputModelUpdated`` per generation of the cluster (matched case-insensitively
+to the workload's curve names).
+
+Users and tickets (Gandiva_fair §3.1): ``SimConfig.users`` (user -> tickets) is
+registered at t = 0 with ``UserRegistered``; jobs name their user in ``JobSpec.user``.
+A policy that trades GPUs between users (Gandiva_fair) reports its trades in
+``Decision.memory["trades_executed"]``/``["trades_undone"]``; the simulator publishes
+them as ``TradeExecuted``/``TradeUndone`` after the ``SharesDecided`` that carries
+them (they do not trigger another decision: that decision already holds them).
+
+Throughput measurement (``SimConfig.profiling``):
+
+* ``oracle`` (default): the true curve is published at arrival (the AFS simulator's
+  setting for AFS-P and Optimus, §5.1).
+* ``overestimate`` (CoDDL §4.5, "overestimate first and re-adjust later"): the true
+  curve is hidden. At arrival nothing is published (the profiler knows nothing), so
+  the view assumes linear scaling (:func:`shoal.view.job_curve`'s fallback, equal to
+  ``estimate_curve({})``). When the job has run ``measure_s`` seconds on k GPUs of one
+  generation (counted from the end of its reconfiguration stop), the simulator
+  "measures" the true throughput at k and at every unmeasured allocatable unit below
+  it (:func:`shoal.profiling.overestimate.measurement_plan` over
+  ``allocatable_units``: the units the profiler probes with millisecond shrinks) and
+  publishes :func:`~shoal.profiling.overestimate.estimate_curve` of all measurements
+  so far as a ``ThroughputModelUpdated`` (``overestimated`` while some unit is still
+  unmeasured). That event triggers a decision (``model_update``), as it does for the
+  allocator service, and the re-adjustment it causes pays the cost model's stop time
+  like any other change. The time spent on the smaller probe units is not modelled
+  separately (choice: their iterations are training iterations and each switch takes
+  milliseconds, §4.3).
 
 Open points, chosen: a job with a positive share the placer could not place runs on
 nothing at that epoch (counted in ``unplaced_decisions``); when jobs are active but no
@@ -42,19 +94,56 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import msgspec
 from msgspec import Struct
 
 from shoal import events as ev
 from shoal.allocation import decide_shares, place
 from shoal.events import GpuInfo
-from shoal.policies.base import Policy
+from shoal.policies.base import ClusterView, Policy
 from shoal.sim.costs import PRESETS, ReconfigCosts, classify
 from shoal.sim.log import InMemoryLog, VirtualClock
-from shoal.sim.metrics import Series, jct_summary
-from shoal.view import build_view
+from shoal.sim.metrics import Series, UserShares, jct_summary
+from shoal.state import digest
+from shoal.view import cluster_gpus, job_curve, job_view
 from shoal.workloads import TraceJob
 
 _EPS = 1e-6
+PROFILING_MODES: tuple[str, ...] = ("oracle", "overestimate")
+
+
+def parse_cluster(text: str) -> dict[str, int]:
+    """A GPU inventory from ``"64xk80,24xp100"`` (or ``"k80=64,p100=24"``).
+
+    Returns:
+        GPU type -> count, in the order given.
+
+    Raises:
+        ValueError: malformed entry, non-positive count or a type given twice.
+    """
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if "=" in part:
+            gpu_type, _, count = part.partition("=")
+        else:
+            count, sep, gpu_type = part.partition("x")
+            if not sep:
+                raise ValueError(f"cluster entry {part!r} is not <count>x<type> (e.g. 64xk80)")
+        gpu_type, count = gpu_type.strip(), count.strip()
+        if not count.isdigit() or int(count) <= 0:
+            raise ValueError(f"cluster entry {part!r}: the count must be a positive integer")
+        if not gpu_type or any(not (c.isalnum() or c in "_.-") for c in gpu_type):
+            raise ValueError(f"cluster entry {part!r}: bad GPU type {gpu_type!r}")
+        if gpu_type in out:
+            raise ValueError(f"GPU type {gpu_type!r} given twice in {text!r}")
+        out[gpu_type] = int(count)
+    if not out:
+        raise ValueError(f"empty cluster spec {text!r}")
+    return out
+
+
+def _node_token(gpu_type: str) -> str:
+    return gpu_type.replace(".", "_")
 
 
 class SimulationStalled(RuntimeError):
@@ -80,6 +169,23 @@ class SimConfig(Struct, frozen=True, kw_only=True):
     max_time_s: float | None = None
     """Stop at this virtual time (unfinished jobs are reported, not counted in JCT)."""
     series: bool = True
+    cluster: dict[str, int] | None = None
+    """Heterogeneous inventory, GPU type -> count (see :func:`parse_cluster`); when set it
+    replaces ``total_gpus`` and ``gpu_type``. Each count must split into nodes."""
+    users: dict[str, int] = {}
+    """Users registered at t = 0 with their tickets (Gandiva_fair); others get the fold's default."""
+    profiling: str = "oracle"
+    """``oracle`` or ``overestimate`` (CoDDL §4.5); see the module docstring."""
+    measure_s: float = 30.0
+    """Seconds a job runs on a new share before its measurement is published (``overestimate``)."""
+
+    def inventory(self) -> dict[str, int]:
+        """GPU type -> count of the simulated cluster."""
+        return dict(self.cluster) if self.cluster else {self.gpu_type: self.total_gpus}
+
+    def gpus(self) -> int:
+        """Total GPUs of the simulated cluster."""
+        return sum(self.inventory().values())
 
 
 class JobOutcome(Struct, frozen=True, kw_only=True):
@@ -94,6 +200,7 @@ class JobOutcome(Struct, frozen=True, kw_only=True):
     wait_s: float
     """Time without GPUs."""
     reconfigurations: int
+    user: str = ""
 
 
 class SimResult(Struct, kw_only=True):
@@ -107,6 +214,8 @@ class SimResult(Struct, kw_only=True):
     series: Series
     event_counts: dict[str, int]
     final_digest: str = ""
+    user_shares: UserShares | None = None
+    """GPUs held per user per generation over time (``None`` when ``series`` is off)."""
 
 
 class _Job:
@@ -114,6 +223,7 @@ class _Job:
 
     __slots__ = (
         "arrival",
+        "by_type",
         "curve",
         "done",
         "duration",
@@ -121,6 +231,8 @@ class _Job:
         "gpus",
         "id",
         "model",
+        "pend_c",
+        "pend_inv",
         "pending_since",
         "rate",
         "reconfigs",
@@ -128,14 +240,21 @@ class _Job:
         "resume_at",
         "settled_at",
         "total",
+        "types",
+        "user",
         "version",
         "wait",
     )
 
-    def __init__(self, tj: TraceJob) -> None:
+    def __init__(self, tj: TraceJob, by_type: dict[str, tuple[float, ...]]) -> None:
         self.id = tj.job_id
         self.arrival = tj.submit_time_s
         self.curve = tj.throughput
+        self.by_type = by_type
+        """True curve per generation of the cluster (absent: ``curve``)."""
+        self.types: dict[str, int] = {}
+        """GPUs held per generation."""
+        self.user = tj.spec.user
         self.total = float(tj.spec.total_iterations or 0)
         self.duration = tj.duration_s
         self.model = tj.spec.model
@@ -148,6 +267,10 @@ class _Job:
         self.version = 0
         self.wait = 0.0
         self.pending_since: float | None = tj.submit_time_s
+        self.pend_inv = 0.0
+        """1 / remaining time on 1 GPU while pending (BI's weight), else 0."""
+        self.pend_c = 0.0
+        """(wait - pending_since) · pend_inv while pending: BI_j(t) = pend_c + t · pend_inv."""
         self.finished_at: float | None = None
         self.reconfigs = 0
 
@@ -158,6 +281,14 @@ class _Job:
         if now <= start:
             return self.done
         return min(self.total, self.done + self.rate * (now - start))
+
+
+def _fit(curve: Sequence[float], width: int) -> tuple[float, ...]:
+    """``curve`` cut or extended (last value repeated: no further speedup) to ``width`` points."""
+    out = tuple(float(v) for v in curve[:width])
+    if len(out) < width:
+        out += (out[-1] if out else 0.0,) * (width - len(out))
+    return out
 
 
 def policy_tick(policy: Policy) -> float | None:
@@ -191,10 +322,18 @@ class Simulator:
     ) -> None:
         self.config = config or SimConfig()
         cfg = self.config
-        if cfg.total_gpus <= 0:
-            raise ValueError("total_gpus must be positive")
-        if not cfg.flat and (cfg.gpus_per_node <= 0 or cfg.total_gpus % cfg.gpus_per_node):
-            raise ValueError(f"{cfg.total_gpus} GPUs do not split into nodes of {cfg.gpus_per_node}")
+        self.inventory = cfg.inventory()
+        self.total_gpus = sum(self.inventory.values())
+        if self.total_gpus <= 0 or any(n <= 0 for n in self.inventory.values()):
+            raise ValueError("every GPU count must be positive")
+        if not cfg.flat:
+            for gpu_type, count in self.inventory.items():
+                if cfg.gpus_per_node <= 0 or count % cfg.gpus_per_node:
+                    raise ValueError(
+                        f"{count} {gpu_type} GPUs do not split into nodes of {cfg.gpus_per_node}"
+                    )
+        if cfg.profiling not in PROFILING_MODES:
+            raise ValueError(f"profiling is one of {', '.join(PROFILING_MODES)}; got {cfg.profiling!r}")
         self.policy = policy
         self.trace = trace
         self.on_progress = on_progress
@@ -204,19 +343,34 @@ class Simulator:
         ids = [j.job_id for j in self.trace_jobs]
         if len(set(ids)) != len(ids):
             raise ValueError("duplicate job ids in workload")
+        self.hetero = len(self.inventory) > 1
+        self.default_type = next(iter(self.inventory))
+        # The flat homogeneous pool needs no placement (the AFS simulator); every other
+        # setting places, so generations are respected.
+        self.placing = not cfg.flat or self.hetero
         self.clock = VirtualClock(0.0)
         self.log = InMemoryLog(retain=cfg.retain_log)
         self.jobs: dict[str, _Job] = {}
         self.active: dict[str, _Job] = {}
         """Active jobs in arrival order (dicts keep insertion order)."""
         self.curves: dict[str, tuple[float, ...]] = {}
+        """Published (what the policy may know) default curve per job."""
+        self.curves_by_type: dict[str, dict[str, tuple[float, ...]]] = {}
+        """Published per-generation curves per job (heterogeneous clusters)."""
         self.series = Series()
+        self.user_shares = UserShares()
         self._finish_heap: list[tuple[float, int, str, int]] = []
         self._reconf_heap: list[tuple[float, int, str, int, int, float]] = []
         self._pending_reconf: dict[str, int] = {}
+        self._measure_heap: list[tuple[float, int, str, int]] = []
+        self._measured: dict[str, dict[str, dict[int, float]]] = {}
+        """overestimate mode: job -> generation -> measured GPU count -> true throughput."""
         self._heap_seq = 0
         self._wakeup: float | None = None
         self._topology: Any = None
+        self._node_type: dict[str, str] = {}
+        self._placer_keeps_same = cfg.placer == "min-migration"
+        self._view_cache: dict[str, tuple[Any, ...]] = {}
         self.reconfigurations = 0
         self.starts = 0
         self.preemptions = 0
@@ -225,8 +379,16 @@ class Simulator:
         self.unplaced_decisions = 0
         self.migrations = 0
         self.decisions = 0
+        self.model_updates = 0
         self._used = 0
         self._used_since = 0.0
+        # Running sums behind QL, CE, BI and the per-user shares (see _sample).
+        self._n_pending = 0
+        self._bi_s1 = 0.0
+        self._bi_s2 = 0.0
+        self._n_running = 0
+        self._ce_sum = 0.0
+        self._held: dict[tuple[str, str], int] = {}
 
     # -- emission --------------------------------------------------------------
 
@@ -237,16 +399,32 @@ class Simulator:
 
     def _register_nodes(self) -> None:
         cfg = self.config
+        for user, tickets in sorted(cfg.users.items()):
+            self._emit(ev.UserRegistered(user=user, tickets=tickets), at=0.0)
+        nodes: list[tuple[str, int, str]] = []
         if cfg.flat:
-            nodes = [("pool", cfg.total_gpus)]
+            if self.hetero:
+                nodes = [(f"pool-{_node_token(t)}", n, t) for t, n in self.inventory.items()]
+            else:
+                nodes = [("pool", self.total_gpus, self.default_type)]
         else:
-            from shoal.placement import Topology
+            for gpu_type, count in self.inventory.items():
+                prefix = f"{_node_token(gpu_type)}-n" if self.hetero else "n"
+                nodes.extend(
+                    (f"{prefix}{i}", cfg.gpus_per_node, gpu_type) for i in range(count // cfg.gpus_per_node)
+                )
+        if self.placing:
+            from shoal.placement import NodeSlots, Topology
 
-            n = cfg.total_gpus // cfg.gpus_per_node
-            self._topology = Topology.homogeneous(n, cfg.gpus_per_node, gpu_type=cfg.gpu_type)
-            nodes = [(node.node_id, len(node.gpu_indices)) for node in self._topology.nodes]
-        for node_id, count in nodes:
-            gpus = tuple(GpuInfo(index=i, gpu_type=cfg.gpu_type) for i in range(count))
+            self._topology = Topology(
+                nodes=tuple(
+                    NodeSlots(node_id=node_id, gpu_indices=tuple(range(count)), gpu_type=gpu_type)
+                    for node_id, count, gpu_type in nodes
+                )
+            )
+        for node_id, count, gpu_type in nodes:
+            self._node_type[node_id] = gpu_type
+            gpus = tuple(GpuInfo(index=i, gpu_type=gpu_type) for i in range(count))
             self._emit(ev.NodeRegistered(node_id=node_id, gpus=gpus, emulated=True), at=0.0)
 
     # -- the loop ----------------------------------------------------------------
@@ -268,6 +446,9 @@ class Simulator:
             t_finish = self._peek_finish()
             if t_finish is not None:
                 t_next = min(t_next, t_finish)
+            t_measure = self._peek_measure() if self._measure_heap else None
+            if t_measure is not None:
+                t_next = min(t_next, t_measure)
             t_event = t_next
             if self.active:
                 if self.tick:
@@ -297,6 +478,11 @@ class Simulator:
                 self._arrive(arrivals[nxt], now)
                 nxt += 1
                 trigger = "arrival"
+            while (t := self._peek_measure() if self._measure_heap else None) is not None and t <= now:
+                _, _, job_id, _ = heapq.heappop(self._measure_heap)
+                self._measure(self.jobs[job_id], now)
+                if trigger == "tick":
+                    trigger = "model_update"
             if t_event > now and trigger == "tick" and self._wakeup is not None and now >= self._wakeup:
                 trigger = "wakeup"
             if self.active or trigger != "tick":
@@ -347,7 +533,7 @@ class Simulator:
     def _reconf_completed(
         self, job: _Job, epoch: int, world: int, stop: float
     ) -> ev.ReconfigurationCompleted:
-        gpus = self.log.state.jobs[job.id].placement if not self.config.flat else ()
+        gpus = self.log.state.jobs[job.id].placement if self.placing else ()
         return ev.ReconfigurationCompleted(
             job_id=job.id, epoch=epoch, world_size=world, gpus=gpus, stop_time_s=stop, duration_s=stop
         )
@@ -355,30 +541,100 @@ class Simulator:
     # -- arrivals and completions -------------------------------------------------
 
     def _arrive(self, tj: TraceJob, now: float) -> None:
-        job = _Job(tj)
+        width = len(tj.throughput)
+        by_type: dict[str, tuple[float, ...]] = {}
+        if self.hetero and tj.throughput_by_type:
+            lower = {k.lower(): v for k, v in tj.throughput_by_type.items()}
+            for gpu_type in self.inventory:
+                curve = tj.throughput_by_type.get(gpu_type) or lower.get(gpu_type.lower())
+                if curve is not None:
+                    by_type[gpu_type] = _fit(curve, width)
+        job = _Job(tj, by_type)
         self.jobs[job.id] = job
         self.active[job.id] = job
-        self.curves[job.id] = tj.throughput
+        self._pend_add(job, now)
         self._emit(ev.JobSubmitted(job_id=job.id, spec=tj.spec))
-        table = {k: v for k, v in enumerate(tj.throughput) if k > 0}
+        if self.config.profiling == "overestimate":
+            self._measured[job.id] = {}
+        else:
+            self._publish_model(job, "", tj.throughput, overestimated=False)
+            for gpu_type, curve in by_type.items():
+                self._publish_model(job, gpu_type, curve, overestimated=False)
+
+    def _publish_model(
+        self, job: _Job, gpu_type: str, curve: tuple[float, ...], *, overestimated: bool
+    ) -> None:
+        """``ThroughputModelUpdated`` for one generation ("": the default curve), and the
+        same curve in the caches the view reads (they always equal the folded models)."""
+        if gpu_type:
+            self.curves_by_type.setdefault(job.id, {})[gpu_type] = curve
+        else:
+            self.curves[job.id] = curve
+        table = {k: v for k, v in enumerate(curve) if k > 0}
+        samples = sum(len(m) for m in self._measured.get(job.id, {}).values())
         self._emit(
-            ev.ThroughputModelUpdated(job_id=job.id, gpu_type="", model_kind="table", throughput=table)
-        )
-        for gpu_type, curve in sorted(tj.throughput_by_type.items()):
-            table = {k: v for k, v in enumerate(curve) if k > 0}
-            self._emit(
-                ev.ThroughputModelUpdated(
-                    job_id=job.id, gpu_type=gpu_type, model_kind="table", throughput=table
-                )
+            ev.ThroughputModelUpdated(
+                job_id=job.id,
+                gpu_type=gpu_type,
+                model_kind="table",
+                throughput=table,
+                samples=samples,
+                overestimated=overestimated,
             )
+        )
+
+    def _measure(self, job: _Job, now: float) -> None:
+        """overestimate mode: the job ran ``measure_s`` on its share; publish what the
+        profiler measured (CoDDL §4.5) at its share and the allocatable units below."""
+        from shoal.profiling.overestimate import (
+            allocatable_units,
+            estimate_curve,
+            is_overestimated,
+            measurement_plan,
+        )
+
+        if len(job.types) != 1:
+            return  # a gang spread over generations gives no per-generation sample
+        gpu_type = next(iter(job.types))
+        curve = job.by_type.get(gpu_type, job.curve)
+        max_gpus = len(job.curve) - 1
+        measured = self._measured[job.id].setdefault(gpu_type, {})
+        units = allocatable_units(max_gpus, 0 if self.config.flat else self.config.gpus_per_node)
+        for k in {job.gpus, *measurement_plan(measured, job.gpus, units)}:
+            measured[k] = curve[k]
+        estimate = _fit(estimate_curve(measured, max_gpus), len(job.curve))
+        over = is_overestimated(measured, max_gpus, units)
+        self.model_updates += 1
+        if self.hetero:
+            self._publish_model(job, gpu_type, estimate, overestimated=over)
+            if gpu_type == self.default_type:
+                self._publish_model(job, "", estimate, overestimated=over)
+        else:
+            self._publish_model(job, "", estimate, overestimated=over)
+
+    def _peek_measure(self) -> float | None:
+        heap = self._measure_heap
+        while heap:
+            t, _, job_id, version = heap[0]
+            job = self.jobs[job_id]
+            if job.version == version and job.finished_at is None:
+                return t
+            heapq.heappop(heap)
+        return None
 
     def _complete(self, job: _Job, now: float) -> None:
+        if job.gpus:
+            self._run_remove(job)
+        else:
+            self._pend_remove(job)
         job.done = job.total
         job.finished_at = now
         self._used -= job.gpus
         job.gpus = 0
+        job.types = {}
         job.rate = 0.0
         del self.active[job.id]
+        self._view_cache.pop(job.id, None)
         self._pending_reconf.pop(job.id, None)
         self._emit(ev.JobCompleted(job_id=job.id, iterations=int(job.total)))
 
@@ -388,16 +644,7 @@ class Simulator:
         cfg = self.config
         state = self.log.state
         active = self.active
-        progress = {j: job.progress(now) for j, job in active.items()}
-        view = build_view(
-            state,
-            now=now,
-            gpus_per_node=0 if cfg.flat else cfg.gpus_per_node,
-            total_gpus=cfg.total_gpus,
-            curves=self.curves,
-            progress=progress,
-            job_ids=active.keys(),
-        )
+        view = self._view(now)
         shares = decide_shares(
             self.policy,
             view,
@@ -407,35 +654,43 @@ class Simulator:
             network_packing=cfg.network_packing and not cfg.flat,
         )
         self.decisions += 1
-        wake = shares.policy_memory.get("next_decision_at_s")
+        memory = shares.policy_memory
+        wake = memory.get("next_decision_at_s")
         self._wakeup = float(math.ceil(wake - _EPS)) if isinstance(wake, int | float) else None
 
         current = {j: job.gpus for j, job in active.items() if job.gpus}
         current_types = {j: state.jobs[j].gpu_type for j in current if state.jobs[j].gpu_type}
-        if (
-            shares.shares != current
-            or shares.gpu_types != current_types
-            or shares.policy_memory != state.policy_memory
-        ):
+        unchanged = shares.shares == current and shares.gpu_types == current_types
+        emitted = not unchanged or memory != state.policy_memory
+        if emitted:
             # Settle progress under the old rates before the fold sees new shares.
             for j, job in active.items():
                 if job.gpus and shares.shares.get(j, 0) != job.gpus:
                     self._settle(job, now, report=True)
             self._emit(shares)
+            self._emit_trades(memory)
         epoch = state.shares_epoch
 
         moved: set[str] = set()
-        if cfg.flat:
+        placements: Mapping[str, tuple[ev.GpuRef, ...]] = {}
+        if not self.placing:
             new_alloc = shares.shares
+        elif unchanged and (not emitted or self._placer_keeps_same):
+            # No new SharesDecided: the placer service has nothing to place. With one
+            # but the same shares, min-migration keeps every job where it is (all GPUs
+            # can be kept), so asking it would return the current placement.
+            if cfg.series:
+                self._sample(now)
+            return
         else:
             previous = {j: state.jobs[j].placement for j, job in active.items() if job.gpus}
             placed, result = place(self._topology, shares, previous, placer=cfg.placer)
             if result.unplaced:
                 self.unplaced_decisions += 1
-            new_alloc = {j: len(g) for j, g in placed.placements.items()}
-            changed_placement = placed.placements != previous
-            if changed_placement:
-                for j, gpus in placed.placements.items():
+            placements = placed.placements
+            new_alloc = {j: len(g) for j, g in placements.items()}
+            if placements != previous:
+                for j, gpus in placements.items():
                     old = previous.get(j)
                     if old is not None and old != gpus:
                         moved.add(j)
@@ -449,10 +704,73 @@ class Simulator:
             kind = classify(job.gpus, new, j in moved)
             if kind is None:
                 continue
-            self._reconfigure(job, new, kind, now, epoch)
+            self._reconfigure(job, new, kind, now, epoch, placements.get(j, ()))
 
         if cfg.series:
             self._sample(now)
+
+    def _view(self, now: float) -> ClusterView:
+        """What :func:`shoal.view.build_view` returns for the active jobs, with each
+        job's exact progress and published curves, built job by job with
+        :func:`shoal.view.job_view`. A job that holds no GPUs and whose inputs did not
+        change since the last decision keeps its previous (frozen) view: in a long queue
+        most jobs wait, and rebuilding their views was most of a decision's cost.
+        ``tests/sim/test_engine.py`` checks the result equals ``build_view`` at every
+        decision."""
+        state = self.log.state
+        jobs = state.jobs
+        cache = self._view_cache
+        curves = self.curves
+        by_type_all = self.curves_by_type if self.hetero else None
+        views = []
+        for job_id, job in self.active.items():
+            js = jobs[job_id]
+            curve = curves.get(job_id)
+            if curve is None:
+                curve = job_curve(js)
+            by_type = by_type_all.get(job_id) if by_type_all is not None else None
+            done = job.progress(now)
+            if js.gpus == 0:
+                hit = cache.get(job_id)
+                if (
+                    hit is not None
+                    and hit[0] is curve
+                    and hit[1] is by_type
+                    and hit[2] == done
+                    and hit[3] == js.attained_service_gpu_s
+                    and hit[4] is js.convergence
+                    and hit[5] == js.gpu_type
+                ):
+                    views.append(hit[6])
+                    continue
+            view = job_view(job_id, js, now=now, curve=curve, curves_by_type=by_type, iterations_done=done)
+            if js.gpus == 0:
+                cache[job_id] = (
+                    curve,
+                    by_type,
+                    done,
+                    js.attained_service_gpu_s,
+                    js.convergence,
+                    js.gpu_type,
+                    view,
+                )
+            views.append(view)
+        _, by_gen = cluster_gpus(state)
+        return ClusterView(
+            now_s=now,
+            total_gpus=self.total_gpus,
+            jobs=tuple(views),
+            gpus_by_type=by_gen if len(by_gen) > 1 else {},
+            gpus_per_node=0 if self.config.flat else self.config.gpus_per_node,
+            user_tickets={u: float(us.tickets) for u, us in state.users.items()},
+        )
+
+    def _emit_trades(self, memory: Mapping[str, Any]) -> None:
+        """Publish the trades a policy reports in its memory (Gandiva_fair §3.4)."""
+        for trade in memory.get("trades_executed", ()) or ():
+            self._emit(msgspec.convert(trade, ev.TradeExecuted))
+        for undo in memory.get("trades_undone", ()) or ():
+            self._emit(msgspec.convert(undo, ev.TradeUndone))
 
     def _settle(self, job: _Job, now: float, *, report: bool) -> None:
         job.done = job.progress(now)
@@ -468,14 +786,41 @@ class Simulator:
                 )
             )
 
-    def _reconfigure(self, job: _Job, new: int, kind: str, now: float, epoch: int) -> None:
+    def _rate(self, job: _Job, new: int, gpus: Sequence[ev.GpuRef]) -> tuple[float, dict[str, int]]:
+        """Throughput of ``job`` on ``new`` GPUs (``gpus`` when placed) and GPUs per generation."""
+        if not new:
+            return 0.0, {}
+        if not gpus:
+            types = {self.default_type: new}
+        else:
+            types = {}
+            node_type = self._node_type
+            for g in gpus:
+                t = node_type[g.node_id]
+                types[t] = types.get(t, 0) + 1
+        if not job.by_type:
+            return job.curve[new], types
+        # BSP: a gang over several generations runs at the slowest one's pace.
+        return min(job.by_type.get(t, job.curve)[new] for t in types), types
+
+    def _reconfigure(
+        self, job: _Job, new: int, kind: str, now: float, epoch: int, gpus: Sequence[ev.GpuRef] = ()
+    ) -> None:
         if job.settled_at != now:
             self._settle(job, now, report=False)
         stop = self.costs.stop_time(kind)
         old = job.gpus
+        if job.id in self._pending_reconf and job.resume_at > now:
+            # CoDDL §4.3: the newer order cancels the in-flight one; its stop ends now
+            # and the new change's stop starts (lost GPU time counts only what elapsed).
+            self.lost_gpu_s -= (job.resume_at - now) * old
+        if old:
+            self._run_remove(job)
+        else:
+            self._pend_remove(job)
         self._used += new - old
         job.gpus = new
-        job.rate = job.curve[new] if new else 0.0
+        job.rate, job.types = self._rate(job, new, gpus)
         job.resume_at = now + stop if new else now
         job.version += 1
         if kind == "start":
@@ -490,12 +835,24 @@ class Simulator:
             self.reconfigurations += 1
             job.reconfigs += 1
         if new:
+            self._run_add(job)
+        else:
+            self._pend_add(job, now)
+        if new:
             self.lost_gpu_s += stop * new
             remaining = job.total - job.done
             finish = job.resume_at + remaining / job.rate
             t = float(math.ceil(finish - _EPS))
             self._heap_seq += 1
             heapq.heappush(self._finish_heap, (max(t, now), self._heap_seq, job.id, job.version))
+            if self.config.profiling == "overestimate" and len(job.types) == 1:
+                seen = self._measured[job.id].get(next(iter(job.types)), {})
+                if new not in seen:
+                    at = float(math.ceil(job.resume_at + self.config.measure_s - _EPS))
+                    self._heap_seq += 1
+                    heapq.heappush(
+                        self._measure_heap, (max(at, now + 1), self._heap_seq, job.id, job.version)
+                    )
         if job.id in self._pending_reconf:
             prev = self._pending_reconf.pop(job.id)
             self._emit(
@@ -508,22 +865,97 @@ class Simulator:
         else:
             self._emit(self._reconf_completed(job, epoch, new, 0.0))
 
+    # -- metrics -----------------------------------------------------------------------
+
+    def _pend_add(self, job: _Job, now: float) -> None:
+        self._n_pending += 1
+        remaining_1gpu = (job.total - job.done) / job.curve[1]
+        if remaining_1gpu > 0:
+            job.pend_inv = 1.0 / remaining_1gpu
+            job.pend_c = (job.wait - now) * job.pend_inv
+            self._bi_s1 += job.pend_c
+            self._bi_s2 += job.pend_inv
+
+    def _pend_remove(self, job: _Job) -> None:
+        self._n_pending -= 1
+        self._bi_s1 -= job.pend_c
+        self._bi_s2 -= job.pend_inv
+        job.pend_c = job.pend_inv = 0.0
+        if not self._n_pending:
+            self._bi_s1 = self._bi_s2 = 0.0  # no float residue once the queue is empty
+
+    def _run_add(self, job: _Job) -> None:
+        self._n_running += 1
+        self._ce_sum += job.rate / job.curve[1]
+        held = self._held
+        for t, n in job.types.items():
+            key = (job.user, t)
+            held[key] = held.get(key, 0) + n
+
+    def _run_remove(self, job: _Job) -> None:
+        self._n_running -= 1
+        self._ce_sum -= job.rate / job.curve[1]
+        if not self._n_running:
+            self._ce_sum = 0.0
+        held = self._held
+        for t, n in job.types.items():
+            key = (job.user, t)
+            left = held[key] - n
+            if left:
+                held[key] = left
+            else:
+                del held[key]
+
     def _sample(self, now: float) -> None:
-        m = self.config.total_gpus
+        """Record QL, CE, BI (AFS §2.2) and the per-user shares in force from ``now``.
+
+        Kept as running sums updated when a job arrives, starts, changes, stops or
+        finishes, so a sample costs O(users × generations), not O(active jobs): CE's
+        sum of ``rate / rate(1 GPU)`` over running jobs, and for the pending ones
+        ``BI_sum(t) = Σ (wait_j + t − pending_since_j) / r_j = S1 + t · S2`` with
+        ``r_j`` the remaining time on 1 GPU (constant while a job waits).
+        :meth:`recompute_metrics` computes the same from scratch.
+        """
+        ql = self._n_pending
+        self.series.add(
+            now,
+            ql,
+            self._ce_sum / self.total_gpus,
+            (self._bi_s1 + now * self._bi_s2) / ql if ql else 0.0,
+            self._used,
+            self._bi_s2 / ql if ql else 0.0,
+        )
+        self.user_shares.add(now, self._held)
+
+    def recompute_metrics(self, now: float) -> tuple[int, float, float, float, dict[tuple[str, str], int]]:
+        """QL, CE, BI, BI's slope and the per-user shares at ``now``, from every active job."""
         ql = 0
         ce = 0.0
         bi_sum = 0.0
+        slope = 0.0
+        held: dict[tuple[str, str], int] = {}
         for job in self.active.values():
-            curve = job.curve
             if job.gpus:
-                ce += curve[job.gpus] / curve[1]
+                # AFS §2.2: current throughput over the job's 1-GPU throughput (on a
+                # heterogeneous cluster, 1 GPU of the default generation).
+                ce += job.rate / job.curve[1]
+                for t, n in job.types.items():
+                    key = (job.user, t)
+                    held[key] = held.get(key, 0) + n
             else:
                 ql += 1
                 pending = job.wait + (now - job.pending_since if job.pending_since is not None else 0.0)
-                remaining_1gpu = (job.total - job.done) / curve[1]
+                remaining_1gpu = (job.total - job.done) / job.curve[1]
                 if remaining_1gpu > 0:
                     bi_sum += pending / remaining_1gpu
-        self.series.add(now, ql, ce / m, bi_sum / ql if ql else 0.0, self._used)
+                    slope += 1.0 / remaining_1gpu
+        return (
+            ql,
+            ce / self.total_gpus,
+            bi_sum / ql if ql else 0.0,
+            slope / ql if ql else 0.0,
+            held,
+        )
 
     # -- results ----------------------------------------------------------------------
 
@@ -548,6 +980,7 @@ class Simulator:
                     duration_s=job.duration,
                     wait_s=job.wait,
                     reconfigurations=job.reconfigs,
+                    user=job.user,
                 )
             )
         first = min((o.arrival_s for o in outcomes), default=0.0)
@@ -564,9 +997,10 @@ class Simulator:
             "migrations": float(self.migrations),
             "lost_gpu_s": self.lost_gpu_s,
             "gpu_s_used": self.gpu_s_used,
-            "gpu_utilisation": self.gpu_s_used / (self.config.total_gpus * makespan) if makespan > 0 else 0.0,
+            "gpu_utilisation": self.gpu_s_used / (self.total_gpus * makespan) if makespan > 0 else 0.0,
             "decisions": float(self.decisions),
             "unplaced_decisions": float(self.unplaced_decisions),
+            "model_updates": float(self.model_updates),
             "events": float(len(self.log)),
         }
         if self.config.series and makespan > 0:
@@ -580,6 +1014,8 @@ class Simulator:
             jobs=outcomes,
             series=self.series,
             event_counts=dict(self.log.counts),
+            final_digest=digest(self.log.state),
+            user_shares=self.user_shares if self.config.series else None,
         )
 
 

@@ -1,0 +1,266 @@
+"""Elastic-Tiresias: Tiresias plus compaction and expansion (EDL §5.1, Algorithm 1).
+
+Each decision starts from a Tiresias plan (:mod:`shoal.policies.tiresias`): groups
+``G0, G1, …`` by attained service, strict priority between groups, FCFS inside one,
+backfill past a job that does not fit. Then Algorithm 1:
+
+* **Compaction** (lines 1–6), when more than ``N`` jobs wait (``N`` =
+  ``compaction_threshold``, 10 in EDL's evaluation; with ``N`` or fewer waiting jobs
+  nothing is compacted): for each waiting job ``J̃`` in priority order, GPUs are taken
+  by scale-in from running elastic jobs of groups ``G_i, i ≠ 0`` (jobs of the top group
+  are never shrunk) so that ``J̃`` can start with its requested GPUs. A victim ``j`` keeps
+  at least ``min_j = max(smallest feasible count, ⌈r · p_j⌉)`` GPUs, ``p_j`` its requested
+  parallelism and ``r = qos_ratio`` (0.5 in EDL: "r = 0.5 for the quality of service
+  guarantee"). ``Gain(J̃, r_j, G_i)``, the gain in GPU efficiency, is measured in
+  normalised throughput (speedup over one GPU, ``S(p)/S(1)``): what ``J̃`` adds minus what
+  the victims lose. The ``r`` that maximises it is built greedily, one scale-in step at a
+  time from the victim that loses the least normalised throughput per freed GPU, until
+  ``J̃`` fits; ``J̃`` is admitted only when the total gain is positive. Several victims may
+  give to one ``J̃``.
+* **Expansion** (lines 7–13), when no job waits: each idle GPU goes to the running
+  elastic job with the largest relative throughput gain ``(S(p+1) - S(p)) / S(p)``
+  (per GPU when the next feasible count adds several), while some job gains.
+
+Choices where the paper leaves room:
+
+* Tiresias configuration as in EDL's simulation (§6.3): three groups with service
+  quanta 500 and 10,000 GPU-seconds; starvation promotion off by default
+  (``promote_knob``); service counted over the job's life (``service_since_restart``
+  off, as in the Tiresias paper).
+* Jobs keep their elastic size across decisions. In the Tiresias plan a compacted job
+  asks for its present (smaller) count, an expanded job for its request; once every job
+  has been planned in priority order, expanded jobs take back their extra GPUs (in
+  priority order) from what is still free. So GPUs lent by expansion return to a job
+  that would otherwise wait, and stay lent otherwise.
+* A waiting job is one the plan left without GPUs whose request fits the cluster; a
+  job larger than the cluster never counts (it would block expansion forever).
+* The locality rule (footnote 4: the GPUs of ``J̃`` from at most ``⌈P/m⌉`` machines) is
+  left to the placer; inelastic jobs (``elastic=False``) are never resized.
+
+Memory: the Tiresias memory of :func:`shoal.policies.tiresias.las_memory` (per-job
+service base, first start, preemption time; ``next_decision_at_s`` at the next group
+change). The policy never reads ``remaining_iterations``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
+from shoal.policies.tiresias import JobRecord, gang_size, las_memory, las_records
+
+
+def _rate(job: JobView, gpus: int) -> float:
+    if gpus <= 0:
+        return 0.0
+    curve = job.throughput
+    return curve[gpus] if gpus < len(curve) else curve[-1]
+
+
+def _speedup(job: JobView, gpus: int) -> float:
+    """Normalised throughput ``S(p)/S(1)`` (GPU-equivalents of useful work)."""
+    one = _rate(job, 1)
+    return _rate(job, gpus) / one if one > 0 else 0.0
+
+
+class ElasticTiresias:
+    """Elastic-Tiresias (EDL §5.1, Algorithm 1); see the module docstring."""
+
+    name = "elastic-tiresias"
+
+    def __init__(
+        self,
+        *,
+        queue_thresholds_gpu_s: Sequence[float] = (500.0, 10_000.0),
+        compaction_threshold: int = 10,
+        qos_ratio: float = 0.5,
+        service_since_restart: bool = False,
+        promote_knob: float | None = None,
+    ) -> None:
+        """Configure the policy.
+
+        Args:
+            queue_thresholds_gpu_s: Service quanta between groups (EDL: 500, 10,000 GPU-s).
+            compaction_threshold: ``N``: compaction runs when more than ``N`` jobs wait.
+            qos_ratio: ``r``: a shrunk job keeps at least ``⌈r · requested⌉`` GPUs.
+            service_since_restart: Count service since the last restart (see Tiresias-L).
+            promote_knob: Tiresias' starvation knob (``None``: no promotion).
+
+        Raises:
+            ValueError: bad thresholds, a negative ``N`` or ``r`` outside [0, 1].
+        """
+        thresholds = tuple(float(t) for t in queue_thresholds_gpu_s)
+        if any(t <= 0 for t in thresholds) or any(b <= a for a, b in itertools.pairwise(thresholds)):
+            raise ValueError(f"queue thresholds must be positive and increasing, got {thresholds}")
+        if compaction_threshold < 0:
+            raise ValueError(f"compaction_threshold must be non-negative, got {compaction_threshold}")
+        if not 0.0 <= qos_ratio <= 1.0:
+            raise ValueError(f"qos_ratio must be in [0, 1], got {qos_ratio}")
+        self.queue_thresholds_gpu_s = thresholds
+        self.compaction_threshold = compaction_threshold
+        self.qos_ratio = qos_ratio
+        self.service_since_restart = service_since_restart
+        self.promote_knob = promote_knob
+
+    def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        """Tiresias plan, then compaction (> N waiting) or expansion (none waiting)."""
+        records = las_records(view, memory, self.queue_thresholds_gpu_s, self.promote_knob)
+        shares, free = self._tiresias_plan(view.total_gpus, records)
+        # Jobs that could never fit do not count as waiting (they would block expansion).
+        waiting = [
+            r for r in records if not shares.get(r.job.job_id) and 0 < gang_size(r.job) <= view.total_gpus
+        ]
+        if len(waiting) > self.compaction_threshold:
+            free = self._compaction(records, waiting, shares, free)
+        elif not waiting:
+            free = self._expansion(records, shares, free)
+        shares = {j: g for j, g in shares.items() if g}
+        new_memory = las_memory(
+            view,
+            records,
+            shares,
+            self.queue_thresholds_gpu_s,
+            service_since_restart=self.service_since_restart,
+            promote_knob=self.promote_knob,
+        )
+        return Decision(shares=shares, memory=new_memory)
+
+    @staticmethod
+    @staticmethod
+    def _tiresias_plan(total: int, records: Sequence[JobRecord]) -> tuple[dict[str, int], int]:
+        """The Tiresias plan with elastic sizes: lent GPUs come back before anyone waits."""
+        free = total
+        shares: dict[str, int] = {}
+        expanded: list[tuple[JobView, tuple[int, ...]]] = []
+        for rec in records:
+            job = rec.job
+            counts = feasible_counts(job)
+            gang = gang_size(job)
+            want = gang
+            if job.current_gpus in counts:
+                # A compacted job keeps its smaller size; an expanded one first asks for
+                # its request and gets the extra GPUs back below if they are still idle.
+                want = min(job.current_gpus, gang) if job.elastic else job.current_gpus
+                if job.current_gpus > want:
+                    expanded.append((job, counts))
+            if 0 < want <= free:
+                shares[job.job_id] = want
+                free -= want
+        for job, counts in expanded:  # priority order
+            has = shares.get(job.job_id, 0)
+            if not has:
+                continue
+            fits = [c for c in counts if has < c <= min(job.current_gpus, has + free)]
+            if fits:
+                free -= fits[-1] - has
+                shares[job.job_id] = fits[-1]
+        return shares, free
+
+    def _min_size(self, job: JobView, counts: tuple[int, ...]) -> int:
+        return max(counts[0], math.ceil(self.qos_ratio * gang_size(job)))
+
+    def _compaction(
+        self, records: Sequence[JobRecord], waiting: Sequence[JobRecord], shares: dict[str, int], free: int
+    ) -> int:
+        """Algorithm 1 lines 1–6: shrink jobs of groups i ≠ 0 to admit waiting jobs."""
+        victims: list[tuple[JobView, tuple[int, ...], int]] = []
+        for rec in records:
+            job = rec.job
+            if rec.queue == 0 or not job.elastic or not shares.get(job.job_id):
+                continue
+            counts = feasible_counts(job)
+            victims.append((job, counts, self._min_size(job, counts)))
+        if not victims:
+            return free
+        # One heap of next scale-in steps for all victims: (cost, victim, from, to).
+        # An entry is live while the victim still holds ``from`` GPUs.
+        heap: list[tuple[float, int, int, int]] = []
+        for i, (job, counts, low) in enumerate(victims):
+            has = shares[job.job_id]
+            step = self._step_down(job, counts, low, has)
+            if step is not None:
+                heap.append((step[0], i, has, step[1]))
+        heapq.heapify(heap)
+        for rec in waiting:
+            cand = rec.job
+            need = gang_size(cand)
+            if need <= free:
+                shares[cand.job_id] = need
+                free -= need
+                continue
+            got = free
+            loss = 0.0
+            taken: list[tuple[float, int, int, int]] = []
+            while got < need and heap:
+                entry = heapq.heappop(heap)
+                _, i, has, to = entry
+                job, counts, low = victims[i]
+                if shares[job.job_id] != has:
+                    continue  # stale
+                taken.append(entry)
+                loss += _speedup(job, has) - _speedup(job, to)
+                got += has - to
+                shares[job.job_id] = to
+                step = self._step_down(job, counts, low, to)
+                if step is not None:
+                    heapq.heappush(heap, (step[0], i, to, step[1]))
+            if got >= need and _speedup(cand, need) - loss > 0:
+                shares[cand.job_id] = need
+                free = got - need
+                continue
+            # Not worth it (or not enough to take): undo, and the steps are live again.
+            for entry in reversed(taken):
+                _, i, has, _ = entry
+                shares[victims[i][0].job_id] = has
+                heapq.heappush(heap, entry)
+            if not heap:
+                break
+        return free
+
+    @staticmethod
+    def _step_down(job: JobView, counts: tuple[int, ...], low: int, has: int) -> tuple[float, int] | None:
+        """Cheapest next scale-in of ``job``: (lost speedup per freed GPU, new count)."""
+        lower = [c for c in counts if low <= c < has]
+        if not lower:
+            return None
+        to = lower[-1]
+        return ((_speedup(job, has) - _speedup(job, to)) / (has - to), to)
+
+    @staticmethod
+    def _expansion(records: Sequence[JobRecord], shares: dict[str, int], free: int) -> int:
+        """Algorithm 1 lines 7–13: idle GPUs to the largest relative throughput gain."""
+        jobs = [r.job for r in records if r.job.elastic and shares.get(r.job.job_id)]
+
+        def step_up(i: int) -> tuple[float, int] | None:
+            job = jobs[i]
+            has = shares[job.job_id]
+            for c in feasible_counts(job):
+                if c > has:
+                    if c - has > free:
+                        return None
+                    before = _rate(job, has)
+                    gain = (_rate(job, c) - before) / before / (c - has) if before > 0 else 0.0
+                    return (gain, c) if gain > 0 else None
+            return None
+
+        heap: list[tuple[float, int, int]] = []
+        for i in range(len(jobs)):
+            s = step_up(i)
+            if s is not None:
+                heap.append((-s[0], i, s[1]))
+        heapq.heapify(heap)
+        while heap and free > 0:
+            _, i, to = heapq.heappop(heap)
+            s = step_up(i)  # free may have shrunk since this entry was pushed
+            if s is None or s[1] != to:
+                continue
+            free -= to - shares[jobs[i].job_id]
+            shares[jobs[i].job_id] = to
+            s = step_up(i)
+            if s is not None:
+                heapq.heappush(heap, (-s[0], i, s[1]))
+        return free

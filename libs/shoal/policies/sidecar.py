@@ -1,0 +1,409 @@
+"""SideCar adaptive scheduling: reshape to minimise the predicted makespan (SideCar §III.C).
+
+The SideCar framework (Wang et al., UCCS + Nokia Bell Labs) stops and restarts a job's
+training process with a new GPU set, and its scheduler uses that to minimise makespan:
+
+* **Incoming-job scheduling with reshaping down** (Algorithm 1): for an incoming job
+  every optional GPU count ``N_opt`` is tried, from idle GPUs alone or from idle GPUs
+  plus ``N_remove`` GPUs taken from **one** running job (whose new count must be one of
+  its optional counts); the triple ``(N_opt, victim, N_remove)`` with the smallest
+  predicted makespan wins.
+* **Running-job scheduling with reshaping up** (Algorithm 2): when GPUs are idle and no
+  job is incoming, the pair ``(job, N_add)`` with the smallest predicted makespan gets
+  the idle GPUs.
+
+Predictions (§III.C) include the reconfiguration costs: a new job finishes at
+``start + W / S(N)`` and a reshaped running job at ``restart + R / S(N')`` from now; an
+unchanged job at ``R / S(N)``. ``S`` is the job's throughput curve, ``W``/``R`` its
+remaining iterations. The costs come from a :class:`shoal.sim.costs.ReconfigCosts`
+(``costs``, default the ``restart`` preset: 30 s for a checkpoint-restart in either
+direction, a start free because a trace's run time already includes its start-up); the
+SideCar paper's overhead profile (K8s and framework init/termination, checkpoint) maps
+onto ``start_s`` and ``scale_in_s``/``scale_out_s``, and the final checkpoint and
+termination, equal for every option, drop out of the comparison.
+
+Choices where the paper leaves room (NOTES §4.5), each a defensible reading:
+
+* ``MS_predict`` = the latest predicted completion among the running jobs and the job
+  being decided; jobs still queued do not count. Ties in makespan are broken by the sum
+  of those predicted completions (the paper also reports average JCT), then by fewer
+  GPUs taken from a victim, then by more GPUs for the incoming job.
+* Algorithm 1 also weighs **waiting** (``consider_waiting``): the incoming job could
+  instead start with its requested GPUs once enough running jobs have finished (by
+  their predicted completions). An incoming job is reshaped down, or a victim shrunk,
+  only when that beats waiting; otherwise it stays queued. With no option at all it
+  stays queued too.
+* Algorithm 2 is applied only when it strictly improves (makespan, sum) over leaving
+  things as they are (NOTES: "Algorithm 2 never compares against no change": with
+  restart costs an add can hurt), and is repeated while idle GPUs remain and some add
+  improves.
+* A job's optional GPU counts are its ``allowed_gpu_counts`` when it declares them.
+  Otherwise (``default_options="pow2"``) they are the powers of two and its request
+  among its feasible counts, as SideCar's jobs declare ``{1, 2, 4, 8}``; ``"all"`` takes
+  every feasible count. A running job's present count is always one of its options.
+* Incoming jobs are the jobs without GPUs whose smallest option fits the cluster, taken
+  in arrival order; SideCar never preempts a running job to zero. A job started or
+  reshaped in this decision is not a victim again in the same decision.
+* SideCar is length-aware (it knows epochs, §III.C). A job with unknown remaining work
+  is taken to need as much again as it has done (at least one iteration).
+* GPU types and hosts are not modelled (NOTES §4.5 item 2): the placer decides where.
+
+Memory: none is needed; the decision depends on the view alone.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
+from shoal.policies.tiresias import gang_size
+from shoal.sim.costs import ReconfigCosts, get_costs
+
+_INF = float("inf")
+
+
+def _rate(job: JobView, gpus: int) -> float:
+    if gpus <= 0:
+        return 0.0
+    curve = job.throughput
+    return curve[gpus] if gpus < len(curve) else curve[-1]
+
+
+class _Job:
+    __slots__ = ("counts", "current", "finish", "job", "order", "remaining", "share")
+
+    def __init__(self, job: JobView, order: int, counts: tuple[int, ...]) -> None:
+        self.job = job
+        self.order = order
+        self.current = job.current_gpus if job.current_gpus in feasible_counts(job) else 0
+        if self.current and self.current not in counts:
+            counts = tuple(sorted((*counts, self.current)))  # a running job keeps its count
+        self.counts = counts
+        self.share = self.current
+        remaining = job.remaining_iterations
+        self.remaining = max(1.0, job.iterations_done) if remaining is None else remaining
+        self.finish = 0.0
+
+
+class SideCarAdaptive:
+    """SideCar adaptive scheduling (Algorithms 1–2); see the module docstring."""
+
+    name = "sidecar"
+
+    def __init__(
+        self,
+        *,
+        costs: ReconfigCosts | str = "restart",
+        consider_waiting: bool = True,
+        default_options: str = "pow2",
+    ) -> None:
+        """Configure the policy.
+
+        Args:
+            costs: Reconfiguration costs used in the predictions: a
+                :class:`~shoal.sim.costs.ReconfigCosts` or a name/spec accepted by
+                :func:`shoal.sim.costs.get_costs` (default ``restart``: 30 s to reshape).
+            consider_waiting: Let an incoming job wait for its request when that
+                predicts better than starting now.
+            default_options: Optional GPU counts of a job that declares no
+                ``allowed_gpu_counts``: ``"pow2"`` (powers of two and its request, within
+                its feasible counts) or ``"all"`` (every feasible count).
+
+        Raises:
+            ValueError: an unknown cost preset or spec, or an unknown ``default_options``.
+        """
+        if default_options not in ("pow2", "all"):
+            raise ValueError(f"default_options is 'pow2' or 'all', got {default_options!r}")
+        self.costs = get_costs(costs) if isinstance(costs, str) else costs
+        self.consider_waiting = consider_waiting
+        self.default_options = default_options
+
+    def options(self, job: JobView) -> tuple[int, ...]:
+        """The job's optional GPU counts (SideCar jobs declare e.g. {1, 2, 4, 8})."""
+        counts = feasible_counts(job)
+        if job.allowed_gpu_counts or not job.elastic or self.default_options == "all":
+            return counts
+        return tuple(c for c in counts if c & (c - 1) == 0 or c == job.requested_gpus)
+
+    # -- predictions -------------------------------------------------------------
+
+    def _cost(self, old: int, new: int) -> float:
+        if old == new:
+            return 0.0
+        if old == 0:
+            return self.costs.start_s
+        return self.costs.scale_out_s if new > old else self.costs.scale_in_s
+
+    def _finish(self, j: _Job, gpus: int) -> float:
+        """Predicted completion (seconds from now) of ``j`` on ``gpus`` GPUs (§III.C)."""
+        rate = _rate(j.job, gpus)
+        if rate <= 0:
+            return _INF
+        return self._cost(j.current, gpus) + j.remaining / rate
+
+    # -- the decision --------------------------------------------------------------
+
+    def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        """Algorithm 1 for each incoming job, then Algorithm 2 if none is left waiting."""
+        ordered = sorted(view.jobs, key=lambda j: (j.arrival_s, j.job_id))
+        jobs = [_Job(job, i, self.options(job)) for i, job in enumerate(ordered)]
+        running = [j for j in jobs if j.share]
+        for j in running:
+            j.finish = self._finish(j, j.share)
+        idle = view.total_gpus - sum(j.share for j in running)
+        if idle < 0:  # GPUs were lost: keep the oldest jobs that still fit.
+            idle = view.total_gpus
+            for j in running:
+                if j.share <= idle:
+                    idle -= j.share
+                else:
+                    j.share = 0
+            running = [j for j in running if j.share]
+        plan = _Plan(self, running, idle)
+        # A job that could never fit is not "incoming" (it would block reshaping up).
+        incoming = [j for j in jobs if not j.current and j.counts and j.counts[0] <= view.total_gpus]
+        waiting = False
+        for j in incoming:
+            if not plan.incoming(j, consider_waiting=self.consider_waiting):
+                waiting = True
+        if not waiting:
+            plan.reshape_up()
+        shares = {j.job.job_id: j.share for j in jobs if j.share}
+        return Decision(shares=shares)
+
+
+class _Table:
+    """Victims' options for one ``N_remove``, sorted by their new predicted finish."""
+
+    __slots__ = ("counts", "ds", "ds_list", "fs", "ids", "valid")
+
+    def __init__(self, entries: list[tuple[float, float, int, str, int]]) -> None:
+        entries.sort()
+        self.fs = [e[0] for e in entries]
+        self.ds_list = [e[1] for e in entries]
+        self.ds = np.array(self.ds_list)
+        self.ids = [e[3] for e in entries]
+        self.counts = [e[4] for e in entries]
+        self.valid = np.ones(len(entries), dtype=bool)
+
+    def query(self, bound: float) -> tuple[float, float, int] | None:
+        """Best valid entry for a makespan of at least ``bound``: ``(ms, Δsum, index)``.
+
+        Among entries finishing by ``bound`` (makespan stays ``bound``) the smallest
+        Δfinish; else the entry finishing first.
+        """
+        k = bisect.bisect_right(self.fs, bound)
+        if k:
+            if k <= 32:  # small prefix: a Python scan beats numpy's call overhead
+                valid, ds = self.valid, self.ds_list
+                best = -1
+                for i in range(k):
+                    if valid[i] and (best < 0 or ds[i] < ds[best]):
+                        best = i
+                if best >= 0:
+                    return bound, ds[best], best
+            else:
+                sub = np.where(self.valid[:k], self.ds[:k], _INF)
+                i = int(np.argmin(sub))
+                if sub[i] < _INF:
+                    return bound, self.ds_list[i], i
+        rest = self.valid[k:]
+        if rest.any():
+            i = k + int(np.argmax(rest))
+            return self.fs[i], self.ds_list[i], i
+        return None
+
+
+class _Plan:
+    """The running set of one decision with the indexes Algorithms 1–2 query."""
+
+    def __init__(self, policy: SideCarAdaptive, running: list[_Job], idle: int) -> None:
+        self.policy = policy
+        self.running = {j.job.job_id: j for j in running}
+        self.by_order = {j.order: j for j in running}
+        self.idle = idle
+        self.used: set[str] = set()
+        self.total = sum(j.finish for j in running)
+        # (finish, gpus, order) of running jobs, ascending: top-2 and the wait estimate.
+        self.by_finish = sorted((j.finish, j.share, j.order) for j in running)
+        self._tables: dict[int, _Table] | None = None
+        self._where: dict[str, list[tuple[int, int]]] = {}
+
+    # -- indexes ---------------------------------------------------------------------
+
+    def top(self) -> tuple[float, float, int]:
+        """(largest finish, second largest, order of the largest job; -1 if none)."""
+        bf = self.by_finish
+        if not bf:
+            return 0.0, 0.0, -1
+        return bf[-1][0], bf[-2][0] if len(bf) > 1 else 0.0, bf[-1][2]
+
+    def wait_time(self, need: int) -> float:
+        """When ``need`` more GPUs than idle become free as running jobs finish."""
+        freed = 0
+        if need <= 0:
+            return 0.0
+        for finish, gpus, _ in self.by_finish:
+            freed += gpus
+            if freed >= need:
+                return finish
+        return _INF
+
+    def tables(self) -> dict[int, _Table]:
+        """Per ``N_remove``, the victims' options (built once per decision)."""
+        if self._tables is None:
+            raw: dict[int, list[tuple[float, float, int, str, int]]] = {}
+            for j in self.running.values():
+                if j.job.job_id in self.used or not j.job.elastic:
+                    continue
+                for c in j.counts:
+                    if c >= j.share:
+                        break
+                    f = self.policy._finish(j, c)
+                    raw.setdefault(j.share - c, []).append((f, f - j.finish, j.order, j.job.job_id, c))
+            self._tables = {nr: _Table(entries) for nr, entries in raw.items()}
+            for nr, table in self._tables.items():
+                for i, jid in enumerate(table.ids):
+                    self._where.setdefault(jid, []).append((nr, i))
+        return self._tables
+
+    def _retire(self, jid: str) -> None:
+        """``jid`` is no longer a victim in this decision."""
+        self.used.add(jid)
+        if self._tables is not None:
+            for nr, i in self._where.pop(jid, ()):
+                self._tables[nr].valid[i] = False
+
+    def _set(self, j: _Job, gpus: int) -> None:
+        """Give ``j`` ``gpus`` GPUs and update every index."""
+        jid = j.job.job_id
+        if jid in self.running:
+            old = (j.finish, j.share, j.order)
+            del self.by_finish[bisect.bisect_left(self.by_finish, old)]
+            self.total -= j.finish
+            self.idle += j.share
+        j.share = gpus
+        j.finish = self.policy._finish(j, gpus)
+        self.running[jid] = j
+        self.by_order[j.order] = j
+        self.total += j.finish
+        self.idle -= gpus
+        bisect.insort(self.by_finish, (j.finish, j.share, j.order))
+
+    # -- Algorithm 1 -------------------------------------------------------------------
+
+    def incoming(self, j: _Job, *, consider_waiting: bool) -> bool:
+        """Decide one incoming job; return whether it started."""
+        top1, top2, top_order = self.top()
+        best: tuple[float, float, int, int, int] | None = None  # (ms, sum, waits, N_remove, -N)
+        choice: tuple[int, _Job | None, int] = (0, None, 0)
+        tables = None
+        top_job = self.by_order.get(top_order)
+        for n in j.counts:
+            f_new = self.policy._finish(j, n)
+            if f_new == _INF:
+                continue
+            if n <= self.idle:
+                key = (max(top1, f_new), self.total + f_new, 0, 0, -n)
+                if best is None or key < best:
+                    best, choice = key, (n, None, 0)
+                continue
+            nr = n - self.idle
+            if tables is None:
+                tables = self.tables()
+            table = tables.get(nr)
+            found = table.query(max(top1, f_new)) if table is not None else None
+            if table is not None and found is not None:
+                ms, delta, i = found
+                key = (ms, self.total + f_new + delta, 0, nr, -n)
+                if best is None or key < best:
+                    best, choice = key, (n, self.running[table.ids[i]], nr)
+            if top_job is not None and top_job.job.job_id not in self.used and top_job.job.elastic:
+                # The job holding the makespan: without it the makespan is the runner-up's.
+                c = top_job.share - nr
+                if c in top_job.counts:
+                    f_v = self.policy._finish(top_job, c)
+                    key = (max(top2, f_v, f_new), self.total - top_job.finish + f_v + f_new, 0, nr, -n)
+                    if best is None or key < best:
+                        best, choice = key, (n, top_job, nr)
+        if consider_waiting and best is not None:
+            gang = gang_size(j.job)
+            f_wait = self.wait_time(gang - self.idle) + self.policy._finish(j, gang)
+            key = (max(top1, f_wait), self.total + f_wait, 1, 0, -gang)
+            if key < best:
+                return False
+        if best is None:
+            return False
+        n, victim, nr = choice
+        if victim is not None:
+            self._set(victim, victim.share - nr)
+            self._retire(victim.job.job_id)
+        self._set(j, n)
+        self._retire(j.job.job_id)
+        return True
+
+    # -- Algorithm 2 ----------------------------------------------------------------------
+
+    def _best_add(self, j: _Job, bound: float) -> tuple[float, int] | None:
+        """The add to ``j`` with the largest fall in its finish, keeping it ≤ ``bound``."""
+        best: tuple[float, int] | None = None
+        for c in j.counts:
+            if c <= j.share:
+                continue
+            if c - j.share > self.idle:
+                break
+            f = self.policy._finish(j, c)
+            if f <= bound and f < j.finish and (best is None or f - j.finish < best[0]):
+                best = (f - j.finish, c)
+        return best
+
+    def reshape_up(self) -> None:
+        """Algorithm 2, repeated while it strictly improves (makespan, sum)."""
+        heap: list[tuple[float, int, str, int]] = []
+        top1, _, _ = self.top()
+        for j in self.running.values():
+            if j.job.elastic:
+                b = self._best_add(j, top1)
+                if b is not None:
+                    heap.append((b[0], j.order, j.job.job_id, b[1]))
+        heapq.heapify(heap)
+        while self.idle > 0:
+            top1, top2, top_order = self.top()
+            best: tuple[float, float, int] | None = None
+            pick: tuple[_Job, int] | None = None
+            top_job = self.by_order.get(top_order)
+            if top_job is not None and top_job.job.elastic:
+                for c in top_job.counts:
+                    if c <= top_job.share:
+                        continue
+                    if c - top_job.share > self.idle:
+                        break
+                    f = self.policy._finish(top_job, c)
+                    key = (max(top2, f), self.total - top_job.finish + f, c - top_job.share)
+                    if best is None or key < best:
+                        best, pick = key, (top_job, c)
+            # Other jobs cannot lower the makespan; the best of them lowers the sum most.
+            while heap:
+                d, _, jid, c = heap[0]
+                j = self.running[jid]
+                fresh = self._best_add(j, top1) if j.order != top_order else None
+                if fresh is not None and fresh == (d, c):
+                    key = (top1, self.total + d, c - j.share)
+                    if best is None or key < best:
+                        best, pick = key, (j, c)
+                    break
+                heapq.heappop(heap)
+                if fresh is not None:
+                    heapq.heappush(heap, (fresh[0], j.order, jid, fresh[1]))
+            if best is None or pick is None or best[:2] >= (top1, self.total):
+                return
+            j, c = pick
+            self._set(j, c)
+            b = self._best_add(j, max(top1, j.finish))
+            if b is not None:
+                heapq.heappush(heap, (b[0], j.order, j.job.job_id, b[1]))

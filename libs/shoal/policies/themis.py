@@ -1,0 +1,350 @@
+"""Themis: finish-time fairness with leases, a partial auction and leftover distribution.
+
+Themis (Mahajan et al., NSDI'20) gives GPUs in leases. Its fairness metric is the
+finish-time fairness ``ρ = T_sh / T_id`` of each job: ``T_sh`` is the finish time the
+job expects in the shared cluster, ``T_id`` the finish time it would have running
+independently on a ``1/N`` share of the cluster, ``N`` being the average contention
+(number of active jobs) over its lifetime. Each lease round the arbiter offers the
+available GPUs to the ``1 - f`` fraction of jobs with the worst ``ρ`` (``f`` is the
+fairness knob), runs a partial auction among them, and hands what the auction leaves
+over to the other jobs. This is the version AFS/CoDDL compares against (AFS §5.1, §6:
+"partial auction algorithm and random distribution of leftover resources … a static
+lease duration"; footnote 13: a job whose peak throughput is at ``m`` GPUs and that
+runs with ``n - 1`` others on average is owed ``1/n`` of that peak).
+
+What is computed here, and what is simplified (each stated once):
+
+* ``T_id = N_avg · W / S(m)``: ``W`` the job's total work (iterations), ``S(m)`` its
+  peak throughput over its feasible GPU counts, ``N_avg`` the time-average number of
+  active jobs since the job arrived (AFS footnote 13). Themis is length-aware: ``W`` and
+  the remaining work come from ``total_iterations``/``remaining_iterations`` (AFS gives
+  it exact lengths). **Simplification:** a job of unknown length is taken to need as
+  much again as it has done (at least one lease at one GPU).
+* ``T_sh(g) = (now - arrival) + R / S(g)``, ``∞`` with no GPU; ``ρ(g) = T_sh(g)/T_id``.
+  Jobs are ranked by ``ρ`` at their present allocation (ties among jobs without GPUs:
+  larger ``ρ`` at peak throughput first, then earlier arrival).
+* **Partial auction, simplified:** Themis' agents bid ``ρ`` for subsets of the offer and
+  the arbiter runs the Partial Allocation mechanism, which maximises the product of the
+  bidders' ``1/ρ`` and withholds part of each winner's share as a hidden payment. Here
+  the product is maximised greedily (every participant first gets its smallest
+  feasible count, in worst-``ρ`` order; then one step at a time, to the participant
+  whose ``log ρ`` falls most per added GPU, while some step lowers it). PA's hidden
+  payment is **approximated** (``hidden_payment=True``): winner ``i`` keeps the fraction
+  ``c_i = Π_{j≠i} v_j(x*) / Π_{j≠i} v_j(x*_{-i})`` of its GPUs (``v = 1/ρ``), where
+  ``x*_{-i}`` is not re-solved but estimated by handing ``i``'s GPUs to the other
+  winners' best next steps at ``x*`` (one step each, best first: the greedy's own order),
+  so ``c_i = exp(-Σ gains of those steps)``. It keeps the largest feasible count not
+  above ``c_i · g_i``, and at least its smallest; the withheld GPUs join the leftover.
+  ``hidden_payment=False`` keeps the greedy allocation whole.
+* **Leftover:** GPUs the auction does not use go to the non-participants in a random
+  order (AFS: "random distribution"), each pass giving every job in that order its
+  next feasible count while it fits and raises the job's throughput. The order comes
+  from ``random.Random(f"{seed}:{now}")``, so a replay draws the same order.
+  GPUs still left then go round the bidders the same way, so no GPU idles while some
+  job's throughput would rise with it.
+* **Leases** (Themis, as AFS §6 describes it: "a static lease duration of assigned
+  GPUs"): a job's GPUs are leased for ``lease_s`` (default 10 minutes, the lease we
+  recall from the Themis paper, which is not in ``shared/papers``; AFS does not state
+  its value). Until its lease ends a job keeps its GPUs; arrivals and completions only
+  auction the free GPUs (a lease holder may bid for more). When a lease ends, its GPUs
+  go back into the next auction, and the policy asks to be re-run then
+  (``next_decision_at_s`` = the earliest lease end). A job whose allocation is granted
+  or changed gets a fresh lease for the whole allocation (Themis leases per GPU).
+  ``lease_grid=True`` instead ends every lease on the grid ``k · lease_s``
+  (``tick_s = lease_s``), one auction of the whole cluster per round.
+* The fairness knob defaults to ``f = 0.8`` (as recalled from Themis' evaluation; AFS
+  does not state it), so the worst 20% of the jobs (at least one) take part in each
+  auction. Both are constructor parameters.
+* ``cap_at_request=False`` lets a job grow to ``max_gpus`` (Themis is elastic in AFS);
+  ``True`` holds it to its request as a gang-size cap.
+
+Memory (msgpack-able): ``contention`` (∫ active jobs dt since the start), ``t`` and ``n``
+(time and number of jobs of the last decision), ``jobs``: job id →
+``[contention_at_first_sight, time_of_first_sight, lease_end]`` (``lease_end`` 0 without
+GPUs), ``round`` (grid mode) and ``next_decision_at_s``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Mapping
+from typing import Any
+
+from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
+from shoal.policies.tiresias import gang_size
+
+_INF = float("inf")
+
+
+def _rate(job: JobView, gpus: int) -> float:
+    curve = job.throughput
+    if gpus <= 0:
+        return 0.0
+    return curve[gpus] if gpus < len(curve) else curve[-1]
+
+
+def _peak(job: JobView, counts: tuple[int, ...]) -> float:
+    """Largest throughput over ``counts`` (a slice when they are contiguous)."""
+    if not counts:
+        return 0.0
+    lo, hi = counts[0], counts[-1]
+    curve = job.throughput
+    if hi - lo + 1 == len(counts) and hi < len(curve):
+        return max(curve[lo : hi + 1])
+    return max(_rate(job, c) for c in counts)
+
+
+class _Bidder:
+    """One job's view of its own finish-time fairness."""
+
+    __slots__ = ("counts", "current", "elapsed", "gpus", "job", "remaining", "t_best", "t_id")
+
+    def __init__(
+        self, job: JobView, counts: tuple[int, ...], gpus: int, elapsed: float, n_avg: float, lease_s: float
+    ):
+        self.job = job
+        self.counts = counts
+        self.gpus = gpus
+        self.current = gpus
+        self.elapsed = elapsed
+        remaining = job.remaining_iterations
+        if remaining is None:
+            # Unknown length: assume the future equals the past (module docstring).
+            remaining = max(job.iterations_done, _rate(job, counts[0] if counts else 1) * lease_s)
+        self.remaining = remaining
+        total = job.total_iterations if job.total_iterations is not None else job.iterations_done + remaining
+        peak = _peak(job, counts)
+        self.t_id = n_avg * total / peak if peak > 0 else _INF
+        self.t_best = elapsed + remaining / peak if peak > 0 else _INF
+
+    def t_sh(self, gpus: int) -> float:
+        rate = _rate(self.job, gpus)
+        return self.elapsed + self.remaining / rate if rate > 0 else _INF
+
+    def rho(self, gpus: int) -> float:
+        if self.t_id == _INF:
+            return 0.0
+        return self.t_sh(gpus) / self.t_id if self.t_id > 0 else _INF
+
+    def rank_key(self) -> tuple[float, float, float, str]:
+        """Sort key: worst ρ at the present allocation first; ties by ρ at peak, arrival, id."""
+        lower = self.t_best / self.t_id if 0 < self.t_id < _INF else 0.0
+        return (-self.rho(self.current), -lower, self.job.arrival_s, self.job.job_id)
+
+    def next_step(self, free: int) -> int:
+        """The next feasible count above ``gpus`` that fits in ``free`` more GPUs, or 0."""
+        for c in self.counts:
+            if c > self.gpus:
+                return c if c - self.gpus <= free else 0
+        return 0
+
+    def gain(self, step: int) -> float:
+        """Fall of ``log T_sh`` (= of ``log ρ``) per added GPU when moving to ``step``."""
+        before, after = self.t_sh(self.gpus), self.t_sh(step)
+        if after >= before:
+            return 0.0
+        if before == _INF:
+            return _INF
+        return (math.log(before) - math.log(after)) / (step - self.gpus)
+
+
+class Themis:
+    """Themis (NSDI'20) as AFS/CoDDL simplified it; see the module docstring."""
+
+    name = "themis"
+
+    def __init__(
+        self,
+        *,
+        lease_s: float = 600.0,
+        fairness_knob: float = 0.8,
+        cap_at_request: bool = False,
+        hidden_payment: bool = True,
+        lease_grid: bool = False,
+        seed: int = 0,
+    ) -> None:
+        """Configure the policy.
+
+        Args:
+            lease_s: Lease length in seconds (Themis default 10 min).
+            fairness_knob: ``f`` in [0, 1): the worst ``1 - f`` of jobs bid each round.
+            cap_at_request: Hold each job to its request (gang size) instead of ``max_gpus``.
+            hidden_payment: Withhold PA's (approximate) payment from the winners.
+            lease_grid: End all leases together on the grid ``k · lease_s``.
+            seed: Seed of the leftover order.
+
+        Raises:
+            ValueError: a non-positive lease or a knob outside [0, 1).
+        """
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s}")
+        if not 0.0 <= fairness_knob < 1.0:
+            raise ValueError(f"fairness_knob must be in [0, 1), got {fairness_knob}")
+        # Not ``self.lease_s``: the simulator would take that for a re-run grid.
+        self.lease_duration_s = float(lease_s)
+        if lease_grid:
+            self.tick_s = self.lease_duration_s
+        self.lease_grid = lease_grid
+        self.fairness_knob = fairness_knob
+        self.cap_at_request = cap_at_request
+        self.hidden_payment = hidden_payment
+        self.seed = seed
+
+    def _counts(self, job: JobView) -> tuple[int, ...]:
+        counts = feasible_counts(job)
+        if self.cap_at_request:
+            cap = gang_size(job)
+            counts = tuple(c for c in counts if c <= cap)
+        return counts
+
+    def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        """Auction the free GPUs (those of ended leases included), then the leftover."""
+        now = view.now_s
+        total = view.total_gpus
+        lease = self.lease_duration_s
+        round_no = math.floor(now / lease + 1e-9)
+        same_round = memory.get("round") == round_no
+
+        # Contention integral for N_avg (AFS footnote 13).
+        contention = float(memory.get("contention", 0.0))
+        last_t = float(memory.get("t", now))
+        contention += float(memory.get("n", 0)) * max(0.0, now - last_t)
+        n_now = len(view.jobs)
+        seen_prev = memory.get("jobs", {})
+        if not isinstance(seen_prev, Mapping):
+            seen_prev = {}
+
+        kept: dict[str, int] = {}
+        bidders: list[_Bidder] = []
+        starts: dict[str, tuple[float, float, float]] = {}
+        for job in view.jobs:
+            first = seen_prev.get(job.job_id)
+            if first is not None and len(first) >= 2:
+                c0, t0 = float(first[0]), float(first[1])
+                lease_end = float(first[2]) if len(first) > 2 else 0.0
+            else:
+                c0, t0, lease_end = contention, now, 0.0
+            starts[job.job_id] = (c0, t0, lease_end)
+            n_avg = (contention - c0) / (now - t0) if now > t0 else float(n_now)
+            n_avg = max(n_avg, 1.0)
+            counts = self._counts(job)
+            gpus = job.current_gpus if job.current_gpus in counts else 0
+            held = same_round if self.lease_grid else lease_end > now + 1e-9
+            if gpus and held:
+                kept[job.job_id] = gpus
+            bidders.append(_Bidder(job, counts, gpus, max(0.0, now - job.arrival_s), n_avg, lease))
+        if sum(kept.values()) > total:
+            kept = {}  # GPUs were lost: every lease ends now.
+        for b in bidders:
+            b.gpus = kept.get(b.job.job_id, 0)
+        free = total - sum(kept.values())
+
+        if free > 0 and bidders:
+            bidders.sort(key=_Bidder.rank_key)
+            k = max(1, math.ceil((1.0 - self.fairness_knob) * len(bidders)))
+            free = self._auction(bidders[:k], free)
+            if self.hidden_payment:
+                free += self._withhold(bidders[:k])
+            others = bidders[k:]
+            random.Random(f"{self.seed}:{now!r}").shuffle(others)
+            free = self._leftover(others, free)
+            if free > 0:  # nobody else can use them: back to the bidders (work-conserving)
+                free = self._leftover(bidders[:k], free)
+
+        shares: dict[str, int] = {}
+        jobs: dict[str, list[float]] = {}
+        wake = float("inf")
+        for b in bidders:
+            jid = b.job.job_id
+            c0, t0, lease_end = starts[jid]
+            if b.gpus:
+                shares[jid] = b.gpus
+                if kept.get(jid) != b.gpus:
+                    lease_end = now + lease  # granted or changed: a fresh lease
+                wake = min(wake, lease_end)
+            else:
+                lease_end = 0.0
+            jobs[jid] = [c0, t0, lease_end]
+        new_memory: dict[str, Any] = {"contention": contention, "t": now, "n": n_now, "jobs": jobs}
+        if self.lease_grid:
+            new_memory["round"] = round_no
+        elif wake != float("inf"):
+            new_memory["next_decision_at_s"] = wake
+        return Decision(shares=shares, memory=new_memory)
+
+    @staticmethod
+    def _auction(participants: list[_Bidder], free: int) -> int:
+        """Greedy maximisation of Π 1/ρ among the bidders (PA without payments)."""
+        for b in participants:  # worst ρ first: everyone gets something before anyone grows
+            if b.gpus == 0 and b.counts and b.counts[0] <= free and _rate(b.job, b.counts[0]) > 0:
+                b.gpus = b.counts[0]
+                free -= b.gpus
+        heap: list[tuple[float, int, int]] = []
+        for i, b in enumerate(participants):
+            if b.gpus:
+                step = b.next_step(free)
+                if step and (g := b.gain(step)) > 0:
+                    heap.append((-g, i, step))
+        heapq.heapify(heap)
+        while heap and free > 0:
+            _, i, step = heapq.heappop(heap)
+            b = participants[i]
+            if step - b.gpus > free:  # no longer fits: retry with what is free now
+                step = b.next_step(free)
+                if step and (g := b.gain(step)) > 0:
+                    heapq.heappush(heap, (-g, i, step))
+                continue
+            free -= step - b.gpus
+            b.gpus = step
+            nxt = b.next_step(free)
+            if nxt and (g := b.gain(nxt)) > 0:
+                heapq.heappush(heap, (-g, i, nxt))
+        return free
+
+    @staticmethod
+    def _withhold(participants: list[_Bidder]) -> int:
+        """Approximate Partial Allocation payments; returns the GPUs withheld."""
+        winners = [b for b in participants if b.gpus]
+        steps = []  # (gain per GPU, GPUs, winner index) of each winner's next step at x*
+        for i, b in enumerate(winners):
+            step = b.next_step(1 << 30)
+            if step and (g := b.gain(step)) > 0 and g != _INF:
+                steps.append((g, step - b.gpus, i))
+        steps.sort(key=lambda t: (-t[0], t[2]))
+        withheld = 0
+        for i, b in enumerate(winners):
+            budget = b.gpus
+            fall = 0.0  # Σ_{j≠i} (log v_j(x*_{-i}) - log v_j(x*))
+            for g, size, j in steps:
+                if j == i or size > budget:
+                    continue
+                budget -= size
+                fall += g * size
+                if budget == 0:
+                    break
+            keep_max = math.exp(-fall) * b.gpus
+            fits = [c for c in b.counts if c <= keep_max + 1e-9]
+            keep = fits[-1] if fits else b.counts[0]
+            if keep < b.gpus:
+                withheld += b.gpus - keep
+                b.gpus = keep
+        return withheld
+
+    @staticmethod
+    def _leftover(others: list[_Bidder], free: int) -> int:
+        """Leftover GPUs to the other jobs, in the given (random) order, pass after pass."""
+        active = others
+        while free > 0 and active:
+            still = []
+            for b in active:
+                if free <= 0:
+                    break
+                step = b.next_step(free)
+                if step and _rate(b.job, step) > _rate(b.job, b.gpus):
+                    free -= step - b.gpus
+                    b.gpus = step
+                    still.append(b)
+            active = still
+        return free

@@ -1,0 +1,326 @@
+"""AFS-L and AFS-P (AFS/CoDDL §3): eq. (3), Algorithm 1, processor sharing, fast = naive."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+from shoal.policies.afs import (
+    AFSL,
+    AFSP,
+    AFSLNaive,
+    AFSPNaive,
+    _entries,
+    _Entry,
+    afs_l_stage_two_fast,
+    afs_l_stage_two_naive,
+    eq3,
+)
+from shoal.policies.base import ClusterView, JobView, check_decision
+
+from tests.policies.test_policy_properties import later, views
+
+
+def job(
+    job_id: str,
+    curve: tuple[float, ...],
+    remaining: float | None = 100.0,
+    *,
+    arrival: float = 0.0,
+    **kw: object,
+) -> JobView:
+    return JobView(
+        job_id=job_id,
+        arrival_s=arrival,
+        min_gpus=1,
+        max_gpus=len(curve) - 1,
+        requested_gpus=1,
+        throughput=curve,
+        remaining_iterations=remaining,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def cluster(gpus: int, *jobs: JobView, now: float = 0.0) -> ClusterView:
+    return ClusterView(now_s=now, total_gpus=gpus, jobs=jobs)
+
+
+# -- eq. (3) --------------------------------------------------------------------------
+
+positive = hs.floats(min_value=0.1, max_value=100.0, allow_nan=False)
+
+
+@settings(max_examples=300)
+@given(
+    w_a=positive,
+    p_a=positive,
+    gain_a=hs.floats(0.01, 1.0),
+    p_b=positive,
+    gain_b=hs.floats(0.01, 1.0),
+)
+def test_eq3_is_eq1_and_eq2_under_the_afs_assumption(
+    w_a: float, p_a: float, gain_a: float, p_b: float, gain_b: float
+) -> None:
+    """(1) with p'_{b,2} = p'_{b,1} and (2) with p'_{a,2} = p_{a,1}, p'_{b,2} = p'_{b,1}
+    are both positive exactly when (3) holds (AFS §3.2)."""
+    pp_a, pp_b = p_a * (1 + gain_a), p_b * (1 + gain_b)
+    eq1 = w_a / pp_a - w_a / p_a + w_a / (2 * pp_b) * (pp_b / p_a - p_b / pp_a)
+    w_b = w_a * 3.0  # any; (2)'s w_b terms cancel under the assumption
+    eq2 = (
+        w_a / pp_a
+        - w_b / pp_b
+        + p_b / (2 * pp_b) * (w_b / p_b - w_a / pp_a)
+        - p_a / (2 * p_a) * (w_a / p_a - w_b / pp_b)
+    )
+    lhs, rhs = (pp_b - p_b) / pp_b, (pp_a - p_a) / p_a
+    if abs(lhs - rhs) < 1e-9:
+        return  # on the boundary float noise decides
+    assert (eq1 > 0) == (lhs > rhs)
+    assert (eq2 > 0) == (lhs > rhs)
+
+
+def _entry(curve: tuple[float, ...], count: int, remaining: float = 100.0) -> _Entry:
+    e = _Entry(job("x", curve, remaining), 0, length_aware=True)
+    e.set_count(count)
+    return e
+
+
+def test_eq3_zero_share_job_counts_as_infinitely_long() -> None:
+    """A job with no GPU has p = 0: as j_b it beats any sublinear j_a (TOPPRIORITY)."""
+    running = _entry((0.0, 1.0, 1.9), 1)
+    waiting = _entry((0.0, 1.0, 1.9), 0)
+    assert eq3(running, waiting)
+    assert not eq3(waiting, running)
+
+
+# -- AFS-L ------------------------------------------------------------------------------
+
+
+def test_afs_l_two_jobs_the_shorter_gets_the_extra_gpu_when_the_longer_is_not_efficient() -> None:
+    # a: 100 it at 1 it/s (100 s), nearly linear; b: 400 it (400 s), poor scaling.
+    a = job("a", (0.0, 1.0, 1.9), 100.0)
+    b = job("b", (0.0, 1.0, 1.2), 400.0)
+    # g_b = 0.2/1.2 = 0.167 < h_a = 0.9: a gets the third GPU.
+    assert AFSL().decide(cluster(3, a, b), {}).shares == {"a": 2, "b": 1}
+
+
+def test_afs_l_two_jobs_the_longer_efficient_job_gets_the_extra_gpu() -> None:
+    # a short but inefficient (h_a = 0.1); b long but efficient (g_b = 0.9/1.9 = 0.47).
+    a = job("a", (0.0, 1.0, 1.1), 100.0)
+    b = job("b", (0.0, 1.0, 1.9), 400.0)
+    assert AFSL().decide(cluster(3, a, b), {}).shares == {"a": 1, "b": 2}
+    # SRTF-like greed would have given it to the short job; AFS-L differs.
+
+
+def test_afs_l_stage_one_gives_the_shortest_jobs_one_gpu_each() -> None:
+    jobs = [job(f"j{i}", (0.0, 1.0, 2.0), r) for i, r in enumerate((500.0, 100.0, 300.0, 200.0))]
+    assert AFSL().decide(cluster(2, *jobs), {}).shares == {"j1": 1, "j3": 1}
+
+
+def test_afs_l_appendix_a_toy() -> None:
+    """Appendix A: A and B take 2 h on 1 GPU; on 2 GPUs A takes 1 h, B 1.5 h."""
+    a = job("A", (0.0, 1.0, 2.0), 7200.0)
+    b = job("B", (0.0, 1.0, 4 / 3), 7200.0)
+    # Two GPUs: every job gets one (stage one), nothing left.
+    assert AFSL().decide(cluster(2, a, b), {}).shares == {"A": 1, "B": 1}
+    # One GPU: the shorter at one GPU; a tie in length goes to the earlier arrival.
+    assert AFSL().decide(cluster(1, a, b), {}).shares == {"A": 1}
+    # Three GPUs: A and B are equally long at 1 GPU; A (earlier id) is j_a and
+    # g_B = (4/3 - 1)/(4/3) = 0.25 < h_A = 1, so A takes the third GPU.
+    assert AFSL().decide(cluster(3, a, b), {}).shares == {"A": 2, "B": 1}
+
+
+def test_eq3_is_not_transitive_and_afs_l_scans_shortest_first() -> None:
+    """Appendix C's transitivity does not hold in general: a cycle of three jobs."""
+    a = job("a", (0.0, 1.0, 1.3), 100.0)
+    b = job("b", (0.0, 1.0, 1.42), 200.0)
+    c = job("c", (0.0, 1.0, 1.6), 300.0)
+    ea, eb, ec = (_Entry(j, i, length_aware=True) for i, j in enumerate((a, b, c)))
+    for e in (ea, eb, ec):
+        e.set_count(1)
+    # Shorter first in each pair: a beats b, b beats c, c beats a.
+    assert not eq3(ea, eb) and not eq3(eb, ec) and eq3(ea, ec)
+    # The scan in increasing length: a, then b loses to a, then c beats a.
+    assert AFSL().decide(cluster(4, a, b, c), {}).shares == {"a": 1, "b": 1, "c": 2}
+    assert AFSLNaive().decide(cluster(4, a, b, c), {}).shares == {"a": 1, "b": 1, "c": 2}
+
+
+def test_afs_l_respects_max_gpus_and_leaves_useless_gpus_idle() -> None:
+    a = job("a", (0.0, 1.0, 1.5), 100.0)
+    flat = job("flat", (0.0, 1.0, 1.0, 1.0), 100.0)
+    decision = AFSL().decide(cluster(8, a, flat), {})
+    assert decision.shares == {"a": 2, "flat": 1}
+
+
+@settings(max_examples=100, deadline=None)
+@given(view=views(max_jobs=16, max_gpus=40, sane=False), vector_from=hs.sampled_from((0, 1, 64)))
+def test_afs_l_fast_equals_naive(view: ClusterView, vector_from: int) -> None:
+    """The chain search (lists or numpy) picks exactly what the literal scan picks."""
+    fast = AFSL().decide(view, {})
+    assert fast == AFSLNaive().decide(view, {})
+    # Stage two alone, from every job at its smallest share, on both backends.
+    e1, e2 = _entries(view, length_aware=True), _entries(view, length_aware=True)
+    for e in (*e1, *e2):
+        if e.first:
+            e.set_count(e.first)
+    spare = view.total_gpus
+    assert afs_l_stage_two_fast(e1, spare, vector_from=vector_from) == afs_l_stage_two_naive(e2, spare)
+    assert [e.count for e in e1] == [e.count for e in e2]
+
+
+def test_afs_l_fast_equals_naive_at_scale() -> None:
+    """A 500-job, 1,024-GPU view with ties: numpy chain = literal scan."""
+    import random
+
+    rng = random.Random(7)
+    jobs = []
+    for i in range(500):
+        top = rng.choice((4, 8, 16, 32))
+        gains = [rng.choice((0.5, 0.7, 0.9, 0.95)) ** k for k in range(top)]
+        curve = [0.0]
+        for g in gains:
+            curve.append(curve[-1] + g)
+        jobs.append(job(f"j{i:03d}", tuple(curve), float(rng.choice((100, 1000, 5000))), arrival=i // 7))
+    view = cluster(1024, *jobs)
+    assert AFSL().decide(view, {}) == AFSLNaive().decide(view, {})
+
+
+# -- AFS-P ------------------------------------------------------------------------------
+
+
+def test_afs_p_spare_gpus_go_by_fractional_gain() -> None:
+    a = job("a", (0.0, 1.0, 1.2, 1.3), None)
+    b = job("b", (0.0, 2.0, 3.8, 5.0), None)
+    c = job("c", (0.0, 1.0, 1.5, 1.9), None)
+    # One each, then f: b 1.9, c 1.5, a 1.2 -> b; then b 5/3.8 = 1.32, c 1.5 -> c;
+    # then b 1.32, c 1.9/1.5 = 1.27, a 1.2 -> b.
+    decision = AFSP().decide(cluster(6, a, b, c), {})
+    assert decision.shares == {"a": 1, "b": 3, "c": 2}
+
+
+def test_afs_p_processor_sharing_with_leases() -> None:
+    unit = 100.0
+    policy = AFSP(unit_s=unit)
+    jobs = [job(f"j{i}", (0.0, 1.0, 1.5), None) for i in range(3)]
+    d0 = policy.decide(cluster(2, *jobs, now=0.0), {})
+    assert d0.shares == {"j0": 1, "j1": 1}
+    assert d0.memory["next_decision_at_s"] == unit
+    # A newcomer does not preempt a lease (non-preemptive), even with counter 0.
+    newcomer = job("j3", (0.0, 1.0, 1.5), None, arrival=50.0)
+    d1 = policy.decide(cluster(2, *jobs, newcomer, now=50.0), d0.memory)
+    assert d1.shares == {"j0": 1, "j1": 1}
+    # At the unit's end j0 and j1 are evicted with counter 1; j2 and j3 (counter 0) run.
+    d2 = policy.decide(cluster(2, *jobs, newcomer, now=unit), d1.memory)
+    assert d2.shares == {"j2": 1, "j3": 1}
+    assert d2.memory["counters"] == {"j0": 1, "j1": 1}
+    assert d2.memory["next_decision_at_s"] == 2 * unit
+    # A completion frees a GPU: the lowest counter waiting (j0, earlier) takes it.
+    d3 = policy.decide(cluster(2, jobs[0], jobs[1], jobs[2], now=150.0), d2.memory)
+    assert d3.shares == {"j2": 1, "j0": 1}
+    assert set(d3.memory["leases"]) == {"j0", "j2"}
+
+
+def test_afs_p_counters_are_ignored_when_every_job_fits() -> None:
+    a = job("a", (0.0, 1.0, 1.9), None)
+    b = job("b", (0.0, 1.0, 1.2), None)
+    memory = {"counters": {"a": 50}, "leases": {}}
+    assert AFSP(unit_s=100.0).decide(cluster(3, a, b), memory).shares == {"a": 2, "b": 1}
+
+
+def test_afs_p_memory_round_trips_and_drops_finished_jobs() -> None:
+    policy = AFSP(unit_s=10.0)
+    jobs = [job(f"j{i}", (0.0, 1.0, 1.5), None) for i in range(3)]
+    d0 = policy.decide(cluster(1, *jobs), {})
+    d1 = policy.decide(cluster(1, *jobs, now=10.0), d0.memory)
+    encoded = msgspec.msgpack.decode(msgspec.msgpack.encode(d1.memory))
+    assert policy.decide(cluster(1, *jobs[1:], now=20.0), encoded) == policy.decide(
+        cluster(1, *jobs[1:], now=20.0), d1.memory
+    )
+    d2 = policy.decide(cluster(1, *jobs[1:], now=20.0), d1.memory)
+    assert "j0" not in d2.memory["counters"] and "j0" not in d2.memory["leases"]
+
+
+def test_afs_p_rejects_a_bad_unit() -> None:
+    with pytest.raises(ValueError, match="unit_s"):
+        AFSP(unit_s=0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(view=views(max_jobs=16, max_gpus=40), dt=hs.sampled_from((1.0, 3600.0, 7200.0)))
+def test_afs_p_fast_equals_naive(view: ClusterView, dt: float) -> None:
+    fast, naive = AFSP(unit_s=3600.0), AFSPNaive(unit_s=3600.0)
+    d_fast, d_naive = fast.decide(view, {}), naive.decide(view, {})
+    assert d_fast.shares == d_naive.shares and d_fast.memory == d_naive.memory
+    nxt = later(view, d_fast, dt)
+    assert fast.decide(nxt, d_fast.memory).shares == naive.decide(nxt, d_naive.memory).shares
+
+
+def test_afs_p_ties_go_to_the_earlier_arrival() -> None:
+    jobs = [job(f"j{i}", (0.0, 1.0, 1.5, 1.8), None, arrival=float(10 - i)) for i in range(3)]
+    # Identical curves: every f ties, so arrival order decides (j2 arrived first).
+    d = AFSP().decide(cluster(4, *jobs), {})
+    check_decision(cluster(4, *jobs), d)
+    assert d.shares == {"j0": 1, "j1": 1, "j2": 2}
+    assert AFSPNaive().decide(cluster(4, *jobs), {}).shares == d.shares
+
+
+def test_afs_p_counts_units_lazily_while_every_job_fits() -> None:
+    unit = 100.0
+    policy = AFSP(unit_s=unit)
+    old = job("old", (0.0, 1.0, 1.5), None)
+    d0 = policy.decide(cluster(2, old, now=0.0), {})
+    assert d0.shares == {"old": 2}
+    assert "next_decision_at_s" not in d0.memory  # nobody waits: no wake-up needed
+    # 250 s later two newcomers arrive: old has run 2 whole units and is mid-unit,
+    # so it keeps one GPU until 300 s (non-preemptive); the earlier newcomer gets the other.
+    new1 = job("new1", (0.0, 1.0, 1.5), None, arrival=250.0)
+    new2 = job("new2", (0.0, 1.0, 1.5), None, arrival=250.0)
+    d1 = policy.decide(cluster(2, old, new1, new2, now=250.0), d0.memory)
+    assert d1.shares == {"old": 1, "new1": 1}
+    assert d1.memory["counters"] == {"old": 2}
+    assert d1.memory["leases"] == {"old": 200.0, "new1": 250.0}
+    assert d1.memory["next_decision_at_s"] == 300.0
+    # At 300 s old's unit ends (counter 3): new2 (counter 0) takes its GPU.
+    d2 = policy.decide(cluster(2, old, new1, new2, now=300.0), d1.memory)
+    assert d2.shares == {"new1": 1, "new2": 1}
+    assert d2.memory["counters"] == {"old": 3}
+
+
+# -- in the simulator -------------------------------------------------------------------
+
+
+def _run(name: str, trace: str, *, flat: bool, gpus: int = 64) -> dict[str, float]:
+    from shoal.policies.registry import get_policy
+    from shoal.sim.engine import SimConfig, Simulator
+    from shoal.workloads import load_workload
+
+    jobs = load_workload(trace, seed=0)
+    return Simulator(jobs, get_policy(name), SimConfig(total_gpus=gpus, flat=flat), trace=trace).run().summary
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_every_policy_completes_a_philly_trace(flat: bool) -> None:
+    names = ("afs-l", "afs-p", "srtf", "srsf", "srtf-e", "srsf-e", "fifo", "max-min")
+    results = {name: _run(name, "philly:2869ce:150", flat=flat) for name in names}
+    for name, summary in results.items():
+        assert summary["completed"] == summary["jobs"] == 150, name
+    # The naive forms take exactly the same decisions.
+    assert _run("afs-l-naive", "philly:2869ce:150", flat=flat)["avg_jct_s"] == results["afs-l"]["avg_jct_s"]
+    assert _run("afs-p-naive", "philly:2869ce:150", flat=flat)["avg_jct_s"] == results["afs-p"]["avg_jct_s"]
+
+
+def test_afs_p_processor_sharing_in_the_simulator() -> None:
+    """On 16 GPUs the first 150 jobs of 2869ce contend: leases evict, all jobs finish."""
+    fast = _run("afs-p", "philly:2869ce:150", flat=True, gpus=16)
+    assert fast["completed"] == 150
+    assert fast["preemptions"] > 0  # lease ends evicted running jobs
+    naive = _run("afs-p-naive", "philly:2869ce:150", flat=True, gpus=16)
+    assert (naive["avg_jct_s"], naive["decisions"]) == (fast["avg_jct_s"], fast["decisions"])
+
+
+def test_afs_l_beats_srtf_on_philly_2869ce() -> None:
+    """AFS §5.2: AFS-L improves average JCT over SRTF (the paper: 1.2-2.7x over 11 VCs)."""
+    afs_l = _run("afs-l", "philly:2869ce", flat=True)["avg_jct_s"]
+    srtf = _run("srtf", "philly:2869ce", flat=True)["avg_jct_s"]
+    assert afs_l < srtf

@@ -1,0 +1,160 @@
+"""Elastic-Tiresias: compaction admits queued jobs by shrinking, expansion fills idle GPUs."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from shoal.policies.base import ClusterView, JobView
+from shoal.policies.elastic_tiresias import ElasticTiresias
+from shoal.sim.engine import SimConfig, Simulator
+from shoal.workloads import load_workload
+
+from tests.policies.test_tiresias import LengthTripwire, assert_pure, job, view, views
+
+# Sub-linear curve: 8 GPUs give a speedup of 4 (efficiency 0.5), 4 GPUs 3.
+SUBLINEAR = (0.0, 1.0, 1.8, 2.4, 3.0, 3.3, 3.6, 3.8, 4.0)
+
+
+def big_running(queue_service: float) -> JobView:
+    return job(
+        "big",
+        arrival_s=0.0,
+        requested_gpus=8,
+        max_gpus=8,
+        throughput=SUBLINEAR,
+        current_gpus=8,
+        attained_service_gpu_s=queue_service,
+    )
+
+
+def waiting(n: int, gpus: int = 4) -> list[JobView]:
+    # Demoted to G2 by earlier service, so the Tiresias plan alone never preempts big for them.
+    return [
+        job(f"w{i}", arrival_s=10.0 + i, requested_gpus=gpus, max_gpus=gpus, attained_service_gpu_s=20_000.0)
+        for i in range(n)
+    ]
+
+
+def test_compaction_admits_a_queued_job_by_shrinking() -> None:
+    # big is in G1 (service past 500 GPU-s). With N = 0, one waiting job triggers compaction:
+    # big goes 8 -> 4 GPUs (loses 1 GPU-equivalent of speedup), w0 gains 4 on 4 GPUs.
+    policy = ElasticTiresias(compaction_threshold=0)
+    d = policy.decide(view(100.0, 8, big_running(1000.0), *waiting(1)), {})
+    assert d.shares == {"big": 4, "w0": 4}
+
+
+def test_compaction_needs_more_than_n_waiting_jobs() -> None:
+    policy = ElasticTiresias()  # N = 10
+    d = policy.decide(view(100.0, 8, big_running(1000.0), *waiting(10)), {})
+    assert d.shares == {"big": 8}
+    d = policy.decide(view(100.0, 8, big_running(1000.0), *waiting(11)), {})
+    assert d.shares == {"big": 4, "w0": 4}
+
+
+def test_top_group_jobs_are_never_shrunk() -> None:
+    policy = ElasticTiresias(compaction_threshold=0)
+    d = policy.decide(view(100.0, 8, big_running(100.0), *waiting(3)), {})
+    assert d.shares == {"big": 8}
+
+
+def test_qos_ratio_bounds_the_shrink() -> None:
+    # r = 0.5 keeps big at 4 GPUs or more: 2 waiting 3-GPU jobs cannot both come in.
+    policy = ElasticTiresias(compaction_threshold=0)
+    d = policy.decide(view(100.0, 8, big_running(1000.0), *waiting(2, gpus=3)), {})
+    assert d.shares["big"] >= 4
+    assert sum(d.shares.values()) <= 8
+    assert d.shares.get("w0") == 3 and "w1" not in d.shares
+
+
+def test_no_compaction_when_it_loses_efficiency() -> None:
+    # The waiting job scales badly (4 GPUs = 0.9× one GPU); shrinking big 8 -> 4 loses 1.0.
+    poor = job(
+        "poor",
+        arrival_s=5.0,
+        requested_gpus=4,
+        max_gpus=4,
+        throughput=(0.0, 1.0, 1.02, 1.04, 0.9),
+        attained_service_gpu_s=20_000.0,
+    )
+    d = ElasticTiresias(compaction_threshold=0).decide(view(100.0, 8, big_running(1000.0), poor), {})
+    assert d.shares == {"big": 8}
+
+
+def test_expansion_gives_idle_gpus_to_the_largest_relative_gain() -> None:
+    linear = job("lin", arrival_s=0.0, requested_gpus=2, max_gpus=4, current_gpus=2)
+    flat = job(
+        "flat",
+        arrival_s=1.0,
+        requested_gpus=2,
+        max_gpus=4,
+        throughput=(0.0, 1.0, 1.9, 2.0, 2.05),
+        current_gpus=2,
+    )
+    d = ElasticTiresias().decide(view(50.0, 6, linear, flat), {})
+    assert d.shares == {"lin": 4, "flat": 2}
+    # The expanded job keeps its size on the next decision, and gives it back for a new job.
+    again = ElasticTiresias().decide(
+        view(60.0, 6, job("lin", arrival_s=0.0, requested_gpus=2, max_gpus=4, current_gpus=4), flat), d.memory
+    )
+    assert again.shares == {"lin": 4, "flat": 2}
+    newcomer = job("new", arrival_s=55.0, requested_gpus=2, max_gpus=2)
+    lin4 = job(
+        "lin", arrival_s=0.0, requested_gpus=2, max_gpus=4, current_gpus=4, attained_service_gpu_s=10_000.0
+    )
+    d = ElasticTiresias().decide(view(60.0, 6, lin4, flat, newcomer), d.memory)
+    assert d.shares == {"lin": 2, "flat": 2, "new": 2}
+
+
+def test_lent_gpus_come_back_before_a_job_of_lower_priority_waits() -> None:
+    # a was expanded to 4 while idle; b (same group, later) arrives: a goes back to 2.
+    a = job("a", arrival_s=0.0, requested_gpus=2, max_gpus=4, current_gpus=4)
+    b = job("b", arrival_s=1.0, requested_gpus=2, max_gpus=4)
+    assert ElasticTiresias().decide(view(5.0, 4, a, b), {}).shares == {"a": 2, "b": 2}
+    # A compacted job keeps its smaller size while others run.
+    shrunk = job("s", arrival_s=0.0, requested_gpus=4, max_gpus=4, current_gpus=2)
+    other = job("o", arrival_s=1.0, requested_gpus=2, max_gpus=2, current_gpus=2)
+    assert ElasticTiresias().decide(view(5.0, 4, shrunk, other), {}).shares == {"s": 2, "o": 2}
+
+
+def test_a_job_that_can_never_fit_does_not_block_expansion() -> None:
+    small = job("small", arrival_s=0.0, requested_gpus=1, max_gpus=4, current_gpus=1)
+    huge = job("huge", arrival_s=1.0, requested_gpus=8, max_gpus=8, elastic=False)
+    assert ElasticTiresias().decide(view(5.0, 4, small, huge), {}).shares == {"small": 4}
+
+
+def test_inelastic_jobs_are_not_resized() -> None:
+    rigid = job("rigid", arrival_s=0.0, requested_gpus=2, max_gpus=8, elastic=False, current_gpus=2)
+    d = ElasticTiresias().decide(view(50.0, 8, rigid), {})
+    assert d.shares == {"rigid": 2}
+
+
+def test_never_reads_job_lengths() -> None:
+    jobs = [
+        LengthTripwire(
+            job_id=f"j{i}",
+            requested_gpus=2,
+            max_gpus=4,
+            arrival_s=float(i),
+            throughput=(0.0, 1.0, 1.8, 2.5, 3.0),
+        )
+        for i in range(3)
+    ]
+    d = ElasticTiresias(compaction_threshold=0).decide(
+        ClusterView(now_s=5.0, total_gpus=5, jobs=tuple(jobs)), {}
+    )
+    assert d.shares == {"j0": 2, "j1": 2}
+    d = ElasticTiresias().decide(ClusterView(now_s=5.0, total_gpus=9, jobs=tuple(jobs)), {})
+    assert sum(d.shares.values()) == 9  # expansion of the idle GPUs
+
+
+@settings(max_examples=60, deadline=None)
+@given(views())
+def test_properties(v: ClusterView) -> None:
+    assert_pure(ElasticTiresias(compaction_threshold=1), v)
+    assert_pure(ElasticTiresias(), v)
+
+
+def test_runs_a_philly_prefix_to_completion() -> None:
+    workload = load_workload("philly:2869ce:150", seed=0)
+    summary = Simulator(workload, ElasticTiresias(), SimConfig(flat=True)).run().summary
+    assert summary["completed"] == summary["jobs"] == 150
+    assert summary["reconfigurations"] > 0  # compaction/expansion resized jobs

@@ -1,0 +1,225 @@
+"""Tiresias-L: queue demotion at the threshold, FCFS, backfill, restarts, and properties.
+
+The helpers at the top (``job``, ``views``, ``next_view``, ``assert_pure``) are shared
+by the other baseline policies' tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+from shoal.policies.base import ClusterView, Decision, JobView, Policy, check_decision, feasible_counts
+from shoal.policies.tiresias import TiresiasL, gang_size
+from shoal.sim.engine import SimConfig, Simulator
+from shoal.workloads import load_workload
+
+# ---------------------------------------------------------------------------
+# shared helpers
+# ---------------------------------------------------------------------------
+
+
+def job(job_id: str, **kw: Any) -> JobView:
+    """A job view with a linear curve up to ``max_gpus`` unless given."""
+    max_gpus = kw.get("max_gpus", max(1, kw.get("requested_gpus", 1)))
+    kw.setdefault("max_gpus", max_gpus)
+    kw.setdefault("throughput", tuple(float(k) for k in range(max_gpus + 1)))
+    return JobView(job_id=job_id, **kw)
+
+
+def view(now: float, total: int, *jobs: JobView) -> ClusterView:
+    return ClusterView(now_s=now, total_gpus=total, jobs=tuple(jobs))
+
+
+@hs.composite
+def job_views(draw: hs.DrawFn, job_id: str, now: float) -> JobView:
+    max_gpus = draw(hs.integers(1, 8))
+    min_gpus = draw(hs.integers(1, max_gpus))
+    requested = draw(hs.integers(1, 8))
+    elastic = draw(hs.booleans())
+    allowed = draw(hs.none() | hs.lists(hs.sampled_from([1, 2, 3, 4, 6, 8]), min_size=1, max_size=4))
+    # Concave-ish curve: per-step gains that shrink, sometimes negative at the end.
+    gains = draw(hs.lists(hs.floats(0.0, 1.0), min_size=max_gpus, max_size=max_gpus))
+    curve = [0.0]
+    step = 1.0
+    for g in gains:
+        curve.append(curve[-1] + step * (0.2 + g))
+        step *= 0.8
+    if draw(hs.booleans()):
+        curve[-1] = curve[-2] * 0.95 if len(curve) > 2 else curve[-1]
+    remaining = draw(hs.none() | hs.floats(1.0, 1e6))
+    return JobView(
+        job_id=job_id,
+        arrival_s=draw(hs.floats(0.0, now)),
+        min_gpus=min_gpus,
+        max_gpus=max_gpus,
+        requested_gpus=requested,
+        elastic=elastic,
+        allowed_gpu_counts=tuple(sorted(set(allowed))) if allowed else None,
+        throughput=tuple(curve),
+        remaining_iterations=remaining,
+        total_iterations=None if remaining is None else remaining + draw(hs.floats(0.0, 1e5)),
+        attained_service_gpu_s=draw(hs.floats(0.0, 400_000.0)),
+        current_gpus=0,
+    )
+
+
+@hs.composite
+def views(draw: hs.DrawFn, max_jobs: int = 12) -> ClusterView:
+    """Random clusters with a feasible current allocation."""
+    now = draw(hs.floats(0.0, 1e6))
+    total = draw(hs.integers(0, 24))
+    n = draw(hs.integers(0, max_jobs))
+    jobs = [draw(job_views(f"j{i}", now)) for i in range(n)]
+    free = total
+    placed = []
+    for j in jobs:
+        counts = [c for c in feasible_counts(j) if c <= free]
+        running = bool(counts) and draw(hs.booleans())
+        if running:
+            c = draw(hs.sampled_from(counts))
+            free -= c
+            j = msgspec.structs.replace(j, current_gpus=c)
+        placed.append(j)
+    return ClusterView(now_s=now, total_gpus=total, jobs=tuple(placed))
+
+
+def next_view(v: ClusterView, decision: Decision, dt: float) -> ClusterView:
+    """The view ``dt`` seconds later if the decision ran as decided (no completion)."""
+    jobs = []
+    for j in v.jobs:
+        g = decision.shares.get(j.job_id, 0)
+        rate = j.throughput[g] if g < len(j.throughput) else j.throughput[-1]
+        remaining = None if j.remaining_iterations is None else max(1.0, j.remaining_iterations - rate * dt)
+        jobs.append(
+            msgspec.structs.replace(
+                j,
+                current_gpus=g,
+                attained_service_gpu_s=j.attained_service_gpu_s + g * dt,
+                remaining_iterations=remaining,
+                iterations_done=j.iterations_done + rate * dt,
+            )
+        )
+    return ClusterView(now_s=v.now_s + dt, total_gpus=v.total_gpus, jobs=tuple(jobs))
+
+
+def assert_pure(policy: Policy, v: ClusterView, memory: Mapping[str, Any] | None = None) -> Decision:
+    """Feasible, deterministic, and the memory survives msgpack with the same next decision."""
+    memory = memory or {}
+    d1 = policy.decide(v, memory)
+    check_decision(v, d1)
+    d2 = policy.decide(v, memory)
+    assert d1 == d2
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(d1.memory))
+    assert wire == d1.memory
+    nv = next_view(v, d1, 137.0)
+    a = policy.decide(nv, d1.memory)
+    b = policy.decide(nv, wire)
+    check_decision(nv, a)
+    assert a == b
+    return d1
+
+
+# ---------------------------------------------------------------------------
+# Tiresias-L
+# ---------------------------------------------------------------------------
+
+
+def test_gang_size_is_the_request_when_feasible() -> None:
+    assert gang_size(job("a", requested_gpus=4, max_gpus=8)) == 4
+    assert gang_size(job("a", requested_gpus=3, max_gpus=8, allowed_gpu_counts=(1, 2, 4))) == 2
+    assert gang_size(job("a", requested_gpus=1, min_gpus=2, max_gpus=8)) == 2
+    assert gang_size(job("a", requested_gpus=2, max_gpus=8, elastic=False)) == 2
+
+
+def test_demotion_at_the_threshold_lets_the_newer_job_run() -> None:
+    policy = TiresiasL(queue_thresholds_gpu_s=(1000.0,))
+    old = job(
+        "old", arrival_s=0.0, requested_gpus=2, max_gpus=2, current_gpus=2, attained_service_gpu_s=999.0
+    )
+    new = job("new", arrival_s=10.0, requested_gpus=2, max_gpus=2)
+    # Just below the threshold: FCFS inside Q0, the old job keeps the GPUs.
+    d = policy.decide(view(500.0, 2, old, new), {"jobs": {"old": [0.0, 0.0, -1.0]}})
+    assert d.shares == {"old": 2}
+    # It asks to be woken when the old job crosses the threshold: 1 GPU-s left at 2 GPUs.
+    assert d.memory["next_decision_at_s"] == pytest.approx(500.5)
+    # At the threshold the old job drops to Q1 and the new one (Q0) preempts it.
+    at = msgspec.structs.replace(old, attained_service_gpu_s=1000.0)
+    d = policy.decide(view(500.5, 2, at, new), d.memory)
+    assert d.shares == {"new": 2}
+    assert d.memory["jobs"]["old"][2] == 500.5  # preempted now
+
+
+def test_backfill_scans_past_a_job_that_does_not_fit() -> None:
+    policy = TiresiasL()
+    big = job("big", arrival_s=0.0, requested_gpus=8, max_gpus=8)
+    small = job("small", arrival_s=5.0, requested_gpus=2, max_gpus=2)
+    d = policy.decide(view(10.0, 4, big, small), {})
+    assert d.shares == {"small": 2}
+
+
+def test_restarted_job_reenters_q0_and_whole_count_option() -> None:
+    thresholds = (100.0,)
+    a = job("a", arrival_s=0.0, requested_gpus=1, attained_service_gpu_s=150.0)
+    b = job("b", arrival_s=1.0, requested_gpus=1, attained_service_gpu_s=50.0, current_gpus=1)
+    memory = {"jobs": {"a": [0.0, 0.0, 20.0], "b": [0.0, 2.0, -1.0]}}
+    # Counted since restart: a is in Q1 until it restarts; b (Q0) keeps the GPU.
+    d = TiresiasL(queue_thresholds_gpu_s=thresholds).decide(view(100.0, 1, a, b), memory)
+    assert d.shares == {"b": 1}
+    # With 2 GPUs a restarts, and its count starts again from its current service.
+    d = TiresiasL(queue_thresholds_gpu_s=thresholds).decide(view(100.0, 2, a, b), memory)
+    assert d.shares == {"a": 1, "b": 1}
+    assert d.memory["jobs"]["a"][0] == 150.0
+    # Whole-service counting keeps the base at 0.
+    d = TiresiasL(queue_thresholds_gpu_s=thresholds, service_since_restart=False).decide(
+        view(100.0, 2, a, b), memory
+    )
+    assert d.memory["jobs"]["a"][0] == 0.0
+
+
+def test_promotion_after_waiting_knob_times_its_run_time() -> None:
+    policy = TiresiasL(queue_thresholds_gpu_s=(100.0,), promote_knob=2.0, service_since_restart=False)
+    starved = job("s", arrival_s=0.0, requested_gpus=1, attained_service_gpu_s=200.0)
+    runner = job("r", arrival_s=50.0, requested_gpus=1, attained_service_gpu_s=10.0, current_gpus=1)
+    memory = {"jobs": {"s": [0.0, 0.0, 100.0], "r": [0.0, 50.0, -1.0]}}
+    d = policy.decide(view(499.0, 1, starved, runner), memory)
+    assert d.shares == {"r": 1}
+    assert d.memory["next_decision_at_s"] == pytest.approx(500.0)  # 100 + 2 × 200 s
+    d = policy.decide(view(500.0, 1, starved, runner), memory)
+    assert d.shares == {"s": 1}  # promoted to Q0, ran first (FCFS by first start)
+
+
+class LengthTripwire(JobView, frozen=True, kw_only=True):
+    """A job view that fails the test when a length-unaware policy reads its length."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in ("remaining_iterations", "total_iterations"):
+            raise AssertionError(f"a length-unaware policy read {name}")
+        return super().__getattribute__(name)
+
+
+def test_never_reads_remaining_iterations() -> None:
+    jobs = [LengthTripwire(job_id=f"j{i}", requested_gpus=1, arrival_s=float(i)) for i in range(3)]
+    d = TiresiasL().decide(ClusterView(now_s=5.0, total_gpus=2, jobs=tuple(jobs)), {})
+    assert d.shares == {"j0": 1, "j1": 1}
+
+
+@settings(max_examples=60, deadline=None)
+@given(views())
+def test_properties(v: ClusterView) -> None:
+    d = assert_pure(TiresiasL(queue_thresholds_gpu_s=(300.0, 5000.0), promote_knob=1.0), v)
+    for job_id, g in d.shares.items():
+        j = next(x for x in v.jobs if x.job_id == job_id)
+        assert g == gang_size(j)
+
+
+def test_runs_a_philly_prefix_to_completion() -> None:
+    workload = load_workload("philly:2869ce:150", seed=0)
+    summary = Simulator(workload, TiresiasL(), SimConfig(flat=True)).run().summary
+    assert summary["completed"] == summary["jobs"] == 150
+    # Non-elastic: jobs start and stop, never resize.
+    assert summary["reconfigurations"] == 0
