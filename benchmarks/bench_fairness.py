@@ -23,7 +23,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
+import os
 import platform
 import random
 import sys
@@ -54,13 +56,26 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[int(rank) - 1]
 
 
-def timed(fn: Callable[[], Any], repeats: int) -> tuple[list[float], Any]:
-    out: Any = None
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+class Times:
+    """CPU and wall-clock milliseconds of each repeat."""
+
+    def __init__(self) -> None:
+        self.cpu: list[float] = []
+        self.wall: list[float] = []
+
+    def measure(self, fn: Callable[[], Any]) -> Any:
+        c0, w0 = time.process_time(), time.perf_counter()
         out = fn()
-        times.append((time.perf_counter() - t0) * 1000)
+        self.cpu.append((time.process_time() - c0) * 1000)
+        self.wall.append((time.perf_counter() - w0) * 1000)
+        return out
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> tuple[Times, Any]:
+    out: Any = None
+    times = Times()
+    for _ in range(repeats):
+        out = times.measure(fn)
     return times, out
 
 
@@ -115,24 +130,23 @@ def stride_case(
 
 def run_quanta(
     fn: Callable[..., SplitStrideResult], server_gpus: dict[str, int], jobs: list[PlacedJob], quanta: int
-) -> tuple[list[float], list[SplitStrideResult]]:
+) -> tuple[Times, list[SplitStrideResult]]:
     central: dict[str, float] = {}
     local: dict[str, float] = {}
-    times: list[float] = []
+    times = Times()
     results = []
     for _ in range(quanta):
-        t0 = time.perf_counter()
-        res = fn(server_gpus, jobs, central, local)
-        times.append((time.perf_counter() - t0) * 1000)
+        res = times.measure(functools.partial(fn, server_gpus, jobs, central, local))
         central, local = res.central_passes, res.local_passes
         results.append(res)
     return times, results
 
 
-def row(case: str, impl: str, times: list[float], outcome: str) -> str:
+def row(case: str, impl: str, times: Times, outcome: str) -> str:
+    c, w = times.cpu, times.wall
     return (
-        f"| {case} | {impl} | {len(times)} | {percentile(times, 50):.1f} | {percentile(times, 99):.1f} | "
-        f"{max(times):.1f} | {TARGET_MS:.0f} | {outcome} |"
+        f"| {case} | {impl} | {len(c)} | {percentile(c, 50):.1f} | {percentile(c, 99):.1f} | {max(c):.1f} | "
+        f"{percentile(w, 50):.1f} | {percentile(w, 99):.1f} | {TARGET_MS:.0f} | {outcome} |"
     )
 
 
@@ -141,17 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repeats (sizes unchanged)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/reports/fairness_latency.md"))
     args = parser.parse_args(argv)
-    repeats = 5 if args.quick else 30
-    naive_repeats = 1 if args.quick else 3
+    repeats = 5 if args.quick else 200
+    naive_repeats = 1 if args.quick else 5
 
     lines: list[str] = []
     ok = True
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
     entitlements, rates = trading_case(1000, seed=1)
     fast_t, trades = timed(lambda: trading_round(entitlements, rates, ORDER), repeats)
     naive_t, naive_trades = timed(lambda: naive_trading_round(entitlements, rates, ORDER), naive_repeats)
     same = trades == naive_trades
-    ok &= same and percentile(fast_t, 99) < TARGET_MS
+    ok &= same and percentile(fast_t.cpu, 99) < TARGET_MS
     outcome = (
         f"{len(trades)} trades, {sum(t.fast_gpus for t in trades)} fast GPUs moved; naive agrees: {same}"
     )
@@ -163,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     fast_t, fast_res = run_quanta(split_stride_quantum, server_gpus, jobs, repeats)
     naive_t, naive_res = run_quanta(naive_split_stride_quantum, server_gpus, jobs, naive_repeats)
     same = fast_res[:naive_repeats] == naive_res
-    ok &= same and percentile(fast_t, 99) < TARGET_MS
+    ok &= same and percentile(fast_t.cpu, 99) < TARGET_MS
     busy = sum(server_gpus.values()) - fast_res[-1].idle_gpus
     outcome = (
         f"{len(fast_res[-1].scheduled)} jobs run, {busy}/{sum(server_gpus.values())} GPUs busy "
@@ -173,22 +188,31 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(row(case, "`split_stride_quantum`", fast_t, outcome))
     lines.append(row(case, "`naive_split_stride_quantum`", naive_t, "O(entries²) minimum scans"))
 
+    load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    cores = os.cpu_count() or 0
     command = "python benchmarks/bench_fairness.py" + (" --quick" if args.quick else "")
     report = [
         "# Gandiva_fair latency",
         "",
         f"Command: `{command}`",
         "",
-        f"Machine: {platform.machine()}, Python {platform.python_version()}, {platform.system()}; "
-        "single thread, on a shared machine (other jobs were running).",
+        f"Machine: {platform.machine()}, {cores} cores, Python {platform.python_version()}, "
+        f"{platform.system()}; single thread, on a shared machine: 1-minute load average "
+        f"{load_before:.1f} before and {load_after:.1f} after the run.",
         "",
-        "p99 is the nearest-rank percentile of the repeats (with few repeats it is the maximum).",
+        "Each repeat is timed twice: CPU time of this process (`time.process_time`) and wall-clock time. "
+        "With the load above the core count, wall-clock time includes waiting for a core that other jobs "
+        "hold, so the target is judged on the CPU time; on a dedicated allocator core the two coincide. "
+        "p99 is the nearest-rank percentile of the repeats (with few repeats it is the maximum). "
+        "The naive versions run fewer repeats (they are slow); the fast and naive versions run in the "
+        "same process, one after the other, on the same inputs.",
         "",
-        "| case | implementation | repeats | p50 ms | p99 ms | max ms | target p99 ms | outcome |",
-        "|---|---|---|---|---|---|---|---|",
+        "| case | implementation | repeats | CPU p50 ms | CPU p99 ms | CPU max ms | wall p50 ms | wall p99 ms "
+        "| target p99 ms | outcome |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *lines,
         "",
-        f"Both fast paths under target and equal to the naive versions: {'yes' if ok else 'no'}.",
+        f"Both fast paths under target (CPU p99) and equal to the naive versions: {'yes' if ok else 'no'}.",
         "",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)

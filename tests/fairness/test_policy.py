@@ -50,6 +50,20 @@ def test_table2_through_the_policy() -> None:
     assert all(sum(d.shares.values()) == 4 for d in decisions)
 
 
+def test_section_5_1_through_the_policy() -> None:
+    """One 4-V100 server; U1: 4 × 1-GPU, U2: 4 × 2-GPU, U3: 4 × 4-GPU jobs, 100 tickets each."""
+    jobs = tuple(job(f"u{u}-{k}", f"U{u}", s) for u, s in ((1, 1), (2, 2), (3, 4)) for k in range(4))
+    view = ClusterView(now_s=0.0, total_gpus=4, jobs=jobs, gpus_per_node=4)
+    decisions, _ = run(GandivaFairPolicy(), view, 12)
+    per_user = gpu_quanta(decisions, lambda j: j.split("-")[0])
+    assert per_user == pytest.approx({"u1": 4 / 3, "u2": 4 / 3, "u3": 4 / 3}, rel=1e-12)
+    assert all(sum(d.shares.values()) == 4 for d in decisions)
+    # U1 and U3 finish (§5.1, about four hours in): U2 gets the whole server.
+    only_u2 = msgspec.structs.replace(view, jobs=tuple(j for j in jobs if j.user == "U2"))
+    decisions, _ = run(GandivaFairPolicy(), only_u2, 4)
+    assert gpu_quanta(decisions, lambda j: j.split("-")[0]) == {"u2": 4.0}
+
+
 def test_section_5_2_split_stride_through_the_policy() -> None:
     jobs = (
         job("u1-big", "U1", 8),
@@ -59,7 +73,7 @@ def test_section_5_2_split_stride_through_the_policy() -> None:
     view = ClusterView(now_s=0.0, total_gpus=8, jobs=jobs, gpus_per_node=4)
     decisions, memory = run(GandivaFairPolicy(), view, 30)
     per_user = gpu_quanta(decisions, lambda j: j.split("-")[0])
-    assert per_user == pytest.approx({"u1": 8 / 3, "u2": 8 / 3, "u3": 8 / 3}, abs=0.01)
+    assert per_user == pytest.approx({"u1": 8 / 3, "u2": 8 / 3, "u3": 8 / 3}, rel=1e-12)
     assert memory["placement"]["u1-big"] == ["#0", "#1"]
     assert memory["migrations"] == []
 
@@ -278,3 +292,31 @@ def test_any_cluster_gets_valid_deterministic_decisions(
             for j in jobs:
                 if j.job_id in d.shares and j.pinned_gpu_type is not None:
                     assert d.gpu_types[j.job_id] == j.pinned_gpu_type
+
+
+def test_gang_that_fits_no_generation_share_whole_runs_on_spilled_capacity() -> None:
+    """A 4-GPU gang entitled to 2 V100 + 2 K80 could only time-slice; the idle K80s
+    that newest-first filling left over (§3.2 bonus, per generation) let it run whole."""
+    jobs = (
+        job("a-0", "a", 4, throughput_by_type={"k80": (0.0, 1, 2, 3, 4), "v100": (0.0, 1.5, 3, 4.5, 6)}),
+        *(
+            job(
+                f"b-{k}",
+                "b",
+                1,
+                arrival_s=1.0 + k,
+                throughput_by_type={"k80": (0.0, 1.0), "v100": (0.0, 5.0)},
+            )
+            for k in range(2)
+        ),
+    )
+    view = ClusterView(
+        now_s=0.0, total_gpus=12, jobs=jobs, gpus_per_node=4, gpus_by_type={"v100": 4, "k80": 8}
+    )
+    spilled, _ = run(GandivaFairPolicy(spill=True), view, 10)
+    plain, _ = run(GandivaFairPolicy(), view, 10)
+    a_spilled = gpu_quanta(spilled, lambda j: j.split("-")[0])["a"]
+    a_plain = gpu_quanta(plain, lambda j: j.split("-")[0])["a"]
+    assert a_spilled == pytest.approx(4.0)  # every quantum, on the K80s
+    assert all(d.gpu_types.get("a-0") == "k80" for d in spilled)
+    assert a_plain < 3.0  # time-sliced on the V100s

@@ -10,6 +10,7 @@ from shoal.fairness.shares import (
     fair_shares,
     fair_shares_by_generation,
     fair_shares_newest_first,
+    spill_leftover,
 )
 
 EQUAL = {"U1": 100.0, "U2": 100.0, "U3": 100.0, "U4": 100.0}
@@ -111,3 +112,20 @@ def test_pinned_demand_counts_only_on_its_generation() -> None:
     )
     assert shares["a"] == pytest.approx({"v100": 0.0, "k80": 4.0})
     assert shares["b"] == pytest.approx({"v100": 4.0, "k80": 4.0})
+
+
+def test_spill_hands_out_what_newest_first_left_idle() -> None:
+    gpus = {"v100": 4, "k80": 8}
+    tickets = {"a": 100.0, "b": 100.0}
+    # a: one 4-GPU gang; b: two 1-GPU jobs. Newest first: 2 + 2 V100, then a 2 K80.
+    newest = fair_shares_newest_first(tickets, {"a": 4, "b": 2}, gpus, ("v100", "k80"))
+    assert newest == {"a": {"v100": 2.0, "k80": 2.0}, "b": {"v100": 2.0, "k80": 0.0}}
+    usable = {"a": dict.fromkeys(gpus, 4.0), "b": dict.fromkeys(gpus, 2.0)}
+    spilled = spill_leftover(newest, tickets, usable, gpus)
+    # 6 idle K80s: a may take 2 more (its gang fits there whole), b 2.
+    assert spilled == {"a": {"v100": 2.0, "k80": 4.0}, "b": {"v100": 2.0, "k80": 2.0}}
+    # Nothing is left over when demand exceeds every generation (§5.4): unchanged.
+    demand = {u: 150.0 for u in EQUAL}
+    full = fair_shares_newest_first(EQUAL, demand, {"v100": 12, "k80": 64}, ("v100", "k80"))
+    usable_full = {u: {"v100": 150.0, "k80": 150.0} for u in EQUAL}
+    assert spill_leftover(full, EQUAL, usable_full, {"v100": 12, "k80": 64}) == full

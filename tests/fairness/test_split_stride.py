@@ -51,9 +51,11 @@ def gpus_per_user(
 def test_section_5_1_single_server_gives_each_user_1_33_gpus() -> None:
     servers = {"s0": 4}
     jobs = build(servers, {"U1": [1] * 4, "U2": [2] * 4, "U3": [4] * 4})
-    shares, idle = gpus_per_user(servers, jobs, 120)
-    assert shares == pytest.approx(dict.fromkeys(("U1", "U2", "U3"), 4 / 3), abs=0.05)
-    assert idle == 0
+    # Exact from the first full period of 12 quanta on (and every multiple of it).
+    for quanta in (12, 120):
+        shares, idle = gpus_per_user(servers, jobs, quanta)
+        assert shares == pytest.approx(dict.fromkeys(("U1", "U2", "U3"), 4 / 3), rel=1e-12)
+        assert idle == 0
 
 
 def test_section_5_2_split_stride_gives_each_user_2_66_gpus() -> None:
@@ -62,9 +64,11 @@ def test_section_5_2_split_stride_gives_each_user_2_66_gpus() -> None:
     assert next(j for j in jobs if j.job_id == "U1-0").servers == ("s0", "s1")
     # Ticket load is balanced: each server holds one 2-GPU and two 1-GPU jobs.
     assert sorted(j.servers[0] for j in jobs if j.size < 8) == ["s0", "s0", "s0", "s1", "s1", "s1"]
-    shares, idle = gpus_per_user(servers, jobs, 30)
-    assert shares == pytest.approx(dict.fromkeys(("U1", "U2", "U3"), 8 / 3), abs=0.01)
-    assert idle == 0
+    # Exact from the first period of 3 quanta on.
+    for quanta in (3, 30):
+        shares, idle = gpus_per_user(servers, jobs, quanta)
+        assert shares == pytest.approx(dict.fromkeys(("U1", "U2", "U3"), 8 / 3), rel=1e-12)
+        assert idle == 0
     # After U1's 8-GPU job completes, U2 and U3 get 4 GPUs each.
     rest = [j for j in jobs if not j.job_id.startswith("U1")]
     shares, _ = gpus_per_user(servers, rest, 30)

@@ -8,7 +8,11 @@ gangs: a job runs with exactly its size or not at all. Each quantum:
    gives a per-GPU rate sample for (user, generation); see :mod:`.hetero`.
 2. **Entitlements** (§3.2, §3.4): per-generation fair shares by ticket-weighted
    water-filling, newest generation first, pinned demand on its own generation
-   (:func:`.shares.fair_shares_newest_first`). Bonus shares are included.
+   (:func:`.shares.fair_shares_newest_first`). Bonus shares are included. With
+   ``spill=True`` the capacity that newest-first filling leaves unallocated also
+   goes, per generation, to the users who could run jobs there
+   (:func:`.shares.spill_leftover`), so gangs that cannot use fractions of several
+   generations need not leave GPUs idle.
 3. **Trading** (§3.4-3.5, heterogeneous clusters): on every call, trades no
    longer affordable or beneficial are undone; at quantum starts one
    second-price round runs (:mod:`.trader`).
@@ -67,7 +71,7 @@ from shoal.fairness.hetero import (
     profiled_rate,
     record_sample,
 )
-from shoal.fairness.shares import fair_shares_newest_first
+from shoal.fairness.shares import fair_shares_newest_first, spill_leftover
 from shoal.fairness.split_stride import PlacedJob, split_stride_quantum
 from shoal.fairness.stride import STRIDE1
 from shoal.fairness.trader import Trade, holdings, trading_round, undo_trades
@@ -123,6 +127,7 @@ class GandivaFairPolicy:
         profile_window: int = 5,
         generation_rank: Mapping[str, int] | None = None,
         pack_on_placement: bool = False,
+        spill: bool = False,
     ) -> None:
         """Configure the policy.
 
@@ -140,6 +145,10 @@ class GandivaFairPolicy:
             generation_rank: Generation name -> rank (newer is higher).
             pack_on_placement: New small jobs avoid nodes whose idle risk they
                 would raise before looking at load (off: the paper's least-loaded rule).
+            spill: Hand out per-generation capacity that newest-first filling left
+                unallocated (:func:`.shares.spill_leftover`). Off by default: on the
+                Philly runs of ``benchmarks/fairness_heterogeneity.py`` it lowers the
+                users' shortfall a little but raises the average JCT (see the report).
         """
         self.quantum_s = quantum_s
         self.stride1 = stride1
@@ -153,6 +162,7 @@ class GandivaFairPolicy:
         self.profile_window = profile_window
         self.generation_rank = generation_rank
         self.pack_on_placement = pack_on_placement
+        self.spill = spill
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Decide which jobs run this quantum, on which generation.
@@ -215,6 +225,11 @@ class GandivaFairPolicy:
                     flexible[user] = flexible.get(user, 0.0) + size[jid]
         tickets = {u: float(view.user_tickets.get(u, self.default_tickets)) for u in by_user}
         entitled = fair_shares_newest_first(tickets, flexible, gens, order, pinned)
+        # Gangs cannot use fractions spread over generations: hand out what
+        # newest-first filling left idle (§3.2 bonus share, per generation).
+        usable = {u: {g: flexible.get(u, 0.0) + pinned.get(u, {}).get(g, 0.0) for g in gens} for u in by_user}
+        if self.spill:
+            entitled = spill_leftover(entitled, tickets, usable, gens)
 
         # 3. Trading on heterogeneous clusters (§3.4-3.5).
         active = [Trade(**t) for t in mem.get("trades", [])]

@@ -21,6 +21,12 @@ Choices where the paper is silent:
   down, spending the user's remaining demand, which is Algorithm 2's "first jobs
   on the fastest GPU until the user's entitlement there is used up".
 - Shares are real numbers (time-sliced GPUs): 8 GPUs among 3 users is 2.667 each.
+- Gangs do not split across generations, so a user whose demand is "met" by
+  fractions of several generations may be unable to use them, while the capacity
+  that newest-first filling left over on an older generation stays idle.
+  :func:`spill_leftover` hands that leftover out again (§3.2's bonus share, per
+  generation), capped by what each user could run there. Without it, the policy
+  is not work-conserving on heterogeneous clusters with multi-GPU gangs.
 """
 
 from __future__ import annotations
@@ -154,4 +160,39 @@ def fair_shares_newest_first(
         for user, share in shares.items():
             out[user][gen] = share
             left[user] = max(0.0, left[user] - max(0.0, share - pinned_here[user]))
+    return out
+
+
+def spill_leftover(
+    shares: Mapping[str, Mapping[str, float]],
+    tickets: Mapping[str, float],
+    demand: Mapping[str, Mapping[str, float]],
+    gpus_by_generation: Mapping[str, float],
+) -> dict[str, dict[str, float]]:
+    """Give each generation's unallocated GPUs to the users who could run jobs there.
+
+    The bonus share of §3.2, applied per generation after newest-first filling: the
+    leftover of generation g is water-filled by tickets, each user capped by the GPUs
+    its jobs could use on g beyond its share there.
+
+    Args:
+        shares: User -> generation -> share (e.g. from :func:`fair_shares_newest_first`).
+        tickets: User -> tickets.
+        demand: User -> generation -> GPUs of the user's jobs that may run there
+            (flexible jobs count on every generation, pinned ones on theirs).
+        gpus_by_generation: Generation -> GPUs.
+
+    Returns:
+        User -> generation -> share, with every generation's leftover handed out
+        as far as the caps allow.
+    """
+    out = {u: dict(s) for u, s in shares.items()}
+    for gen, capacity in gpus_by_generation.items():
+        leftover = capacity - sum(s.get(gen, 0.0) for s in out.values())
+        if leftover <= 1e-9:
+            continue
+        room = {u: max(0.0, demand.get(u, {}).get(gen, 0.0) - s.get(gen, 0.0)) for u, s in out.items()}
+        for user, extra in fair_shares(tickets, room, leftover).items():
+            if extra > 0:
+                out[user][gen] = out[user].get(gen, 0.0) + extra
     return out
