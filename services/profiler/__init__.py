@@ -1,0 +1,1 @@
+"""The profiler service: progress reports in, throughput and convergence models out."""

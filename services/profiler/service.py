@@ -1,0 +1,284 @@
+"""profiler: turns progress reports into throughput and convergence models.
+
+Consumes: the whole event log through a :class:`~shoal.projection.Projection`
+(replay, then the live tail). ``ProgressReported`` is folded into a
+:class:`~shoal.profiling.ProfileBook` (per job, per GPU type, per GPU count: the
+average of recent samples, Gandiva_fair §3.4); the profiler's own
+``ThroughputModelUpdated``/``ConvergenceEstimated`` are folded too, so it knows
+what it last published and when. The book is rebuilt from the log on every start
+(no snapshot: the book needs the progress events a state snapshot would skip).
+
+Decides: :func:`shoal.profiling.throughput_update` (measured averages, Optimus
+§3.2 NNLS speed fit adapted to all-reduce, AFS §4.5 overestimate for the counts
+not yet measured) and :func:`shoal.profiling.convergence_update` (Optimus §3.1),
+then :mod:`shoal.profiling.ratelimit`: the first model at once, later ones at
+most once per ``min_interval_s`` of the injected clock per (job, GPU type) and
+only on material change.
+
+Publishes: ``ThroughputModelUpdated`` and ``ConvergenceEstimated`` on the job's
+subject, with
+
+- a deterministic event id ``profile-<kind>-<job>-<gpu type>-<seq>`` (``seq``: the
+  stream sequence of the newest report the model includes), so a restarted or
+  racing profiler that proposes the same update is deduplicated by
+  ``Nats-Msg-Id``;
+- ``Nats-Expected-Last-Subject-Sequence`` = the newest such event it has folded,
+  so a deposed leader with a stale view cannot append (it re-reads instead).
+
+Exactly one profiler publishes at a time (leader lease ``profiler`` in JetStream
+KV); standbys fold the log and take over when the lease lapses, after reading the
+log to its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import structlog
+from shoal import codec
+from shoal import events as ev
+from shoal.bus import Bus, ConcurrencyConflict
+from shoal.clock import Clock
+from shoal.events import Envelope
+from shoal.profiling import ProfileBook, ProfileParams, Reason, convergence_update, throughput_update
+from shoal.profiling.ratelimit import TOO_SOON, is_publish, publish_decision, relative_change
+from shoal.projection import Projection
+from shoal.state import FINISHED_STATUSES, ClusterState
+
+log = structlog.get_logger("shoal.profiler")
+
+_FINISHED = (ev.JobCompleted, ev.JobFailed, ev.JobCancelled, ev.JobRejected)
+_BENIGN = frozenset({Reason.NO_GPUS, Reason.NO_RATE, Reason.FINISHED_JOB})
+
+
+async def _wait_any(a: asyncio.Event, b: asyncio.Event, timeout: float) -> None:
+    """Return when either event is set or after ``timeout`` seconds."""
+    tasks = [asyncio.create_task(a.wait()), asyncio.create_task(b.wait())]
+    try:
+        await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _token(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", text) or "_"
+
+
+class ProfilerService:
+    """Leader-elected profiler. See the module docstring."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        holder: str,
+        clock: Clock,
+        params: ProfileParams | None = None,
+        min_interval_s: float = 30.0,
+        material_change: float = 0.05,
+        lease_ttl_s: float = 3.0,
+        coalesce_s: float = 0.02,
+    ) -> None:
+        self.bus = bus
+        self.holder = holder
+        self.clock = clock
+        self.book = ProfileBook(params)
+        self.min_interval_s = min_interval_s
+        self.material_change = material_change
+        self.lease_ttl_s = lease_ttl_s
+        self.coalesce_s = coalesce_s
+        self.projection = Projection(bus, listeners=[self._on_event])
+        self.dirty = asyncio.Event()
+        self.is_leader = False
+        self.published = 0
+        self.passes = 0
+        """Completed decision passes (tests wait on it instead of sleeping)."""
+        self.model_at: dict[tuple[str, str], float] = {}
+        """(job, GPU type) -> occurred-at of the newest ThroughputModelUpdated in the log."""
+        self.convergence_at: dict[str, float] = {}
+        self.subject_seq: dict[tuple[str, str], int] = {}
+        """(job, event tag) -> stream sequence of the newest profiler event on that subject."""
+        self.held_back: dict[tuple[str, str], float] = {}
+        """Updates due but too soon: (kind, key) -> when they may go out."""
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        """Progress reports (or parts) rejected, by reason."""
+        return dict(self.book.rejected)
+
+    # -- consuming --------------------------------------------------------------
+
+    def _on_event(self, seq: int, env: Envelope, state: ClusterState) -> None:
+        e = env.event
+        if isinstance(e, ev.ProgressReported):
+            reasons = self.book.observe(seq, e, env.at, state.jobs.get(e.job_id))
+            if reasons:
+                # A paused job (0 GPUs) or a report without a rate is normal; nonsense is not.
+                emit = log.debug if set(reasons) <= _BENIGN else log.warning
+                emit("progress_rejected", job_id=e.job_id, reasons=[r.value for r in reasons], stream_seq=seq)
+            self.dirty.set()
+        elif isinstance(e, ev.ThroughputModelUpdated):
+            self.model_at[(e.job_id, e.gpu_type)] = env.at
+            self.subject_seq[(e.job_id, env.type)] = seq
+        elif isinstance(e, ev.ConvergenceEstimated):
+            self.convergence_at[e.job_id] = env.at
+            self.subject_seq[(e.job_id, env.type)] = seq
+        elif isinstance(e, _FINISHED):
+            self.book.forget(e.job_id)
+            self.model_at = {k: v for k, v in self.model_at.items() if k[0] != e.job_id}
+            self.convergence_at.pop(e.job_id, None)
+
+    # -- deciding ---------------------------------------------------------------
+
+    def plan(self, now: float) -> list[Envelope]:
+        """The updates to publish now, as envelopes with deterministic ids (no I/O).
+
+        Also records held-back updates in :attr:`held_back` and clears what it
+        examined from the book's dirty sets.
+        """
+        state = self.projection.state
+        book = self.book
+        out: list[Envelope] = []
+        # Rebuilt every pass: whatever is still too soon is re-added below.
+        self.held_back = {}
+        for job_id, gpu_type in sorted(book.dirty_models):
+            job = state.jobs.get(job_id)
+            book.dirty_models.discard((job_id, gpu_type))
+            if job is None or job.status in FINISHED_STATUSES:
+                continue
+            cand = throughput_update(book, job_id, gpu_type, job)
+            if cand is None:
+                continue
+            last = job.throughput_models.get(gpu_type)
+            published = dict(last.throughput) if last is not None else {}
+            flag = last is not None and (
+                last.overestimated != cand.overestimated or last.model_kind != cand.model_kind
+            )
+            last_at = self.model_at.get((job_id, gpu_type)) if last is not None else None
+            decision = publish_decision(
+                now=now,
+                last_at=last_at,
+                change=relative_change(published, cand.throughput),
+                flag_changed=flag,
+                min_interval_s=self.min_interval_s,
+                material_change=self.material_change,
+            )
+            if decision == TOO_SOON and last_at is not None:
+                book.dirty_models.add((job_id, gpu_type))
+                self.held_back[("model", f"{job_id}/{gpu_type}")] = last_at + self.min_interval_s
+            if is_publish(decision):
+                basis = book.basis.get((job_id, gpu_type), 0)
+                eid = f"profile-tm-{_token(job_id)}-{_token(gpu_type)}-{basis}"
+                out.append(codec.wrap(cand, at=now, event_id=eid))
+        for job_id in sorted(book.dirty_convergence):
+            job = state.jobs.get(job_id)
+            book.dirty_convergence.discard(job_id)
+            if job is None or job.status in FINISHED_STATUSES:
+                continue
+            conv = convergence_update(book, job_id, job)
+            if conv is None:
+                continue
+            if isinstance(conv, Reason):
+                book.rejected[conv.value] += 1
+                continue
+            old = job.convergence
+            last_at = self.convergence_at.get(job_id) if old is not None else None
+            change = (
+                relative_change(
+                    {0: float(old.estimated_total_iterations)}, {0: float(conv.estimated_total_iterations)}
+                )
+                if old is not None
+                else 0.0
+            )
+            decision = publish_decision(
+                now=now,
+                last_at=last_at,
+                change=change,
+                flag_changed=False,
+                min_interval_s=self.min_interval_s,
+                material_change=self.material_change,
+            )
+            if decision == TOO_SOON and last_at is not None:
+                book.dirty_convergence.add(job_id)
+                self.held_back[("convergence", job_id)] = last_at + self.min_interval_s
+            if is_publish(decision):
+                basis = book.loss_basis.get(job_id, 0)
+                eid = f"profile-conv-{_token(job_id)}-{basis}"
+                out.append(codec.wrap(conv, at=now, event_id=eid))
+        return out
+
+    async def decide_once(self) -> int:
+        """Plan and publish; returns how many updates were appended."""
+        envs = self.plan(self.clock.now())
+        appended = 0
+        newest = 0
+        for env in envs:
+            job_id = getattr(env.event, "job_id", "")
+            expected = self.subject_seq.get((job_id, env.type), 0)
+            try:
+                result = await self.bus.publish(env, expected_last_subject_seq=expected)
+            except ConcurrencyConflict:
+                # Another profiler appended first: re-read the log, decide again later.
+                log.warning("profile_conflict", job_id=job_id, event_id=env.id)
+                await self.projection.wait_for(await self.bus.last_seq())
+                self.dirty.set()
+                continue
+            # Fold our own write before the next one on the same subject.
+            await self.projection.wait_for(result.seq)
+            newest = max(newest, result.seq)
+            if not result.duplicate:
+                appended += 1
+            log.info(
+                "profile_published",
+                event_type=env.type,
+                job_id=job_id,
+                event_id=env.id,
+                stream_seq=result.seq,
+                duplicate=result.duplicate,
+            )
+        self.published += appended
+        self.passes += 1
+        return appended
+
+    # -- the loop -----------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow the log; while holding the lease, publish due updates. Returns when ``stop`` is set."""
+        await self.projection.start()
+        await self.projection.wait_ready()
+        lease = await self.bus.lease("profiler", self.holder, ttl_s=self.lease_ttl_s)
+        renew_every = self.lease_ttl_s / 3
+        loop = asyncio.get_running_loop()
+        next_renew = 0.0
+        scale = float(getattr(self.clock, "scale", 1.0))
+        try:
+            while not stop.is_set():
+                if loop.time() >= next_renew:
+                    was = self.is_leader
+                    self.is_leader = await lease.try_acquire()
+                    next_renew = loop.time() + renew_every
+                    if self.is_leader and not was:
+                        log.info("leader_elected", holder=self.holder)
+                        await self.projection.wait_for(await self.bus.last_seq())
+                        self.dirty.set()
+                    elif was and not self.is_leader:
+                        log.warning("leadership_lost", holder=self.holder)
+                wait = max(0.0, next_renew - loop.time())
+                if self.held_back:
+                    due = min(self.held_back.values())
+                    wait = min(wait, max(0.0, (due - self.clock.now()) / scale))
+                await _wait_any(self.dirty, stop, wait)
+                if not self.is_leader:
+                    # A standby only folds; taking over re-examines everything.
+                    self.dirty.clear()
+                    continue
+                due_now = bool(self.held_back) and min(self.held_back.values()) <= self.clock.now()
+                if self.dirty.is_set() or due_now:
+                    await asyncio.sleep(self.coalesce_s)  # let a burst of reports land first
+                    self.dirty.clear()
+                    await self.decide_once()
+        finally:
+            await lease.release()
+            await self.projection.stop()

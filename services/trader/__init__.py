@@ -1,0 +1,1 @@
+"""The trader service: Gandiva_fair second-price GPU trading on heterogeneous clusters."""
