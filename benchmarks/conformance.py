@@ -53,7 +53,9 @@ def sequence_agreement(a: list[dict[str, int]], b: list[dict[str, int]]) -> floa
     return prev[m] / max(n, m)
 
 
-def run_sim(jobs: Sequence[TraceJob], policy: Policy, nodes: int, gpn: int, costs: str) -> tuple[dict[str, float], list[ev.Envelope]]:
+def run_sim(
+    jobs: Sequence[TraceJob], policy: Policy, nodes: int, gpn: int, costs: str
+) -> tuple[dict[str, float], list[ev.Envelope]]:
     from shoal.sim.costs import get_costs
 
     cfg = SimConfig(total_gpus=nodes * gpn, gpus_per_node=gpn, costs=get_costs(costs), gpu_type="V100")
@@ -78,7 +80,14 @@ async def run_emulated(
             bus,
             url,
             policy,
-            StackConfig(nodes=nodes, gpus_per_node=gpn, gpu_type="V100", time_scale=scale, costs=costs, report_every_s=2.0),
+            StackConfig(
+                nodes=nodes,
+                gpus_per_node=gpn,
+                gpu_type="V100",
+                time_scale=scale,
+                costs=costs,
+                report_every_s=2.0,
+            ),
         )
         await stack.start()
         t0 = time.monotonic()
@@ -115,9 +124,19 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     from msgspec import structs
 
     jobs = tuple(structs.replace(j, submit_time_s=j.submit_time_s - t0) for j in jobs)
-    sim_summary, sim_envs = run_sim(jobs, get_policy(args.policy, args.seed), args.nodes, args.gpus_per_node, args.costs)
+    sim_summary, sim_envs = run_sim(
+        jobs, get_policy(args.policy, args.seed), args.nodes, args.gpus_per_node, args.costs
+    )
     emu_summary, emu_envs, wall = asyncio.run(
-        run_emulated(jobs, get_policy(args.policy, args.seed), args.nodes, args.gpus_per_node, args.costs, args.time_scale, args.nats_url)
+        run_emulated(
+            jobs,
+            get_policy(args.policy, args.seed),
+            args.nodes,
+            args.gpus_per_node,
+            args.costs,
+            args.time_scale,
+            args.nats_url,
+        )
     )
     a, b = share_sequence(sim_envs), share_sequence(emu_envs)
     return {

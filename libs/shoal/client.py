@@ -1,50 +1,167 @@
 """The Python SDK: submit and follow jobs.
 
+    from shoal import Client, JobSpec
+
     async with await Client.connect("nats://127.0.0.1:4222") as client:
-        job_id = await client.submit(JobSpec(user="alice", model="resnet50", max_gpus=4,
-                                             requested_gpus=2, total_iterations=10_000))
+        job_id = await client.submit({"user": "alice", "model": "resnet50", "max_gpus": 4,
+                                      "requested_gpus": 2, "total_iterations": 10_000})
         async for env in client.job_events(job_id):
             print(env.type)
 
-Commands go to the admission service by request/reply; reads come from the log
-(a fold of it for ``jobs``/``status``, a filtered replay for ``job_events``).
+Commands (``submit``, ``cancel``, ``set_tickets``) go to the admission service by
+request/reply, which validates them and answers with the job id or a rejection;
+:class:`CommandError` carries the rejection's ``code`` and one message per problem,
+and a rejected command changed nothing. Reads (``jobs``, ``status``, ``nodes``,
+``state``) fold the event log, so they see exactly what every service sees.
+``job_events`` replays a job's history and then follows it live.
+
+A spec may be a :class:`~shoal.events.JobSpec` or a plain mapping of its fields (what
+a YAML or JSON job file holds). A mapping with a field name that ``JobSpec`` does
+not have is refused here, before anything is sent: a typo such as ``max_gpu: 8``
+must not silently become the default. Everything else (types, ranges, cross-field
+rules, users, limits) is checked by admission, the one place that decides.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+import contextlib
+import re
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
+from typing import Any, cast
+
+import msgspec
+import nats.errors
+import nats.js.errors
 
 from shoal import codec
 from shoal import events as ev
 from shoal import state as st
-from shoal.bus import Bus, fold_log
+from shoal.bus import Batch, Bus
+
+#: The fields a job spec may have (a mapping with any other key is refused).
+SPEC_FIELDS: frozenset[str] = frozenset(ev.JobSpec.__struct_fields__)
+
+_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+_FINAL = (ev.JobCompleted, ev.JobFailed, ev.JobCancelled, ev.JobRejected)
 
 
 class CommandError(Exception):
-    """The service rejected a command; ``code`` says why, ``errors`` lists each problem."""
+    """The service rejected a command (nothing changed); ``code`` says why and
+    ``errors`` lists each problem."""
 
     def __init__(self, reply: ev.CommandRejected) -> None:
         super().__init__(f"{reply.code}: {reply.message}")
         self.code = reply.code
-        self.errors = reply.errors
+        self.message = reply.message
+        self.errors: tuple[str, ...] = reply.errors or (reply.message,)
+        """Each problem (at least one: the message when the reply listed none)."""
         self.reply = reply
 
 
+class ClientError(Exception):
+    """The client could not get an answer (as opposed to a rejection)."""
+
+
+class NoAdmissionError(ClientError, TimeoutError):
+    """No admission service answered the command."""
+
+
+class NoEventLogError(ClientError):
+    """The server has no event log for this prefix (nothing installed there)."""
+
+
+class UnknownJobError(ClientError, KeyError):
+    """No job with this id in the log."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown job"
+
+
+def _rejected(code: str, message: str, errors: Iterable[str] = ()) -> CommandError:
+    return CommandError(ev.CommandRejected(code=code, message=message, errors=tuple(errors) or (message,)))
+
+
+def check_job_id(job_id: str) -> str:
+    """Return ``job_id`` if it is a valid id, else raise :class:`CommandError` (``invalid_job_id``)."""
+    if not isinstance(job_id, str) or not _ID.match(job_id):
+        raise _rejected("invalid_job_id", f"invalid job id {job_id!r}: use 1-128 letters, digits, '_' or '-'")
+    return job_id
+
+
+def spec_to_wire(spec: ev.JobSpec | Mapping[str, Any]) -> dict[str, Any]:
+    """A spec as plain data for the wire; a mapping is checked for unknown field names.
+
+    Raises:
+        CommandError: ``invalid_spec`` for a non-mapping or an unknown field.
+    """
+    if isinstance(spec, ev.JobSpec):
+        return msgspec.to_builtins(spec)  # type: ignore[no-any-return]
+    if not isinstance(spec, Mapping):
+        raise _rejected("invalid_spec", f"a job spec must be a mapping of fields, not {type(spec).__name__}")
+    unknown = sorted(str(k) for k in spec if k not in SPEC_FIELDS)
+    if unknown:
+        errors = [f"unknown field {k!r} in job spec" for k in unknown]
+        message = f"{'; '.join(errors)}; known fields: {', '.join(sorted(SPEC_FIELDS))}"
+        raise _rejected("invalid_spec", message, errors)
+    return dict(spec)
+
+
+async def _probe(url: str, timeout_s: float) -> None:
+    """Fail fast when nothing listens at ``url``: nats-py keeps retrying a refused first
+    connect (right for a service, not for a person waiting at a prompt)."""
+    from urllib.parse import urlsplit
+
+    from shoal.bus import NoServerError
+
+    if "," in url:
+        return  # a server list: let the client pick one
+    parts = urlsplit(url if "://" in url else f"nats://{url}")
+    try:
+        host, port = parts.hostname or "127.0.0.1", parts.port or 4222
+    except ValueError as exc:
+        raise NoServerError(f"invalid NATS URL {url!r}: {exc}") from None
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (OSError, TimeoutError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or "timed out"
+        raise NoServerError(f"no NATS server reachable at {url}: {reason}") from None
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+
+
 class Client:
-    """A connection to one shoal installation."""
+    """A connection to one shoal installation (a NATS server and a subject prefix)."""
 
     def __init__(self, bus: Bus, *, timeout_s: float = 10.0) -> None:
         self.bus = bus
         self.timeout_s = timeout_s
 
     @classmethod
-    async def connect(cls, url: str, prefix: str = "shoal", *, timeout_s: float = 10.0) -> Client:
-        """Connect to NATS (the installation's streams must exist)."""
-        return cls(
-            await Bus.connect(url, prefix=prefix, name="shoal-client", declare=False), timeout_s=timeout_s
-        )
+    async def connect(
+        cls, url: str | None = None, prefix: str | None = None, *, timeout_s: float = 10.0
+    ) -> Client:
+        """Connect to NATS. Without ``url``/``prefix`` they are found the way the CLI finds
+        them (``NATS_URL``, ``SHOAL_PREFIX``, the server ``shoal up`` started).
+
+        Raises:
+            shoal.bus.NoServerError: nothing answers at the URL.
+        """
+        if url is None or prefix is None:
+            from shoal.bus import NoServerError
+            from shoal.cli import CommandError as CliError
+            from shoal.commands import _connect
+
+            try:
+                url = url or _connect.resolve_url()
+                prefix = prefix or _connect.resolve_prefix()
+            except CliError as exc:
+                raise NoServerError(str(exc)) from None
+        await _probe(url, timeout_s=min(timeout_s, 5.0))
+        bus = await Bus.connect(url, prefix=prefix, name="shoal-client", declare=False)
+        return cls(bus, timeout_s=timeout_s)
 
     async def close(self) -> None:
         await self.bus.close()
@@ -55,67 +172,201 @@ class Client:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    # -- commands ------------------------------------------------------------------
+
+    async def _request(self, name: str, payload: bytes) -> ev.CommandAccepted:
+        subject = self.bus.names.cmd(name)
+        try:
+            msg = await self.bus.nc.request(subject, payload, timeout=self.timeout_s)
+        except nats.errors.MaxPayloadError:
+            raise _rejected(
+                "too_large",
+                f"command of {len(payload)} bytes exceeds the server's "
+                f"{self.bus.nc.max_payload}-byte message limit",
+            ) from None
+        except nats.errors.NoRespondersError as exc:
+            raise NoAdmissionError(f"no admission service answered on {subject}: none is running") from exc
+        except (nats.errors.TimeoutError, TimeoutError) as exc:
+            raise NoAdmissionError(
+                f"no admission service answered on {subject} within {self.timeout_s:g}s"
+            ) from exc
+        reply = codec.decode_reply(msg.data)
+        if isinstance(reply, ev.CommandRejected):
+            raise CommandError(reply)
+        return reply  # type: ignore[no-any-return]
+
     async def command(self, cmd: Any) -> ev.CommandAccepted:
         """Send a command to admission and return its acceptance.
 
         Raises:
             CommandError: the command was rejected (nothing changed).
-            TimeoutError: no admission service answered in time.
+            NoAdmissionError: no admission service answered in time (a ``TimeoutError``).
         """
+        return await self._request(cmd.name, codec.encode_command(cmd))
+
+    async def submit_command(
+        self, spec: ev.JobSpec | Mapping[str, Any], job_id: str | None = None
+    ) -> ev.CommandAccepted:
+        """Like :meth:`submit`, returning the whole acceptance (``duplicate`` tells a
+        re-submission of the same job id apart)."""
+        body: dict[str, Any] = {"type": "cmd.submit_job", "spec": spec_to_wire(spec)}
+        if job_id is not None:
+            body["job_id"] = check_job_id(job_id)
         try:
-            msg = await self.bus.nc.request(
-                self.bus.names.cmd(cmd.name), codec.encode_command(cmd), timeout=self.timeout_s
-            )
-        except Exception as exc:  # nats raises its own timeout / no-responders errors
-            if "timeout" in type(exc).__name__.lower() or "noresponders" in type(exc).__name__.lower():
-                raise TimeoutError(
-                    f"no admission service answered on {self.bus.names.cmd(cmd.name)}"
-                ) from exc
-            raise
-        reply = codec.decode_reply(msg.data)
-        if isinstance(reply, ev.CommandRejected):
-            raise CommandError(reply)
-        return reply
+            payload = msgspec.msgpack.encode(body)
+        except (TypeError, msgspec.EncodeError) as exc:
+            raise _rejected("invalid_spec", f"job spec cannot be encoded: {exc}") from None
+        return await self._request(ev.SubmitJob.name, payload)
 
-    async def submit(self, spec: ev.JobSpec, job_id: str | None = None) -> str:
-        """Submit a job; returns its id. Idempotent when ``job_id`` is given."""
-        return (await self.command(ev.SubmitJob(spec=spec, job_id=job_id))).id
+    async def submit(self, spec: ev.JobSpec | Mapping[str, Any], job_id: str | None = None) -> str:
+        """Submit a job; returns its id.
 
-    async def cancel(self, job_id: str, reason: str = "") -> None:
-        await self.command(ev.CancelJob(job_id=job_id, reason=reason))
+        Idempotent when ``job_id`` is given: submitting the same spec under the same id
+        again returns the same id and adds nothing to the log; a different spec under
+        an existing id is rejected (``job_exists``).
 
-    async def set_tickets(self, user: str, tickets: int) -> None:
-        await self.command(ev.SetTickets(user=user, tickets=tickets))
+        Raises:
+            CommandError: the spec was rejected (e.g. ``invalid_command`` for a wrong
+                type or range, ``invalid_spec``, ``unknown_user``, ``limit_exceeded``,
+                ``too_large``); nothing was written.
+            NoAdmissionError: no admission service answered.
+        """
+        return (await self.submit_command(spec, job_id)).id
+
+    async def cancel(self, job_id: str, reason: str = "") -> ev.CommandAccepted:
+        """Cancel a job (a job that already finished is a duplicate, not an error).
+
+        Raises:
+            CommandError: ``unknown_job`` when there is no such job.
+        """
+        return await self.command(ev.CancelJob(job_id=check_job_id(job_id), reason=reason))
+
+    async def set_tickets(self, user: str, tickets: int) -> ev.CommandAccepted:
+        """Set a user's tickets (their weight in fair sharing)."""
+        return await self.command(ev.SetTickets(user=user, tickets=tickets))
+
+    # -- reads -------------------------------------------------------------------------
+
+    async def history(
+        self, *, start_seq: int = 1, filter_subjects: list[str] | None = None
+    ) -> AsyncIterator[Batch]:
+        """The log as it is now, in batches of ``(stream_seq, envelope)``.
+
+        Raises:
+            NoEventLogError: there is no event log for this prefix on the server.
+        """
+        stream = cast(
+            AsyncGenerator[Batch, None],
+            self.bus.replay_batches(start_seq=start_seq, filter_subjects=filter_subjects),
+        )
+        async with contextlib.aclosing(stream):
+            try:
+                async for batch in stream:
+                    yield batch
+            except nats.js.errors.NotFoundError:
+                raise self._no_log() from None
+
+    def _no_log(self) -> NoEventLogError:
+        return NoEventLogError(
+            f"no shoal event log (stream {self.bus.names.events_stream}) for prefix "
+            f"{self.bus.names.prefix!r} on this server; is `shoal up` running with this prefix?"
+        )
+
+    async def last_event(self) -> tuple[int, ev.Envelope | None]:
+        """The stream sequence and envelope of the newest event (``(0, None)`` for an empty log).
+
+        Raises:
+            NoEventLogError: there is no event log for this prefix on the server.
+        """
+        stream = self.bus.names.events_stream
+        try:
+            seq = await self.bus.last_seq()
+        except nats.js.errors.NotFoundError:
+            raise self._no_log() from None
+        while seq > 0:
+            try:
+                raw = await self.bus.js.get_msg(stream, seq)
+                return seq, codec.decode(raw.data or b"")
+            except (nats.js.errors.NotFoundError, codec.DecodeFailure):
+                seq -= 1  # deleted or unreadable: the one before
+        return 0, None
 
     async def state(self) -> st.ClusterState:
         """The cluster state now, folded from the log."""
-        state, _ = await fold_log(self.bus, st.ClusterState(), st.apply)
+        state = st.ClusterState()
+        async for batch in self.history():
+            for _, env in batch:
+                st.apply(state, env)
         return state
 
     async def jobs(self) -> dict[str, st.JobState]:
+        """Every job in the log (finished ones included), by id, in submission order."""
         return (await self.state()).jobs
 
     async def status(self, job_id: str) -> st.JobState:
         """One job's folded state.
 
         Raises:
-            KeyError: no such job.
+            UnknownJobError: no such job (a ``KeyError``).
         """
         jobs = await self.jobs()
-        if job_id not in jobs:
-            raise KeyError(f"no job {job_id!r}")
+        if check_job_id(job_id) not in jobs:
+            raise UnknownJobError(f"no job {job_id!r}")
         return jobs[job_id]
 
     async def nodes(self) -> dict[str, st.NodeState]:
         return (await self.state()).nodes
 
-    async def job_events(self, job_id: str, *, follow: bool = True) -> AsyncIterator[ev.Envelope]:
-        """The job's events from its submission on; with ``follow``, until it ends."""
+    async def job_events(
+        self,
+        job_id: str,
+        *,
+        follow: bool = True,
+        follow_forever: bool = False,
+        include_shares: bool = False,
+    ) -> AsyncIterator[ev.Envelope]:
+        """A job's events: its history, then (with ``follow``) live ones as they happen.
+
+        A job id not in the log yet is waited for (it may be about to be submitted);
+        check with :meth:`status` first to fail fast on a typo.
+
+        Args:
+            job_id: the job.
+            follow: keep following after the history; without it, end once caught up.
+            follow_forever: do not end when the job finishes (completed, failed,
+                cancelled, rejected); the caller breaks out.
+            include_shares: also yield the ``SharesDecided`` / ``PlacementDecided``
+                events that changed this job's GPUs or placement.
+        """
+        check_job_id(job_id)
+        prefix = self.bus.names.prefix
+        subjects = [f"{prefix}.job.{job_id}.>"]
+        if include_shares:
+            subjects += [f"{prefix}.alloc.shares_decided", f"{prefix}.alloc.placement_decided"]
         stop = asyncio.Event()
-        subjects = [f"{self.bus.names.prefix}.job.{job_id}.>"]
-        async for batch in self.bus.replay_batches(follow=follow, filter_subjects=subjects, stop=stop):
-            for _, env in batch:
-                yield env
-                if isinstance(env.event, ev.JobCompleted | ev.JobFailed | ev.JobCancelled | ev.JobRejected):
-                    stop.set()
-                    return
+        share: tuple[int, str] = (0, "")
+        placement: tuple[ev.GpuRef, ...] = ()
+        stream = cast(
+            AsyncGenerator[Batch, None],
+            self.bus.replay_batches(follow=follow, filter_subjects=subjects, stop=stop),
+        )
+        async with contextlib.aclosing(stream):
+            try:
+                async for batch in stream:
+                    for _, env in batch:
+                        e = env.event
+                        if isinstance(e, ev.SharesDecided):
+                            new = (e.shares.get(job_id, 0), e.gpu_types.get(job_id, ""))
+                            if new == share:
+                                continue
+                            share = new
+                        elif isinstance(e, ev.PlacementDecided):
+                            where = tuple(e.placements.get(job_id, ()))
+                            if where == placement:
+                                continue
+                            placement = where
+                        yield env
+                        if isinstance(e, _FINAL) and not follow_forever:
+                            return
+            except nats.js.errors.NotFoundError:
+                raise self._no_log() from None

@@ -1,0 +1,206 @@
+"""How CLI commands (and ``Client.connect()`` without a URL) find the server.
+
+Resolution order for the NATS URL, first found wins:
+
+1. ``--nats-url`` on the command line;
+2. the environment: ``NATS_URL``, then ``SHOAL_NATS_URL``;
+3. the installation ``shoal up`` runs, from the shoal state directory
+   (``SHOAL_STATE_DIR``, else the platform's user state dir, e.g.
+   ``~/.local/state/shoal``): ``up.json`` (``{"url": ..., "pid": ...}``) when its
+   pid is alive (a file left by a ``shoal up`` that died is ignored, and so is the
+   ``nats.url`` beside it); without ``up.json``, a ``nats.url`` file holding one URL;
+   else an embedded server's own ports file, ``nats-server_<pid>.ports`` (JSON
+   ``{"nats": ["nats://host:port"], ...}``) directly in the state dir or one level
+   below, the newest whose pid is alive;
+4. otherwise a clear error: ``no NATS server: set NATS_URL or run `shoal up```.
+
+The subject prefix comes from ``--prefix``, else ``SHOAL_PREFIX``, else ``shoal``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shoal.cli import CommandError
+
+if TYPE_CHECKING:
+    from shoal.client import Client
+
+DEFAULT_PREFIX = "shoal"
+NO_SERVER = "no NATS server: set NATS_URL or run `shoal up`"
+
+
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """Add ``--nats-url`` and ``--prefix`` to a subcommand's parser."""
+    group = parser.add_argument_group("connection")
+    group.add_argument(
+        "--nats-url",
+        metavar="URL",
+        default=None,
+        help="NATS server (default: $NATS_URL, $SHOAL_NATS_URL, else the server `shoal up` started)",
+    )
+    group.add_argument(
+        "--prefix",
+        default=None,
+        help=f"subject prefix of the installation (default: $SHOAL_PREFIX or {DEFAULT_PREFIX!r})",
+    )
+    group.add_argument(
+        "--timeout", type=float, default=10.0, metavar="S", help="seconds to wait for a reply (default 10)"
+    )
+
+
+def state_dir(env: Mapping[str, str] | None = None) -> Path:
+    """The shoal state directory (``SHOAL_STATE_DIR`` or the platform's user state dir)."""
+    env = os.environ if env is None else env
+    explicit = env.get("SHOAL_STATE_DIR")
+    if explicit:
+        return Path(explicit)
+    import platformdirs
+
+    return Path(platformdirs.user_state_dir("shoal"))
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def url_from_state_dir(directory: Path) -> str | None:
+    """The client URL of the live ``shoal up`` (or embedded server) recorded in ``directory``."""
+    if not directory.is_dir():
+        return None
+    up = directory / "up.json"
+    if up.exists():
+        # Written by `shoal up` with its pid, next to nats.url; both are stale once it died.
+        try:
+            info = json.loads(up.read_text())
+        except (OSError, ValueError):
+            info = None
+        if isinstance(info, dict) and info.get("url") and _pid_alive(int(info.get("pid", 0) or 0)):
+            return str(info["url"])
+    else:
+        try:
+            text = (directory / "nats.url").read_text().strip()
+        except OSError:
+            text = ""
+        if text:
+            return text.split()[0]
+    candidates: list[tuple[float, str]] = []
+    for path in [*directory.glob("*.ports"), *directory.glob("*/*.ports")]:
+        pid_text = path.stem.rsplit("_", 1)[-1]
+        if not pid_text.isdigit() or not _pid_alive(int(pid_text)):
+            continue
+        try:
+            urls = json.loads(path.read_text()).get("nats") or []
+            mtime = path.stat().st_mtime
+        except (OSError, ValueError, AttributeError):
+            continue
+        if urls and isinstance(urls[0], str):
+            candidates.append((mtime, urls[0]))
+    return max(candidates)[1] if candidates else None
+
+
+def resolve_url(flag: str | None = None, env: Mapping[str, str] | None = None) -> str:
+    """The NATS URL to use (see the module docstring for the order).
+
+    Raises:
+        CommandError: no server is configured or running.
+    """
+    env = os.environ if env is None else env
+    for value in (flag, env.get("NATS_URL"), env.get("SHOAL_NATS_URL")):
+        if value:
+            return value
+    found = url_from_state_dir(state_dir(env))
+    if found:
+        return found
+    raise CommandError(NO_SERVER)
+
+
+def resolve_prefix(flag: str | None = None, env: Mapping[str, str] | None = None) -> str:
+    """The subject prefix to use; checked, so a typo is an error, not an empty log.
+
+    Raises:
+        CommandError: the prefix is not a valid subject prefix.
+    """
+    env = os.environ if env is None else env
+    prefix = flag or env.get("SHOAL_PREFIX") or DEFAULT_PREFIX
+    from shoal.bus import Names
+
+    try:
+        Names(prefix)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    return prefix
+
+
+async def connect(args: argparse.Namespace) -> Client:
+    """A connected :class:`shoal.client.Client` for a parsed command line.
+
+    Raises:
+        CommandError: no server configured, or none reachable at the URL.
+    """
+    from shoal.bus import NoServerError
+    from shoal.client import Client
+
+    url = resolve_url(getattr(args, "nats_url", None))
+    prefix = resolve_prefix(getattr(args, "prefix", None))
+    try:
+        return await Client.connect(url, prefix, timeout_s=getattr(args, "timeout", 10.0))
+    except NoServerError as exc:
+        raise CommandError(f"{exc} (set NATS_URL or run `shoal up`)") from None
+
+
+def run(args: argparse.Namespace, body: Callable[[Client], Awaitable[int]]) -> int:
+    """Connect, run ``body(client)`` in a fresh event loop, close; map client errors to
+    one-line :class:`~shoal.cli.CommandError`s (rejections exit 1, no answer exits 3).
+    """
+    from shoal import client as sdk
+
+    async def main() -> int:
+        client = await connect(args)
+        try:
+            return await body(client)
+        finally:
+            await client.close()
+
+    try:
+        return asyncio.run(main())
+    except BrokenPipeError:
+        # The reader went away (`shoal jobs | head`): not an error.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except sdk.CommandError as exc:
+        raise CommandError(rejection_text(exc), code=1) from None
+    except sdk.UnknownJobError as exc:
+        raise CommandError(str(exc), code=1) from None
+    except sdk.ClientError as exc:
+        raise CommandError(str(exc), code=3) from None
+
+
+def rejection_text(exc: Exception) -> str:
+    """``rejected (<code>): <message>`` for an SDK :class:`~shoal.client.CommandError`."""
+    code = getattr(exc, "code", "error")
+    message = getattr(exc, "message", str(exc))
+    return f"rejected ({code}): {message}"
+
+
+def print_json(obj: Any) -> None:
+    """Print any contract object or plain data as indented JSON on stdout."""
+    import msgspec
+
+    sys.stdout.write(msgspec.json.format(msgspec.json.encode(obj), indent=2).decode() + "\n")

@@ -1,0 +1,315 @@
+"""``shoal submit | jobs | status | cancel | tickets | nodes``: the everyday verbs.
+
+``submit`` takes a YAML or JSON job file (the :class:`~shoal.events.JobSpec` fields,
+optionally ``job_id``; ``-`` reads stdin) and/or flags (flags override the file).
+It prints the job id, or ``rejected (<code>): <each problem>`` and exits 1; nothing
+was written then. Read verbs fold the event log; ``--json`` prints plain data for
+scripts. Connection flags: see :mod:`shoal.commands._connect`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shoal.cli import CommandError
+from shoal.commands import _connect
+
+if TYPE_CHECKING:
+    from shoal.client import Client
+
+# flag dest -> JobSpec field
+_SPEC_FLAGS = {
+    "user": "user",
+    "name": "name",
+    "model": "model",
+    "min_gpus": "min_gpus",
+    "max_gpus": "max_gpus",
+    "requested_gpus": "requested_gpus",
+    "elastic": "elastic",
+    "iterations": "total_iterations",
+    "convergence_target": "convergence_target",
+    "gpu_type": "gpu_type",
+    "priority": "priority",
+    "batch_size": "global_batch_size",
+}
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "submit",
+        help="submit a job (YAML/JSON file and/or flags); prints its id",
+        description="Submit a job. The file holds JobSpec fields (and optionally job_id); "
+        "flags override it. A re-submission with the same --job-id and spec is a no-op.",
+    )
+    p.add_argument("file", nargs="?", help="job file (YAML or JSON; '-' for stdin)")
+    p.add_argument("--user", help="owner (default: the file's, else $SHOAL_USER, else your login name)")
+    p.add_argument("--name")
+    p.add_argument("--model", help="model tag, selects a throughput profile")
+    p.add_argument("--min-gpus", type=int)
+    p.add_argument("--max-gpus", type=int)
+    p.add_argument("--requested-gpus", type=int)
+    p.add_argument("--elastic", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--iterations", type=int, help="total iterations (known length)")
+    p.add_argument("--convergence-target", type=float, help="target loss (unknown length)")
+    p.add_argument("--gpu-type", help="pin to one GPU generation")
+    p.add_argument("--priority", type=int)
+    p.add_argument("--batch-size", type=int, help="global batch size")
+    p.add_argument("--job-id", help="client-chosen id: makes the submission idempotent")
+    p.add_argument("--json", action="store_true", help="print the reply as JSON")
+    _connect.add_connection_args(p)
+    p.set_defaults(func=cmd_submit)
+
+    p = subparsers.add_parser("jobs", help="list jobs")
+    p.add_argument("--user", help="only this user's jobs")
+    p.add_argument(
+        "--state",
+        action="append",
+        choices=("pending", "running", "completed", "failed", "cancelled", "rejected"),
+        help="only jobs in this state (repeatable)",
+    )
+    p.add_argument("--active", action="store_true", help="only pending and running jobs")
+    p.add_argument("--json", action="store_true")
+    _connect.add_connection_args(p)
+    p.set_defaults(func=cmd_jobs)
+
+    p = subparsers.add_parser("status", help="one job's state; --watch follows its events")
+    p.add_argument("job")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--watch", action="store_true", help="print the job's events live until it ends")
+    _connect.add_connection_args(p)
+    p.set_defaults(func=cmd_status)
+
+    p = subparsers.add_parser("cancel", help="cancel a job")
+    p.add_argument("job")
+    p.add_argument("--reason", default="")
+    p.add_argument("--json", action="store_true")
+    _connect.add_connection_args(p)
+    p.set_defaults(func=cmd_cancel)
+
+    p = subparsers.add_parser("tickets", help="set a user's tickets (fair-share weight)")
+    p.add_argument("user")
+    p.add_argument("tickets", type=int)
+    p.add_argument("--json", action="store_true")
+    _connect.add_connection_args(p)
+    p.set_defaults(func=cmd_tickets)
+
+    p = subparsers.add_parser("nodes", help="list nodes, their GPUs and utilisation")
+    p.add_argument("--json", action="store_true")
+    _connect.add_connection_args(p)
+    p.set_defaults(func=cmd_nodes)
+
+
+# -- submit ----------------------------------------------------------------------------
+
+
+def read_job_file(path: str) -> tuple[dict[str, Any], str | None]:
+    """The spec fields and the optional ``job_id`` of a YAML/JSON job file.
+
+    A file in the shape of the raw command (``{"spec": {...}, "job_id": ...}``) is
+    accepted too.
+
+    Raises:
+        CommandError: unreadable file, invalid YAML/JSON, or not a mapping.
+    """
+    import yaml
+
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise CommandError(f"cannot read job file {path!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise CommandError(f"job file {path!r} is not UTF-8 text") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise CommandError(f"job file {path!r} is not valid YAML or JSON: {problem}{where}") from None
+    if data is None:
+        raise CommandError(f"job file {path!r} is empty")
+    if not isinstance(data, dict):
+        raise CommandError(
+            f"job file {path!r} must hold a mapping of job spec fields, not {type(data).__name__}"
+        )
+    job_id = data.pop("job_id", None)
+    if isinstance(data.get("spec"), dict) and set(data) <= {"spec", "type"}:
+        data = dict(data["spec"])
+    if job_id is not None and not isinstance(job_id, str):
+        raise CommandError(f"job_id in {path!r} must be a string, not {type(job_id).__name__}")
+    return data, job_id
+
+
+def build_spec(args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
+    """The spec fields and job id from ``submit``'s file and flags (flags win)."""
+    spec: dict[str, Any] = {}
+    job_id: str | None = None
+    if args.file:
+        spec, job_id = read_job_file(args.file)
+    for dest, field in _SPEC_FLAGS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            spec[field] = value
+    if args.job_id:
+        job_id = args.job_id
+    if not args.file and len(spec) == 0:
+        raise CommandError("nothing to submit: give a job file or flags such as --max-gpus and --iterations")
+    if "user" not in spec:
+        spec["user"] = os.environ.get("SHOAL_USER") or getpass.getuser()
+    return spec, job_id
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    spec, job_id = build_spec(args)
+
+    async def body(client: Client) -> int:
+        reply = await client.submit_command(spec, job_id)
+        if args.json:
+            _connect.print_json(reply)
+        else:
+            print(reply.id)
+            if reply.duplicate:
+                print(
+                    f"job {reply.id} was already submitted with this spec; nothing changed", file=sys.stderr
+                )
+        return 0
+
+    return _connect.run(args, body)
+
+
+# -- reads -------------------------------------------------------------------------------
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from shoal import explain
+    from shoal.state import FINISHED_STATUSES
+
+    async def body(client: Client) -> int:
+        state = await client.state()
+        ids = [
+            j
+            for j, job in state.jobs.items()
+            if (args.user is None or job.spec.user == args.user)
+            and (not args.state or job.status in args.state)
+            and (not args.active or job.status not in FINISHED_STATUSES)
+        ]
+        if args.json:
+            _connect.print_json([explain.job_row(j, state.jobs[j], state.clock) for j in ids])
+        elif not ids:
+            print("no jobs" + (" match" if (args.user or args.state or args.active) and state.jobs else ""))
+        else:
+            print(explain.job_table(state, ids))
+        return 0
+
+    return _connect.run(args, body)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from shoal import client as sdk
+    from shoal import explain
+
+    async def body(client: Client) -> int:
+        state = await client.state()
+        job = state.jobs.get(sdk.check_job_id(args.job))
+        if job is None:
+            raise sdk.UnknownJobError(f"no job {args.job!r}")
+        row = explain.job_row(args.job, job, state.clock)
+        if args.json and not args.watch:
+            _connect.print_json({**row, "spec": job.spec})
+            return 0
+        if not args.json:
+            print(_status_text(row, job))
+        if args.watch:
+            async for env in client.job_events(args.job, include_shares=True):
+                if args.json:
+                    sys.stdout.write(_json_line(env))
+                else:
+                    print(f"{explain.iso(env.at)}  {explain.describe_event(env)}", flush=True)
+        return 0
+
+    return _connect.run(args, body)
+
+
+def _json_line(obj: Any) -> str:
+    from shoal import codec
+
+    return codec.to_json(obj).decode() + "\n"
+
+
+def _status_text(row: dict[str, Any], job: Any) -> str:
+    from shoal import explain
+
+    spec = job.spec
+    lines = [
+        f"job       {row['job_id']}" + (f" ({row['name']})" if row["name"] else ""),
+        f"user      {row['user']}",
+        f"state     {row['status']}" + (f": {row['reason']}" if row["reason"] else ""),
+        f"gpus      {row['gpus']}{' ' + row['gpu_type'] if row['gpu_type'] else ''} "
+        f"(min {spec.min_gpus}, max {spec.max_gpus}, requested {spec.requested_gpus}"
+        f"{', rigid' if not spec.elastic else ''}{', pinned ' + spec.gpu_type if spec.gpu_type else ''})",
+        f"placement {row['placement']}",
+        f"progress  {explain.progress_text(job)}",
+        f"service   {row['attained_service_gpu_s']:.1f} GPU·s, {row['reconfigurations']} reconfigurations",
+        f"submitted {explain.iso(row['submitted_at'])}",
+    ]
+    if row["started_at"] is not None:
+        lines.append(f"started   {explain.iso(row['started_at'])}")
+    if row["finished_at"] is not None:
+        lines.append(f"finished  {explain.iso(row['finished_at'])}")
+    if spec.model:
+        lines.insert(2, f"model     {spec.model}")
+    return "\n".join(lines)
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    from shoal import explain
+
+    async def body(client: Client) -> int:
+        state = await client.state()
+        if args.json:
+            _connect.print_json([explain.node_row(n, node, state) for n, node in sorted(state.nodes.items())])
+        elif not state.nodes:
+            print("no nodes")
+        else:
+            print(explain.node_table(state))
+        return 0
+
+    return _connect.run(args, body)
+
+
+# -- commands ---------------------------------------------------------------------------
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    async def body(client: Client) -> int:
+        reply = await client.cancel(args.job, args.reason)
+        if args.json:
+            _connect.print_json(reply)
+        elif reply.duplicate:
+            print(f"job {reply.id} had already finished; nothing changed")
+        else:
+            print(f"cancelled {reply.id}")
+        return 0
+
+    return _connect.run(args, body)
+
+
+def cmd_tickets(args: argparse.Namespace) -> int:
+    async def body(client: Client) -> int:
+        reply = await client.set_tickets(args.user, args.tickets)
+        if args.json:
+            _connect.print_json(reply)
+        elif reply.duplicate:
+            print(f"user {args.user} already has {args.tickets} tickets; nothing changed")
+        else:
+            print(f"user {args.user} now has {args.tickets} tickets")
+        return 0
+
+    return _connect.run(args, body)

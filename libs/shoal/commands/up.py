@@ -1,0 +1,254 @@
+"""``shoal up``: a whole installation on this machine, in the foreground.
+
+Starts an embedded nats-server with JetStream (store in ``<state dir>/jetstream``,
+so the log survives a restart of ``shoal up``) unless ``NATS_URL``/``--nats-url``
+points at an existing NATS cluster, then every control-plane service (admission,
+profiler, allocator, placer, trader) and ``--nodes`` emulated node daemons as
+supervised child processes (``shoal run <service>``; a child that crashes is
+restarted with backoff). It prints the NATS URL and runs until SIGINT/SIGTERM, then
+stops the children (SIGTERM: each drains its in-flight work; SIGKILL after the drain
+timeout), then the server, and exits 0. Children die with it even on ``kill -9``
+(``PR_SET_PDEATHSIG``), so nothing is left behind.
+
+Choices a production user would expect:
+
+* one ``shoal up`` per state directory: a second one is refused while the first
+  runs; clients and ``shoal run`` find the server through ``<state dir>/up.json``;
+* a service whose module is not in this build is skipped with a notice rather than
+  crash-looping (the scheduler runs without profiler and trader: throughput then
+  comes from the model catalog, and there is no GPU trading);
+* with ``--time-scale`` other than 1 every child gets the same
+  ``SHOAL_CLOCK_ORIGIN`` (the start instant), so all share one virtual clock;
+* ``--nodes 0`` starts no node daemon (run real ones with ``shoal run node-daemon``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from shoal.cli import CommandError
+from shoal.commands.run import (
+    CLI_ARGV,
+    CONTROL_PLANE,
+    add_settings_args,
+    load_settings,
+    service_available,
+    settings_overrides,
+)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "up",
+        help="start the embedded NATS server and every service on this machine",
+        description=(
+            "Start an embedded nats-server (unless NATS_URL is set) and all shoal services as "
+            "supervised processes, plus emulated node daemons; run until Ctrl-C/SIGTERM."
+        ),
+    )
+    p.add_argument(
+        "--nodes", type=int, default=2, metavar="N", help="emulated node daemons (default 2; 0: none)"
+    )
+    p.add_argument(
+        "--gpus-per-node", type=int, default=4, metavar="G", help="emulated GPUs per node (default 4)"
+    )
+    p.add_argument(
+        "--gpu-type", default="V100", metavar="T", help="generation of the emulated GPUs (default V100)"
+    )
+    p.add_argument("--mqtt", action="store_true", help="also open the server's MQTT listener")
+    p.add_argument(
+        "--mqtt-port", type=int, default=None, metavar="P", help="MQTT port (default: any free port)"
+    )
+    add_settings_args(p)
+    p.add_argument("--in-session", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=up)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.nodes < 0:
+        raise CommandError(f"--nodes must be >= 0, got {args.nodes}")
+    if args.nodes and args.gpus_per_node < 1:
+        raise CommandError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
+
+
+def up(args: argparse.Namespace) -> int:
+    _check(args)
+    settings = load_settings(
+        **settings_overrides(args),
+        gpu_type=args.gpu_type,
+        mqtt_port=args.mqtt_port if args.mqtt_port is not None else (-1 if args.mqtt else None),
+    )
+    if not args.in_session:
+        _preflight(settings)
+        return _front(args, settings)
+    from shoal.log import configure_logging
+
+    configure_logging(settings)
+    return asyncio.run(_up(args, settings))
+
+
+def _preflight(settings: Any) -> None:
+    """Fail now, not in a crash-looping child, on a policy, catalog or placer that cannot work.
+
+    Raises:
+        CommandError: with the reason.
+    """
+    from shoal_services.allocator.main import load_catalog, load_policy
+
+    from shoal.allocation import PLACERS
+    from shoal.runtime import StartupError
+
+    try:
+        load_policy(settings)
+        load_catalog(settings)
+    except StartupError as exc:
+        raise CommandError(str(exc)) from None
+    if settings.placer not in PLACERS:
+        raise CommandError(f"unknown placer {settings.placer!r}; choose one of {', '.join(PLACERS)}")
+
+
+def _front(args: argparse.Namespace, settings: Any) -> int:
+    """Run the installation in a session of its own (see :func:`shoal.runtime.run_in_session`)."""
+    from shoal.runtime import run_in_session
+
+    argv = [
+        *CLI_ARGV,
+        "up",
+        "--in-session",
+        "--nodes",
+        str(args.nodes),
+        "--gpus-per-node",
+        str(args.gpus_per_node),
+        "--gpu-type",
+        args.gpu_type,
+    ]
+    return run_in_session(argv, settings)
+
+
+async def _up(args: argparse.Namespace, settings: Any) -> int:
+    import msgspec
+
+    from shoal.nats_server import EmbeddedNats, NatsServerError
+    from shoal.runtime import read_up_info, remove_up_info, write_up_info
+    from shoal.supervisor import ProcessSpec, Supervisor
+
+    state_dir = Path(settings.state_dir)
+    running = read_up_info(state_dir)
+    if running is not None:
+        raise CommandError(
+            f"shoal up is already running for {state_dir} (pid {running.get('pid')}, {running.get('url')})"
+        )
+    if settings.time_scale != 1.0 and settings.clock_origin is None:
+        settings = msgspec.structs.replace(settings, clock_origin=time.time())
+
+    server: EmbeddedNats | None = None
+    if settings.nats_url:
+        url = settings.nats_url
+    else:
+        server = EmbeddedNats(store_dir=state_dir / "jetstream", mqtt_port=settings.mqtt_port)
+        try:
+            server.start()
+        except NatsServerError as exc:
+            raise CommandError(str(exc)) from None
+        url = server.url
+    if settings.nats_url and settings.mqtt_port is not None:
+        print(
+            "note: --mqtt applies to the embedded server only; NATS_URL is set, so it is ignored", flush=True
+        )
+    try:
+        await _declare(url, settings.prefix)
+        child_env = {**settings.to_env(), "SHOAL_NATS_URL": url}
+        base_env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_") and k != "NATS_URL"}
+        cli = [*CLI_ARGV, "run"]
+        specs: list[ProcessSpec] = []
+        skipped: list[str] = []
+        for name in CONTROL_PLANE:
+            if service_available(name):
+                specs.append(ProcessSpec(name=name, argv=(*cli, name), env=child_env))
+            else:
+                skipped.append(name)
+        for i in range(args.nodes):
+            node_id = f"node{i}"
+            specs.append(
+                ProcessSpec(
+                    name=f"node-daemon-{node_id}",
+                    argv=(
+                        *cli,
+                        "node-daemon",
+                        "--node-id",
+                        node_id,
+                        "--fake-gpus",
+                        str(args.gpus_per_node),
+                        "--gpu-type",
+                        args.gpu_type,
+                    ),
+                    env=child_env,
+                )
+            )
+        supervisor = Supervisor(specs, base_env=base_env)
+        write_up_info(
+            state_dir,
+            url,
+            prefix=settings.prefix,
+            server_pid=server.proc.pid if server is not None and server.proc is not None else None,
+            mqtt_port=server.mqtt_listen_port if server is not None else None,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        signals: list[int] = []
+
+        def on_signal(signum: int) -> None:
+            signals.append(signum)
+            if len(signals) > 1:  # a second signal: do not wait for the drain
+                os._exit(128 + signum)
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        await supervisor.start()
+        try:
+            print(f"NATS: {url}", flush=True)
+            if server is not None and server.mqtt_listen_port is not None:
+                print(f"MQTT: mqtt://127.0.0.1:{server.mqtt_listen_port}", flush=True)
+            print(
+                f"prefix: {settings.prefix}  policy: {settings.policy}  time scale: {settings.time_scale:g}"
+            )
+            print(f"services: {', '.join(s.name for s in specs)}")
+            if skipped:
+                print(f"not in this build, skipped: {', '.join(skipped)}")
+            print(f"state dir: {state_dir}")
+            print("running; Ctrl-C to stop", flush=True)
+            await stop.wait()
+            print("stopping …", flush=True)
+        finally:
+            await supervisor.stop(timeout_s=settings.drain_timeout_s + 5.0)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        codes = {n: c.proc.returncode for n, c in supervisor.children.items() if c.proc is not None}
+        unclean = {n: c for n, c in codes.items() if c not in (0, None)}
+        if unclean:
+            print(f"children that did not exit cleanly: {unclean}", file=sys.stderr, flush=True)
+        print("stopped", flush=True)
+        return 0
+    finally:
+        remove_up_info(state_dir)
+        if server is not None:
+            server.stop()
+
+
+async def _declare(url: str, prefix: str) -> None:
+    """Create the streams once, before the services start (each would race to)."""
+    from shoal.bus import Bus, NoServerError
+
+    try:
+        bus = await Bus.connect(url, prefix=prefix, name="shoal-up")
+    except NoServerError as exc:
+        raise CommandError(f"{exc} (check NATS_URL)") from None
+    await bus.close()

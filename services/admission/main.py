@@ -1,0 +1,33 @@
+"""``shoal run admission``: the admission service as its own process.
+
+Wiring only: connect, follow the log (:class:`~shoal.projection.Projection`), answer
+commands until ``stop``; then stop taking requests, let in-flight ones finish
+(``drain`` of the request subscriptions) and close the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from shoal import admission
+from shoal.projection import Projection
+from shoal.runtime import connect_bus, make_clock
+from shoal.settings import Settings
+from shoal_services.admission.service import AdmissionService
+
+
+async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    """Run admission until ``stop`` is set, then drain."""
+    clock = make_clock(settings)
+    async with contextlib.AsyncExitStack() as resources:
+        bus = await connect_bus(settings, "admission")
+        resources.push_async_callback(bus.close)
+        projection = Projection(bus)
+        await projection.start()
+        resources.push_async_callback(projection.stop)
+        await projection.wait_ready()
+        service = AdmissionService(bus, projection, admission.Limits(), clock=clock)
+        await service.start()
+        resources.push_async_callback(service.stop)
+        await stop.wait()

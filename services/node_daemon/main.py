@@ -1,0 +1,99 @@
+"""``shoal run node-daemon``: one per machine.
+
+GPUs: ``--fake-gpus N --gpu-type T`` (``SHOAL_FAKE_GPUS``/``SHOAL_GPU_TYPE``)
+presents N emulated GPUs; otherwise the GPUs NVML reports (``pip install
+'shoal[nvml]'`` and an NVIDIA driver). A machine where NVML finds no GPU is a
+start-up error rather than a node with zero GPUs: a daemon that registers an empty
+node is almost always a misconfiguration.
+
+The node id is ``SHOAL_NODE_ID``/``--node-id``, else the host name. Sidecars are
+started as ``python -m shoal_services.trainer_sidecar.main`` and get this daemon's
+settings (URL, prefix, clock, cost model …) as ``SHOAL_*`` variables. On ``stop``
+the daemon stops its sidecars (each finishes its current report) and exits; the allocator will notice the missing heartbeats and
+declare the node lost if it does not come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from shoal import events as ev
+from shoal.gpus import discover_nvml, fake_gpus
+from shoal.runtime import StartupError, connect_bus, make_clock, resolve_nats_url
+from shoal.settings import Settings
+from shoal_services.node_daemon.service import NodeDaemon
+
+
+def node_gpus(settings: Settings) -> tuple[tuple[ev.GpuInfo, ...], bool]:
+    """(GPUs, emulated) for this node.
+
+    Raises:
+        StartupError: no fake GPUs asked for and NVML finds none.
+    """
+    if settings.fake_gpus > 0:
+        return fake_gpus(settings.fake_gpus, settings.gpu_type), True
+    gpus = discover_nvml()
+    if not gpus:
+        raise StartupError(
+            "no GPUs found through NVML (install the NVIDIA driver and `pip install 'shoal[nvml]'`); "
+            "use --fake-gpus N (SHOAL_FAKE_GPUS) to emulate GPUs"
+        )
+    return gpus, False
+
+
+def sidecar_argv(node_id: str) -> Callable[[str], Sequence[str]]:
+    """The command line of the sidecar for one job on this node (settings travel in
+    the environment, see :func:`sidecar_env`)."""
+
+    def argv(job_id: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "shoal_services.trainer_sidecar.main",
+            "--job",
+            job_id,
+            "--node",
+            node_id,
+        ]
+
+    return argv
+
+
+def sidecar_env(settings: Settings, nats_url: str) -> dict[str, str]:
+    """The ``SHOAL_*`` variables a sidecar needs to see this daemon's installation: its
+    settings (flags included) and the server it resolved (``NATS_URL`` too, which
+    would otherwise win over ``SHOAL_NATS_URL``)."""
+    env = settings.to_env()
+    env["SHOAL_NATS_URL"] = env["NATS_URL"] = nats_url
+    for name in ("SHOAL_NODE_ID", "SHOAL_FAKE_GPUS"):  # daemon-only settings
+        env.pop(name, None)
+    return env
+
+
+async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    """Run the node daemon until ``stop`` is set."""
+    gpus, emulated = node_gpus(settings)
+    clock = make_clock(settings)
+    node_id = settings.resolved_node_id()
+    url = resolve_nats_url(settings)
+    # Sidecars are children of this process (started by NodeDaemon, which passes no
+    # environment of its own), so they inherit ours: export this daemon's settings.
+    os.environ.update(sidecar_env(settings, url))
+    async with contextlib.AsyncExitStack() as resources:
+        bus = await connect_bus(settings, f"node-daemon-{node_id}")
+        resources.push_async_callback(bus.close)
+        daemon = NodeDaemon(
+            bus,
+            node_id,
+            gpus,
+            clock=clock,
+            sidecar_argv=sidecar_argv(node_id),
+            emulated=emulated,
+            heartbeat_s=settings.heartbeat_s,
+            hostname=node_id,
+        )
+        await daemon.run(stop)
