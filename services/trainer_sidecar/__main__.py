@@ -1,7 +1,9 @@
 """``python -m shoal_services.trainer_sidecar``: one sidecar process for one job on one node.
 
 The node daemon starts it and writes ``Reconfigure`` orders to its stdin, one JSON
-object per line. End of stdin means the node daemon is gone: the sidecar stops.
+object per line. ``--mode emulated`` (the default) runs the emulated trainer;
+``--mode real`` runs the job's ``shoal.train`` workers (see ``real.py``).
+End of stdin means the node daemon is gone: the sidecar stops.
 A malformed order is reported on stderr and skipped; it never kills the job.
 """
 
@@ -12,6 +14,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
@@ -21,10 +24,13 @@ from shoal.models import get_catalog
 from shoal.sim.costs import get_costs
 from shoal_services.trainer_sidecar.emulated import EmulatedTrainer, parse_order
 
+if TYPE_CHECKING:
+    from shoal_services.trainer_sidecar.real import RealSidecar
+
 log = structlog.get_logger("shoal.sidecar")
 
 
-async def _read_orders(trainer: EmulatedTrainer, stop: asyncio.Event) -> None:
+async def _read_orders(trainer: EmulatedTrainer | RealSidecar, stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -54,6 +60,8 @@ async def main_async(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if args.mode == "real":
+        return await _run_real(args, bus, stop)
     catalog = get_catalog(args.catalog) if args.catalog else None
     trainer = EmulatedTrainer(
         bus,
@@ -85,6 +93,38 @@ async def main_async(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _run_real(args: argparse.Namespace, bus: Bus, stop: asyncio.Event) -> int:
+    """``--mode real``: see :mod:`shoal_services.trainer_sidecar.real`."""
+    import tempfile
+    from pathlib import Path
+
+    from shoal.train.config import TrainConfig
+    from shoal_services.trainer_sidecar.real import RealSidecar, parse_devices, run_with_stdin_orders
+
+    sidecar = RealSidecar(
+        bus,
+        args.job,
+        args.node,
+        devices=parse_devices(args.devices),
+        device=args.device,
+        gpu_type=args.gpu_type,
+        workdir=Path(args.workdir or Path(tempfile.gettempdir()) / "shoal-train"),
+        train=TrainConfig(
+            device=args.device,
+            collective_timeout_s=args.collective_timeout,
+            rendezvous_timeout_s=args.rendezvous_timeout,
+            checkpoint_every=args.checkpoint_every,
+        ),
+        lease_ttl_s=args.lease_ttl,
+        report_every_s=args.report_every,
+    )
+    try:
+        await run_with_stdin_orders(sidecar, stop)
+    finally:
+        await bus.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="shoal-sidecar")
     p.add_argument("--job", required=True)
@@ -97,6 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--costs", default="coddl")
     p.add_argument("--catalog", default="afs")
     p.add_argument("--report-every", type=float, default=0.25)
+    p.add_argument("--mode", choices=("emulated", "real"), default="emulated")
+    real = p.add_argument_group("real mode (shoal.train workers)")
+    real.add_argument("--devices", default="1", help="local device indices (0,1,3) or a count of CPU slots")
+    real.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    real.add_argument("--gpu-type", default="cpu")
+    real.add_argument("--workdir", default="")
+    real.add_argument("--lease-ttl", type=float, default=3.0)
+    real.add_argument("--collective-timeout", type=float, default=30.0)
+    real.add_argument("--rendezvous-timeout", type=float, default=120.0)
+    real.add_argument("--checkpoint-every", type=int, default=200)
     args = p.parse_args(argv)
     return asyncio.run(main_async(args))
 

@@ -1,0 +1,99 @@
+"""The trainer sidecar as a shoal process: ``shoal run trainer-sidecar --job J --node N``
+or ``python -m shoal_services.trainer_sidecar.main --job J --node N`` (how the node
+daemon of ``shoal run node-daemon`` starts it: no CLI import, same start-up cost).
+
+It runs the emulated trainer of ``shoal_services.trainer_sidecar`` under
+:func:`shoal.runtime.run_service`: settings from ``SHOAL_*`` (the node daemon exports
+its own), structured logs on stderr, tracing, SIGTERM draining. Orders
+(``Reconfigure``, one JSON object per line) are read from stdin; end of stdin (the
+node daemon is gone or closed it) stops the sidecar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from shoal.runtime import StartupError, connect_bus, make_clock
+from shoal.settings import Settings
+
+Serve = Callable[[Settings, asyncio.Event], Coroutine[Any, Any, None]]
+
+
+def configure(argv: Sequence[str]) -> Serve:
+    """Parse the sidecar's own arguments and return its ``serve``.
+
+    Raises:
+        StartupError: missing or invalid arguments.
+    """
+    parser = argparse.ArgumentParser(prog="shoal run trainer-sidecar", add_help=False, exit_on_error=False)
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--node", required=True)
+    try:
+        args = parser.parse_args(list(argv))
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise StartupError(f"trainer-sidecar needs --job JOB_ID --node NODE_ID ({exc})") from None
+
+    async def serve(settings: Settings, stop: asyncio.Event) -> None:
+        from shoal.models import get_catalog
+        from shoal.sim.costs import get_costs
+        from shoal_services.trainer_sidecar.__main__ import _read_orders
+        from shoal_services.trainer_sidecar.emulated import EmulatedTrainer
+
+        try:
+            costs = get_costs(settings.costs)
+            catalog = get_catalog(settings.catalog) if settings.catalog else None
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        clock = make_clock(settings)
+        async with contextlib.AsyncExitStack() as resources:
+            bus = await connect_bus(settings, f"sidecar-{args.job}-{args.node}", declare=False)
+            resources.push_async_callback(bus.close)
+            trainer = EmulatedTrainer(
+                bus,
+                args.job,
+                args.node,
+                clock=clock,
+                costs=costs,
+                catalog=catalog,
+                report_every_s=settings.report_every_s,
+            )
+            reader = asyncio.create_task(_read_orders(trainer, stop))
+            runner = asyncio.create_task(trainer.run(stop))
+            stopper = asyncio.create_task(stop.wait())
+            try:
+                await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                if runner.done() and runner.exception() is not None:
+                    raise runner.exception()  # type: ignore[misc]
+                # A completed job keeps its sidecar until the node daemon stops it.
+                await stop.wait()
+                # Let the trainer finish the report or reconfiguration step in flight.
+                await asyncio.wait({runner}, timeout=settings.report_every_s + 2.0)
+            finally:
+                for t in (reader, runner, stopper):
+                    t.cancel()
+                await asyncio.gather(reader, runner, stopper, return_exceptions=True)
+
+    return serve
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Process entry point; returns the exit status (see :func:`shoal.runtime.run_service`)."""
+    from shoal.runtime import run_service
+    from shoal.settings import SettingsError
+
+    try:
+        settings = Settings.load()
+        serve = configure(sys.argv[1:] if argv is None else argv)
+    except (SettingsError, StartupError) as exc:
+        print(f"shoal: trainer-sidecar: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return run_service(serve, settings, service_name="trainer-sidecar")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,302 @@
+"""The real trainer sidecar: runs a ``shoal.train`` job's worker processes on this node.
+
+It reads the same ``Reconfigure`` order stream on stdin as the emulated trainer
+(one JSON object per line, from the node daemon) and reports the same events, so
+the node daemon treats both modes alike.
+
+Leadership (EDL §4.1): the job's sidecars campaign for the lease ``train.<job>`` in
+JetStream KV. Only the leader runs the :class:`~shoal.train.controller.Controller`
+(worker processes, rendezvous store, control server). The others follow the order
+stream and campaign; when the leader's lease lapses (it died) one of them takes
+over and starts the job from the newest order, restoring the checkpoint named in
+the job metadata. A leader that leaves on purpose (stdin closed, SIGTERM)
+checkpoints, writes the metadata (checkpoint directory, step, epoch) to the KV
+bucket ``<P>_TRAIN_META`` and releases the lease, so the next leader takes over at
+once instead of after the TTL.
+
+What the job runs comes from its ``JobSubmitted``: ``spec.entrypoint`` is the
+worker command, ``spec.env`` its extra environment. ``SHOAL_TRAIN_API=0`` in
+``spec.env`` marks a script that does not use ``shoal.train``: every change is a
+checkpoint-restart. ``SHOAL_TRAIN_RESHAPE=restart`` asks for checkpoint-restart
+even with the API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import nats.js.errors
+import structlog
+from nats.js import api
+from shoal import codec
+from shoal import events as ev
+from shoal.bus import Bus, ConcurrencyConflict, LeaderLease
+from shoal.events import GpuRef
+from shoal.train.config import ENV_PREFIX, TrainConfig
+from shoal.train.controller import Controller, OrderError
+
+log = structlog.get_logger("shoal.sidecar.real")
+
+
+class RealSidecar:
+    """One job's sidecar on one node in real mode; see the module docstring."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        job_id: str,
+        node_id: str,
+        *,
+        devices: Sequence[int],
+        device: str = "cpu",
+        gpu_type: str = "cpu",
+        workdir: Path,
+        train: TrainConfig | None = None,
+        lease_ttl_s: float = 3.0,
+        report_every_s: float = 1.0,
+        allowance_s: float = 0.5,
+    ) -> None:
+        self.bus = bus
+        self.job_id = job_id
+        self.node_id = node_id
+        self.devices = tuple(devices)
+        self.device = device
+        self.gpu_type = gpu_type
+        self.workdir = workdir
+        self.train = train or TrainConfig(device=device)
+        self.lease_ttl_s = lease_ttl_s
+        self.report_every_s = report_every_s
+        self.allowance_s = allowance_s
+        self.holder = f"{node_id}-{os.getpid()}"
+        self.commands: asyncio.Queue[ev.Reconfigure] = asyncio.Queue()
+        self.newest: ev.Reconfigure | None = None
+        self.controller: Controller | None = None
+        self.spec: ev.JobSpec | None = None
+        self._meta_kv: object = None
+        self._completed = False
+
+    # -- what the job is ------------------------------------------------------------------
+
+    async def _last_event(self, name: str) -> ev.Event | None:
+        subject = f"{self.bus.names.prefix}.job.{self.job_id}.{name}"
+        try:
+            raw = await self.bus.js.get_last_msg(self.bus.names.events_stream, subject)
+        except nats.js.errors.NotFoundError:
+            return None
+        return codec.decode(raw.data or b"").event
+
+    async def load(self) -> ev.JobSpec:
+        submitted = await self._last_event("submitted")
+        if not isinstance(submitted, ev.JobSubmitted):
+            raise RuntimeError(f"job {self.job_id} has no JobSubmitted in the log")
+        if not submitted.spec.entrypoint:
+            raise RuntimeError(f"job {self.job_id} has no entrypoint: real mode needs spec.entrypoint")
+        self.spec = submitted.spec
+        return submitted.spec
+
+    def gpu_index(self, gpu: GpuRef) -> int:
+        if gpu.node_id != self.node_id:
+            raise OrderError(
+                f"GPU {gpu.node_id}/{gpu.index} is not on node {self.node_id}: "
+                "real mode runs a job's workers on its leader's node only"
+            )
+        if gpu.index not in self.devices:
+            raise OrderError(
+                f"unknown GPU {gpu.node_id}/{gpu.index}: node {self.node_id} has {list(self.devices)}"
+            )
+        return gpu.index
+
+    # -- events -------------------------------------------------------------------------------
+
+    async def _emit(self, event: ev.Event) -> None:
+        await self.bus.publish(codec.wrap(event, at=time.time()))
+
+    async def _meta(self) -> object:
+        if self._meta_kv is None:
+            bucket = f"{self.bus.names.lease_bucket}_TRAIN_META"
+            self._meta_kv = await self.bus.js.create_key_value(
+                api.KeyValueConfig(bucket=bucket, history=1, storage=api.StorageType.FILE)
+            )
+        return self._meta_kv
+
+    async def read_meta(self) -> dict[str, object]:
+        kv = await self._meta()
+        try:
+            entry = await kv.get(f"train.{self.job_id}")  # type: ignore[attr-defined]
+        except nats.js.errors.KeyNotFoundError:
+            return {}
+        return json.loads(entry.value or b"{}")
+
+    async def write_meta(self) -> None:
+        ctl = self.controller
+        if ctl is None:
+            return
+        meta = {
+            "checkpoint_dir": ctl.train.checkpoint_dir,
+            "step": ctl.progress.step if ctl.progress else 0,
+            "epoch": ctl.epoch,
+            "leader": self.holder,
+        }
+        kv = await self._meta()
+        await kv.put(f"train.{self.job_id}", json.dumps(meta).encode())  # type: ignore[attr-defined]
+
+    # -- leadership ----------------------------------------------------------------------------
+
+    async def _lead(self) -> None:
+        """Became leader: start the controller on the newest order, from the handed-over state."""
+        assert self.spec is not None
+        meta = await self.read_meta()
+        checkpoint_dir = str(meta.get("checkpoint_dir") or self.workdir / self.job_id / "checkpoint")
+        env = dict(self.spec.env)
+        train = self.train
+        per_job = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
+        if per_job:
+            # Per-job options (e.g. SHOAL_TRAIN_RECOVERY=approximate) ride in spec.env.
+            try:
+                train = TrainConfig.from_env({**train.to_env(), **per_job})
+            except ValueError as exc:
+                log.error("bad_job_train_options", job_id=self.job_id, error=str(exc))
+        train = msgspec.structs.replace(train, checkpoint_dir=checkpoint_dir)
+        self.controller = Controller(
+            job_id=self.job_id,
+            argv=self.spec.entrypoint,
+            workdir=self.workdir / self.job_id / self.holder,
+            gpu_index=self.gpu_index,
+            max_gpus=self.spec.max_gpus,
+            emit=self._emit,
+            env=env,
+            train=train,
+            api=env.get("SHOAL_TRAIN_API", "1") != "0",
+            restart_only=env.get("SHOAL_TRAIN_RESHAPE", "") == "restart",
+            allowance_s=self.allowance_s,
+            report_every_s=self.report_every_s,
+            gpu_type=self.gpu_type,
+        )
+        await self.controller.start()
+        await self.write_meta()
+        log.info("sidecar_leads", job_id=self.job_id, holder=self.holder, meta=meta)
+        if self.newest is not None:
+            await self.controller.apply(self.newest)
+
+    async def _resign(self, *, checkpoint: bool) -> None:
+        if self.controller is None:
+            return
+        await self.controller.close(checkpoint=checkpoint)
+        with contextlib.suppress(Exception):
+            await self.write_meta()
+        self.controller = None
+
+    async def _complete(self) -> None:
+        ctl = self.controller
+        if ctl is None or self._completed:
+            return
+        self._completed = True
+        step = ctl.progress.step if ctl.progress else 0
+        if ctl.progress is not None:
+            await self._emit(ctl.progress_event())
+        try:
+            await self.bus.publish(
+                codec.wrap(ev.JobCompleted(job_id=self.job_id, iterations=step), at=time.time()),
+                expected_last_subject_seq=0,
+            )
+        except ConcurrencyConflict:
+            pass  # another sidecar of this job completed it first
+        log.info("job_completed", job_id=self.job_id, iterations=step)
+
+    async def _campaign(self, lease: LeaderLease, stop: asyncio.Event, changed: asyncio.Event) -> None:
+        """Renew or try to take the lease every TTL/3, on its own task so that slow work never
+        delays a renewal; ``changed`` wakes the main loop when leadership flips."""
+        while not stop.is_set():
+            was = lease.is_leader
+            try:
+                await lease.try_acquire()
+            except Exception as exc:  # the bus is briefly unreachable: not leader until renewed
+                log.warning("lease_error", job_id=self.job_id, error=str(exc))
+                lease.revision = None
+            if lease.is_leader != was:
+                changed.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.lease_ttl_s / 3)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.load()
+        # torch's import takes seconds: do it before campaigning, off the event loop.
+        await asyncio.to_thread(importlib.import_module, "torch.distributed")
+        lease: LeaderLease = await self.bus.lease(f"train.{self.job_id}", self.holder, ttl_s=self.lease_ttl_s)
+        changed = asyncio.Event()
+        campaign = asyncio.create_task(self._campaign(lease, stop, changed))
+        try:
+            while not stop.is_set():
+                if changed.is_set():
+                    changed.clear()
+                    if lease.is_leader and self.controller is None:
+                        await self._lead()
+                    elif not lease.is_leader and self.controller is not None:
+                        log.warning("sidecar_lost_lease", job_id=self.job_id, holder=self.holder)
+                        await self._resign(checkpoint=False)
+                with contextlib.suppress(TimeoutError):
+                    order = await asyncio.wait_for(self.commands.get(), 0.2)
+                    await self._on_order(order)
+                if self.controller is not None and self.controller.done.is_set():
+                    await self._complete()
+        finally:
+            campaign.cancel()
+            await asyncio.gather(campaign, return_exceptions=True)
+            if lease.is_leader:
+                await self._resign(checkpoint=True)
+                await lease.release()
+
+    async def _on_order(self, order: ev.Reconfigure) -> None:
+        if self.newest is None or order.epoch > self.newest.epoch:
+            # A follower keeps the newest valid order to start from if it takes over.
+            try:
+                if self.controller is None:
+                    for g in order.gpus:
+                        self.gpu_index(g)
+                self.newest = order
+            except OrderError:
+                pass
+        if self.controller is not None:
+            await self.controller.apply(order)
+
+
+def parse_devices(spec: str) -> tuple[int, ...]:
+    """``--devices 0,1,3`` or ``--devices 4`` (slots 0..3).
+
+    Raises:
+        ValueError: not a count or a comma-separated list of indices.
+    """
+    spec = spec.strip()
+    try:
+        if "," in spec:
+            out = tuple(int(x) for x in spec.split(",") if x.strip())
+        else:
+            out = tuple(range(int(spec)))
+    except ValueError:
+        raise ValueError(f"--devices must be a count or a list like 0,1,3; got {spec!r}") from None
+    if not out or any(i < 0 for i in out) or len(set(out)) != len(out):
+        raise ValueError(f"--devices must name distinct non-negative indices; got {spec!r}")
+    return out
+
+
+async def run_with_stdin_orders(sidecar: RealSidecar, stop: asyncio.Event) -> None:
+    """Run ``sidecar`` on the node daemon's order stream (stdin) until ``stop`` or end of stdin.
+
+    The one call an entry point needs for ``--mode real`` (``__main__`` and any other).
+    """
+    from shoal_services.trainer_sidecar.__main__ import _read_orders
+
+    reader = asyncio.create_task(_read_orders(sidecar, stop))
+    try:
+        await sidecar.run(stop)
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
