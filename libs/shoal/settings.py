@@ -44,6 +44,8 @@ ENV_PREFIX = "SHOAL_"
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 LogFormat = Literal["auto", "json", "pretty"]
+SidecarMode = Literal["emulated", "real"]
+TrainDevice = Literal["cpu", "cuda"]
 PositiveFloat = Annotated[float, Meta(gt=0)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 Port = Annotated[int, Meta(ge=-1, le=65535)]
@@ -102,6 +104,12 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Emulated GPUs on this node; 0 discovers real GPUs through NVML."""
     gpu_type: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,32}$")] = "V100"
     """Generation of the emulated GPUs."""
+    sidecar_mode: SidecarMode = "emulated"
+    """What the node daemon's sidecars run: ``emulated`` trainers advancing at the modelled
+    throughput, or ``real`` ``shoal.train`` workers started from the job's entrypoint."""
+    train_device: TrainDevice | None = None
+    """Device of real workers; default ``cuda`` on NVML GPUs, ``cpu`` on fake ones (one CPU
+    worker slot per fake GPU)."""
     heartbeat_s: PositiveFloat = 1.0
     lease_ttl_s: PositiveFloat = 3.0
     """Leader lease TTL of the allocator and the placer."""

@@ -7,8 +7,13 @@ start-up error rather than a node with zero GPUs: a daemon that registers an emp
 node is almost always a misconfiguration.
 
 The node id is ``SHOAL_NODE_ID``/``--node-id``, else the host name. Sidecars are
-started as ``python -m shoal_services.trainer_sidecar.main`` and get this daemon's
-settings (URL, prefix, clock, cost model …) as ``SHOAL_*`` variables. On ``stop``
+started as ``python -m shoal_services.trainer_sidecar.main`` (emulated trainers, the
+default) and get this daemon's settings (URL, prefix, clock, cost model …) as
+``SHOAL_*`` variables. With ``SHOAL_SIDECAR_MODE=real`` they are started as
+``python -m shoal_services.trainer_sidecar --mode real`` and run the job's
+``shoal.train`` entrypoint as real worker processes: on NVML GPUs one CUDA worker per
+GPU index, on fake GPUs one CPU (gloo) worker slot per fake GPU (choice: a machine
+without GPUs can still run real training end to end, which is how CI tests it). On ``stop``
 the daemon stops its sidecars (each finishes its current report) and exits; the allocator will notice the missing heartbeats and
 declare the node lost if it does not come back.
 """
@@ -20,6 +25,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from shoal import events as ev
 from shoal.gpus import discover_nvml, fake_gpus
@@ -45,22 +51,53 @@ def node_gpus(settings: Settings) -> tuple[tuple[ev.GpuInfo, ...], bool]:
     return gpus, False
 
 
-def sidecar_argv(node_id: str) -> Callable[[str], Sequence[str]]:
-    """The command line of the sidecar for one job on this node (settings travel in
-    the environment, see :func:`sidecar_env`)."""
+def sidecar_argv(
+    node_id: str,
+    settings: Settings | None = None,
+    gpus: Sequence[ev.GpuInfo] = (),
+    emulated: bool = True,
+    nats_url: str = "",
+) -> Callable[[str], Sequence[str]]:
+    """The command line of the sidecar for one job on this node.
 
-    def argv(job_id: str) -> list[str]:
+    Emulated sidecars get their settings from the environment (see :func:`sidecar_env`).
+    Real ones (``settings.sidecar_mode == "real"``) take theirs as flags: the server, the
+    prefix, this node's devices (CUDA indices of ``gpus``, or one CPU slot per fake
+    GPU), the GPU type and a work directory under the state dir for checkpoints.
+    """
+    if settings is None or settings.sidecar_mode == "emulated":
+
+        def argv(job_id: str) -> list[str]:
+            return [
+                sys.executable,
+                "-m",
+                "shoal_services.trainer_sidecar.main",
+                "--job",
+                job_id,
+                "--node",
+                node_id,
+            ]
+
+        return argv
+
+    device = settings.train_device or ("cpu" if emulated else "cuda")
+    if device == "cuda":
+        indices = [str(g.index) for g in gpus]
+        devices = ",".join(indices) + ("," if len(indices) == 1 else "")  # a list, not a count
+    else:
+        devices = str(len(gpus))  # CPU worker slots 0..n-1
+    gpu_type = gpus[0].gpu_type if gpus else settings.gpu_type
+    workdir = str(Path(settings.state_dir) / "train")
+
+    def real_argv(job_id: str) -> list[str]:
         return [
-            sys.executable,
-            "-m",
-            "shoal_services.trainer_sidecar.main",
-            "--job",
-            job_id,
-            "--node",
-            node_id,
-        ]
+            sys.executable, "-m", "shoal_services.trainer_sidecar", "--mode", "real",
+            "--job", job_id, "--node", node_id, "--nats-url", nats_url, "--prefix", settings.prefix,
+            "--devices", devices, "--device", device, "--gpu-type", gpu_type, "--workdir", workdir,
+            "--lease-ttl", repr(settings.lease_ttl_s), "--report-every", repr(settings.report_every_s),
+        ]  # fmt: skip
 
-    return argv
+    return real_argv
 
 
 def sidecar_env(settings: Settings, nats_url: str) -> dict[str, str]:
@@ -91,7 +128,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             node_id,
             gpus,
             clock=clock,
-            sidecar_argv=sidecar_argv(node_id),
+            sidecar_argv=sidecar_argv(node_id, settings, gpus, emulated, url),
             emulated=emulated,
             heartbeat_s=settings.heartbeat_s,
             hostname=node_id,

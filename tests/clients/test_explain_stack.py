@@ -13,7 +13,7 @@ from shoal.client import Client
 from shoal.policies.registry import get_policy
 from shoal_services.stack import EmulatedStack, StackConfig
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.integration
 
 
 async def test_explain_a_real_run(bus: Bus, nats_url: str) -> None:

@@ -263,7 +263,6 @@ async def test_main_serves_from_settings_until_stopped(bus: Bus, nats_url: str, 
     assert seen[0].throughput == {1: 4.0, 2: 8.0} and seen[0].overestimated
 
 
-@pytest.mark.slow
 async def test_profiler_measures_the_emulated_trainer(bus: Bus, nats_url: str) -> None:
     """End to end with the emulated stack: sidecars report progress at the catalog
     curve; the profiler's measured count equals the truth and the rest is the §4.5

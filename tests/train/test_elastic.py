@@ -196,7 +196,6 @@ async def test_storm_of_20_orders_ends_in_the_last_shape(make_controller, job_id
     assert len(processes_of(job_id)) == 3, "only the last shape's workers are alive"
 
 
-@pytest.mark.slow
 async def test_worker_kill9_recovers_from_checkpoint(make_controller, job_id: str) -> None:
     rec = Recorder()
     ctl = make_controller(
@@ -220,7 +219,6 @@ async def test_worker_kill9_recovers_from_checkpoint(make_controller, job_id: st
     assert ctl.current is not None and ctl.current.gpus == gpus(1)
 
 
-@pytest.mark.slow
 async def test_worker_kill9_approximate_recovery_regroups_in_place(make_controller, job_id: str) -> None:
     """recovery=approximate: the survivors re-form a group and go on; nobody restarts."""
     rec = Recorder()
@@ -242,7 +240,6 @@ async def test_worker_kill9_approximate_recovery_regroups_in_place(make_controll
     assert set(processes_of(job_id)) == survivors, "the survivors kept running; nothing restarted"
 
 
-@pytest.mark.slow
 async def test_checkpoint_restart_for_scripts_without_the_api(
     make_controller, job_id: str, tmp_path: Path
 ) -> None:

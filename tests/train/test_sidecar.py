@@ -21,8 +21,8 @@ from shoal.bus import Bus
 from tests.services.test_allocator_placer import events_of
 from tests.train.conftest import CNN, gpus, processes_of
 
-# Each test starts sidecars, workers and torch imports: minutes on a small machine.
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# Each test starts sidecars, workers and torch imports: 15-35 s each on two cores.
+pytestmark = pytest.mark.integration
 
 
 async def submit(bus: Bus, job_id: str, max_steps: int = 1_000_000, max_gpus: int = 2) -> None:
@@ -141,56 +141,88 @@ async def test_leader_kill9_reelects_and_the_job_continues(
 async def test_node_daemon_runs_a_real_job_under_the_allocator(
     bus: Bus, nats_url: str, job_id: str, tmp_path: Path
 ) -> None:
-    """Real mode end to end: allocator -> placer -> node daemon -> real sidecar -> workers."""
+    """Real mode end to end, as ``shoal run node-daemon`` with ``SHOAL_SIDECAR_MODE=real``
+    starts it: allocator (max-min) -> placer -> node daemon -> real sidecar -> workers.
+
+    The allocator resizes the running job: a second job arrives and takes one of the two
+    GPUs (graceful scale-in), then completes and gives it back (stop-free scale-out).
+    """
     from shoal.clock import ScaledClock
     from shoal.gpus import fake_gpus
+    from shoal.policies.maxmin import MaxMin
+    from shoal.settings import Settings
     from shoal_services.allocator.service import AllocatorService
+    from shoal_services.node_daemon.main import sidecar_argv
     from shoal_services.node_daemon.service import NodeDaemon
     from shoal_services.placer.service import PlacerService
 
-    from tests.services.test_allocator_placer import GreedyRequested, wait_until
+    from tests.services.test_allocator_placer import wait_until
 
-    def argv(job: str) -> list[str]:
-        return [
-            sys.executable, "-m", "shoal_services.trainer_sidecar", "--mode", "real",
-            "--job", job, "--node", "n0", "--nats-url", nats_url, "--prefix", bus.names.prefix,
-            "--devices", "2", "--workdir", str(tmp_path), "--report-every", "0.2",
-        ]  # fmt: skip
-
+    settings = Settings.load(
+        env={"SHOAL_SIDECAR_MODE": "real"},
+        state_dir=str(tmp_path),
+        prefix=bus.names.prefix,
+        report_every_s=0.2,
+    )
+    gpus = fake_gpus(2)
     clock = ScaledClock(1.0)
     stop_services = asyncio.Event()
-    daemon = NodeDaemon(bus, "n0", fake_gpus(2), clock=clock, sidecar_argv=argv, heartbeat_s=0.2)
+    daemon = NodeDaemon(
+        bus,
+        "n0",
+        gpus,
+        clock=clock,
+        sidecar_argv=sidecar_argv("n0", settings, gpus, True, nats_url),
+        heartbeat_s=0.2,
+    )
     services = [
-        AllocatorService(bus, GreedyRequested(), holder="a", clock=clock, node_timeout_s=None),
+        AllocatorService(bus, MaxMin(), holder="a", clock=clock, node_timeout_s=None),
         PlacerService(bus, holder="p", clock=clock),
         daemon,
     ]
-    os.environ["SHOAL_TRAIN_JOB"] = job_id  # the sidecar and its workers carry the job id
+    os.environ["SHOAL_TRAIN_JOB"] = job_id  # the sidecars and their workers carry the job id
+    other = f"{job_id}-b"
     tasks = [asyncio.create_task(s.run(stop_services)) for s in services]
+
+    def spec(steps: int, max_gpus: int) -> ev.JobSpec:
+        return ev.JobSpec(
+            user="u",
+            max_gpus=max_gpus,
+            requested_gpus=max_gpus,
+            total_iterations=steps,
+            entrypoint=(sys.executable, str(CNN), "--max-steps", str(steps)),
+        )
+
+    def status(jid: str) -> str:
+        job = daemon.projection.state.jobs.get(jid)
+        return job.status if job else ""
+
+    async def world_of(jid: str, kind: str) -> list[int]:
+        return [
+            s.to_world
+            for s in await events_of(bus, ev.ReconfigurationStarted)
+            if s.job_id == jid and s.kind == kind
+        ]
+
     try:
         await wait_until(lambda: "n0" in daemon.projection.state.nodes)
-        spec = ev.JobSpec(
-            user="u",
-            max_gpus=2,
-            requested_gpus=2,
-            total_iterations=120,
-            entrypoint=(sys.executable, str(CNN), "--max-steps", "120"),
+        await bus.publish(codec.wrap(ev.JobSubmitted(job_id=job_id, spec=spec(1_000_000, 2)), at=clock.now()))
+        await wait_event(bus, ev.ProgressReported, lambda p: p.job_id == job_id and p.num_gpus == 2)
+        await bus.publish(codec.wrap(ev.JobSubmitted(job_id=other, spec=spec(60, 1)), at=clock.now()))
+        await wait_until(lambda: status(other) == "completed", timeout=120)
+        # The start at two workers, then the scale-out back to two once the GPU is free.
+        await wait_event(
+            bus, ev.ReconfigurationCompleted, lambda c: c.job_id == job_id and c.world_size == 2, count=2
         )
-        await bus.publish(codec.wrap(ev.JobSubmitted(job_id=job_id, spec=spec), at=clock.now()))
-
-        def status() -> str:
-            job = daemon.projection.state.jobs.get(job_id)
-            return job.status if job else ""
-
-        await wait_until(lambda: status() == "completed", timeout=120)
-        await wait_until(lambda: not daemon.sidecars, timeout=30)
+        assert 1 in await world_of(job_id, "scale_in")
+        assert 2 in await world_of(job_id, "scale_out")
+        await bus.publish(codec.wrap(ev.JobCancelled(job_id=job_id, reason="test over"), at=clock.now()))
+        await wait_until(lambda: not daemon.sidecars, timeout=60)
     finally:
         del os.environ["SHOAL_TRAIN_JOB"]
         stop_services.set()
         await asyncio.wait_for(asyncio.gather(*tasks), 30)
     done = await events_of(bus, ev.JobCompleted)
-    assert [(d.job_id, d.iterations) for d in done] == [(job_id, 120)]
+    assert [(d.job_id, d.iterations) for d in done] == [(other, 60)]
     completed = await events_of(bus, ev.ReconfigurationCompleted)
-    assert completed and completed[0].world_size == 2
-    progress = await events_of(bus, ev.ProgressReported)
-    assert progress and max(p.num_gpus for p in progress) == 2
+    assert [c.world_size for c in completed if c.job_id == job_id][:3] == [2, 1, 2]

@@ -36,7 +36,6 @@ def test_runs_unchanged_under_torchrun_and_alone(tmp_path) -> None:
     assert "world 2" in ranked and "world 1" in alone
 
 
-@pytest.mark.slow
 def test_transformer_example_learns_the_markov_chain(tmp_path) -> None:
     lm = CNN.parent / "transformer_lm.py"
     out = _run([sys.executable, str(lm), "--max-steps", "60", "--time-after", "5"], tmp_path)
