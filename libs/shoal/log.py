@@ -17,8 +17,10 @@ format does nothing, a different one reconfigures.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 import msgspec
@@ -138,13 +140,9 @@ def reset_logging() -> None:
     _state.clear()
 
 
-def bind_job(
-    job_id: str | None = None, epoch: int | None = None, trace_id: str | None = None, **more: Any
-) -> None:
-    """Bind the usual per-message context (``job_id``, ``epoch``, ``trace_id`` …) for
-    every log line of the current task; ``None`` values are left out.
-
-    ``trace_id`` defaults to the current span's (if any)."""
+def _job_values(
+    job_id: str | None, epoch: int | None, trace_id: str | None, more: dict[str, Any]
+) -> dict[str, Any]:
     if trace_id is None:
         from opentelemetry import trace
 
@@ -152,7 +150,27 @@ def bind_job(
         if ctx.is_valid:
             trace_id = format(ctx.trace_id, "032x")
     values = {"job_id": job_id, "epoch": epoch, "trace_id": trace_id, **more}
-    structlog.contextvars.bind_contextvars(**{k: v for k, v in values.items() if v is not None})
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def bind_job(
+    job_id: str | None = None, epoch: int | None = None, trace_id: str | None = None, **more: Any
+) -> None:
+    """Bind the usual per-message context (``job_id``, ``epoch``, ``trace_id`` …) for
+    every log line of the current task; ``None`` values are left out.
+
+    ``trace_id`` defaults to the current span's (if any)."""
+    structlog.contextvars.bind_contextvars(**_job_values(job_id, epoch, trace_id, more))
+
+
+@contextlib.contextmanager
+def bound_job(
+    job_id: str | None = None, epoch: int | None = None, trace_id: str | None = None, **more: Any
+) -> Iterator[None]:
+    """:func:`bind_job` for the ``with`` block only: what was bound before comes back
+    after it (for long-lived tasks that handle one decision or order after another)."""
+    with structlog.contextvars.bound_contextvars(**_job_values(job_id, epoch, trace_id, more)):
+        yield
 
 
 def clear_context() -> None:

@@ -16,7 +16,13 @@ non-recording and cost next to nothing. Two switches turn it on:
 
 Trace context travels in NATS message headers as W3C ``traceparent``/``tracestate``:
 :func:`inject` on publish, :func:`extract` on consume; :func:`consumer_span` opens a
-span that continues the sender's trace.
+span that continues the sender's trace. Services that read the log through a
+projection (no message in hand) get a stored event's headers back with
+:func:`stored_context`; the node daemon hands the context on to its sidecars on their
+order lines (:func:`with_trace_fields` / :func:`trace_fields`).
+
+Every span records the process it came from: ``process.pid`` in the resource (and
+``pid`` in the JSON-lines record), so a test can tell processes apart.
 """
 
 from __future__ import annotations
@@ -27,12 +33,14 @@ import os
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
+import msgspec
 import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import Tracer as SdkTracer
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     SimpleSpanProcessor,
@@ -68,6 +76,7 @@ def span_record(span: ReadableSpan, service: str) -> dict[str, Any]:
         "end": (span.end_time or 0) / 1e9,
         "attributes": {k: _plain(v) for k, v in (span.attributes or {}).items()},
         "status": span.status.status_code.name.lower(),
+        "pid": span.resource.attributes.get("process.pid"),
     }
 
 
@@ -116,7 +125,9 @@ def make_tracer_provider(
     ``exporters`` get each span as it ends (simple processor); ``batch_exporters`` in
     batches from a background thread (for network exporters).
     """
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": service_name, "process.pid": os.getpid()})
+    )
     for exporter in exporters:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     for exporter in batch_exporters:
@@ -241,3 +252,66 @@ def current_trace_id() -> str | None:
     """Hex trace id of the current span, or None."""
     ctx = trace.get_current_span().get_span_context()
     return _hex_trace(ctx.trace_id) if ctx.is_valid else None
+
+
+def tracing_enabled(tracer: trace.Tracer | None = None) -> bool:
+    """Whether spans of ``tracer`` (default: the process's) are recorded.
+
+    Lets a service skip work that only tracing needs (fetching a stored message's
+    headers) when tracing is off."""
+    if tracer is None or isinstance(tracer, trace.ProxyTracer):
+        return isinstance(trace.get_tracer_provider(), TracerProvider)
+    return isinstance(tracer, SdkTracer)
+
+
+async def stored_context(js: Any, stream: str, seq: int) -> Context:
+    """The trace context in the headers of message ``seq`` of ``stream``, as stored by
+    JetStream (an empty context when it has none or cannot be read).
+
+    For services that follow the log through a projection and so never hold the
+    message itself: one request, made only when tracing is on."""
+    if seq <= 0:
+        return Context()
+    try:
+        raw = await js.get_msg(stream, seq)
+    except Exception as exc:  # tracing must never fail the service
+        log.debug("stored_context_unreadable", stream=stream, seq=seq, error=str(exc))
+        return Context()
+    return extract(raw.headers)
+
+
+TRACE_FIELDS = ("traceparent", "tracestate")
+"""The W3C fields carried on a JSON order line (same names as the NATS headers)."""
+
+
+class _TraceFields(msgspec.Struct):
+    traceparent: str | None = None
+    tracestate: str | None = None
+
+
+_TRACE_FIELDS_DEC = msgspec.json.Decoder(_TraceFields)
+
+
+def with_trace_fields(line: bytes, context: Context | None = None) -> bytes:
+    """Add the W3C fields of ``context`` (default: the current one) to the JSON object
+    ``line`` (e.g. ``{"type":"cmd.reconfigure",...,"traceparent":"00-..."}``).
+
+    Returns the line without trailing whitespace; without a valid span, unchanged
+    otherwise. Readers that do not know the fields ignore them (the order decoder
+    skips unknown fields)."""
+    carrier = inject({}, context)
+    fields = {k: carrier[k] for k in TRACE_FIELDS if carrier.get(k)}
+    body = line.rstrip()
+    if not fields or not body.endswith(b"}") or body == b"{}":
+        return body
+    return body[:-1] + b"," + msgspec.json.encode(fields)[1:]
+
+
+def trace_fields(line: bytes) -> dict[str, str]:
+    """The W3C fields of a JSON order line (see :func:`with_trace_fields`); empty when
+    there are none or the line is not a JSON object."""
+    try:
+        got = _TRACE_FIELDS_DEC.decode(line)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return {}
+    return {k: v for k in TRACE_FIELDS if (v := getattr(got, k))}

@@ -32,9 +32,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import structlog
+from opentelemetry import trace
+from opentelemetry.context import Context
 from shoal import codec
 from shoal import events as ev
 from shoal.allocation import decide_shares, next_tick, policy_tick
@@ -42,10 +46,12 @@ from shoal.bus import Bus, ConcurrencyConflict
 from shoal.clock import Clock
 from shoal.cluster import gpus_per_node, stale_nodes
 from shoal.events import Envelope
+from shoal.log import bound_job
 from shoal.models import Catalog
 from shoal.policies.base import Policy
 from shoal.projection import Projection
 from shoal.state import ClusterState, apply, copy_state
+from shoal.telemetry import producer_span
 
 log = structlog.get_logger("shoal.allocator")
 
@@ -84,8 +90,11 @@ class AllocatorService:
         node_timeout_s: float | None = 10.0,
         snapshot_every: int = 10_000,
         tick_origin: float = 0.0,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self.bus = bus
+        self.tracer = tracer or trace.get_tracer("shoal.allocator")
+        """Each published decision is the root span of one trace (see :meth:`_traced_decision`)."""
         self.policy = policy
         self.holder = holder
         self.clock = clock
@@ -166,11 +175,13 @@ class AllocatorService:
     ) -> ev.SharesDecided | None:
         """Run the policy on the current state as of ``at`` (default: now) and publish
         the decision if it changed."""
+        t0 = time.time_ns()
         now = max(self.clock.now() if at is None else at, self.last_decision_at)
         state = self._state_as_of(now)
         from shoal.view import build_view
 
         view = build_view(state, now=now, gpus_per_node=gpus_per_node(state), catalog=self.catalog)
+        t1 = time.time_ns()
         decision = decide_shares(
             self.policy,
             view,
@@ -179,6 +190,7 @@ class AllocatorService:
             trigger=trigger,
             network_packing=self.network_packing,
         )
+        marks = (t0, t1, time.time_ns())
         current_types = {j: state.jobs[j].gpu_type for j in state.shares if state.jobs[j].gpu_type}
         if (
             decision.shares == state.shares
@@ -187,26 +199,60 @@ class AllocatorService:
             and state.shares_epoch
         ):
             return None
-        env = codec.wrap(decision, at=now, causation_id=causation_id)
-        try:
-            result = await self.bus.publish(env, expected_last_subject_seq=self.decisions_seq)
-        except ConcurrencyConflict:
-            log.warning(
-                "decision_conflict", epoch=decision.epoch, note="another allocator decided; re-reading"
-            )
-            await self.projection.wait_for(await self.bus.last_seq())
+        if not decision.shares and not state.shares:
+            # Nothing held and nothing to give (a leader with no jobs yet): as in the
+            # simulator, whose first decision is the first that gives a job GPUs.
             return None
-        await self.projection.wait_for(result.seq)
-        self.decided += 1
-        log.info(
-            "shares_decided",
-            epoch=decision.epoch,
-            trigger=trigger,
-            jobs=len(decision.shares),
-            gpus=sum(decision.shares.values()),
-            stream_seq=result.seq,
+        env = codec.wrap(decision, at=now, causation_id=causation_id)
+        with self._traced_decision(decision, marks):
+            try:
+                with producer_span("allocator.publish", tracer=self.tracer):
+                    result = await self.bus.publish(env, expected_last_subject_seq=self.decisions_seq)
+            except ConcurrencyConflict:
+                log.warning(
+                    "decision_conflict", epoch=decision.epoch, note="another allocator decided; re-reading"
+                )
+                trace.get_current_span().set_attribute("shoal.conflict", True)
+                await self.projection.wait_for(await self.bus.last_seq())
+                return None
+            await self.projection.wait_for(result.seq)
+            self.decided += 1
+            log.info(
+                "shares_decided",
+                epoch=decision.epoch,
+                trigger=trigger,
+                jobs=len(decision.shares),
+                gpus=sum(decision.shares.values()),
+                stream_seq=result.seq,
+            )
+            return decision
+
+    @contextlib.contextmanager
+    def _traced_decision(self, decision: ev.SharesDecided, marks: tuple[int, int, int]) -> Iterator[None]:
+        """The trace of one decision: a root span ``allocator.decide`` from the start of
+        the decision (``marks``: wall ns at start, view built, policy done), with the
+        phases ``allocator.view`` and ``allocator.policy`` as children, current inside
+        the block (the publish carries it on to the placer); logs get the epoch and
+        trace id. Made only for decisions that are published, so a no-op evaluation
+        leaves no trace."""
+        t0, t1, t2 = marks
+        attributes = {
+            "shoal.epoch": decision.epoch,
+            "shoal.trigger": decision.trigger,
+            "shoal.jobs": len(decision.shares),
+            "shoal.gpus": sum(decision.shares.values()),
+        }
+        root = self.tracer.start_span(
+            "allocator.decide", context=Context(), attributes=attributes, start_time=t0
         )
-        return decision
+        inside = trace.set_span_in_context(root)
+        self.tracer.start_span("allocator.view", context=inside, start_time=t0).end(end_time=t1)
+        self.tracer.start_span("allocator.policy", context=inside, start_time=t1).end(end_time=t2)
+        with (
+            trace.use_span(root, end_on_exit=True),
+            bound_job(epoch=decision.epoch, trigger=decision.trigger),
+        ):
+            yield
 
     async def _decide_due(self) -> None:
         """Decide for every pending trigger instant and periodic wake-up, in time order.

@@ -16,6 +16,14 @@ utilisation 1.0 while a job holds the GPU).
 Sidecars are supervised subprocesses: orders go to their stdin (closing it stops
 them), they die with the daemon (``PR_SET_PDEATHSIG``), and a sidecar that exits
 while its job still needs it is restarted and re-sent its order.
+
+Tracing: a reconciliation that acts continues the trace of the placement it carries
+out, taken from the stored headers of that ``PlacementDecided`` (the daemon reads the
+log through a projection): span ``node_daemon.reconcile`` with ``node_daemon.spawn``
+and, per order, ``node_daemon.reconfigure``. The order's line on the sidecar's stdin
+carries that span's W3C ``traceparent`` (and ``tracestate``) as extra fields, so the
+sidecar's spans continue the same trace; a sidecar that does not know the fields
+ignores them.
 """
 
 from __future__ import annotations
@@ -27,14 +35,18 @@ import signal
 from collections.abc import Callable, Sequence
 
 import structlog
+from opentelemetry import trace
+from opentelemetry.context import Context
 from shoal import codec
 from shoal import events as ev
 from shoal.bus import Bus
 from shoal.clock import Clock
 from shoal.events import Envelope, GpuRef
 from shoal.gpus import read_nvml
+from shoal.log import bound_job
 from shoal.projection import Projection
 from shoal.state import FINISHED_STATUSES, ClusterState
+from shoal.telemetry import stored_context, tracing_enabled, with_trace_fields
 
 log = structlog.get_logger("shoal.node_daemon")
 
@@ -56,8 +68,9 @@ class Sidecar:
         self.gpus: tuple[GpuRef, ...] = ()
 
     async def send(self, order: ev.Reconfigure) -> None:
+        """Write ``order`` as one JSON line, with the current trace context (if any)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(codec.to_json(order) + b"\n")
+        self.proc.stdin.write(with_trace_fields(codec.to_json(order)) + b"\n")
         await self.proc.stdin.drain()
         self.epoch, self.gpus = order.epoch, order.gpus
 
@@ -97,8 +110,10 @@ class NodeDaemon:
         heartbeat_s: float = 1.0,
         health_every: int = 5,
         hostname: str = "",
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self.bus = bus
+        self.tracer = tracer or trace.get_tracer("shoal.node_daemon")
         self.node_id = node_id
         self.gpus = gpus
         self.clock = clock
@@ -114,10 +129,13 @@ class NodeDaemon:
         finishing its last orders never holds up the orders of the others."""
         self.dirty = asyncio.Event()
         self.placement_decided_at = 0.0
+        self.placement_seq = 0
+        """Stream sequence of the newest placement (its stored headers carry its trace)."""
 
     def _on_event(self, seq: int, env: Envelope, state: ClusterState) -> None:
         if isinstance(env.event, ev.PlacementDecided) and env.event.epoch >= state.placement_epoch:
             self.placement_decided_at = env.event.decided_at
+            self.placement_seq = seq
         if isinstance(
             env.event, ev.PlacementDecided | ev.JobCompleted | ev.JobCancelled | ev.JobFailed | ev.NodeLost
         ):
@@ -139,6 +157,32 @@ class NodeDaemon:
         return out
 
     async def _spawn(self, job_id: str) -> Sidecar:
+        with self.tracer.start_as_current_span(
+            "node_daemon.spawn", attributes={"shoal.job_id": job_id}
+        ) as span:
+            side = await self._spawn_process(job_id)
+            span.set_attribute("shoal.sidecar_pid", side.proc.pid)
+            return side
+
+    async def _send(self, side: Sidecar, order: ev.Reconfigure) -> None:
+        """Send one order inside its own span, whose context rides on the order line."""
+        attributes = {
+            "shoal.job_id": order.job_id,
+            "shoal.epoch": order.epoch,
+            "shoal.node_id": self.node_id,
+            "shoal.gpus": len(order.gpus),
+            "shoal.sidecar_pid": side.proc.pid,
+        }
+        with (
+            self.tracer.start_as_current_span(
+                "node_daemon.reconfigure", kind=trace.SpanKind.PRODUCER, attributes=attributes
+            ),
+            bound_job(job_id=order.job_id, epoch=order.epoch),
+        ):
+            await side.send(order)
+            log.info("order_sent", gpus=len(order.gpus))
+
+    async def _spawn_process(self, job_id: str) -> Sidecar:
         proc = await asyncio.create_subprocess_exec(
             *self.sidecar_argv(job_id),
             stdin=asyncio.subprocess.PIPE,
@@ -161,18 +205,47 @@ class NodeDaemon:
         desired = self.desired()
         epoch = state.placement_epoch
         decided_at = self.placement_decided_at or None
+        placement_seq = self.placement_seq
         placements = {j: tuple(job.placement) for j, job in state.jobs.items() if j in self.sidecars}
         finished = {j for j in self.sidecars if j in state.jobs and state.jobs[j].status in FINISHED_STATUSES}
         leaving = [(j, self.sidecars.pop(j)) for j in list(self.sidecars) if j not in desired]
+        acting = bool(leaving) or any(
+            (side := self.sidecars.get(j)) is None or side.proc.returncode is not None or side.gpus != gpus
+            for j, gpus in desired.items()
+        )
+        if not acting:
+            return
+        parent = Context()
+        if tracing_enabled(self.tracer):
+            parent = await stored_context(self.bus.js, self.bus.names.events_stream, placement_seq)
+        attributes = {"shoal.epoch": epoch, "shoal.node_id": self.node_id}
+        with (
+            self.tracer.start_as_current_span(
+                "node_daemon.reconcile", context=parent, kind=trace.SpanKind.CONSUMER, attributes=attributes
+            ),
+            bound_job(epoch=epoch),
+        ):
+            await self._act(epoch, decided_at, desired, placements, finished, leaving)
+
+    async def _act(
+        self,
+        epoch: int,
+        decided_at: float | None,
+        desired: dict[str, tuple[GpuRef, ...]],
+        placements: dict[str, tuple[GpuRef, ...]],
+        finished: set[str],
+        leaving: list[tuple[str, Sidecar]],
+    ) -> None:
         for job_id, side in leaving:
             if job_id in placements and job_id not in finished and side.proc.returncode is None:
                 # The job left this node (moved or preempted): the last order tells
                 # the sidecar so, and it hands the job's progress over before exiting.
                 with contextlib.suppress(Exception):
-                    await side.send(
+                    await self._send(
+                        side,
                         ev.Reconfigure(
                             job_id=job_id, epoch=epoch, gpus=placements[job_id], effective_at=decided_at
-                        )
+                        ),
                     )
         for job_id, side in leaving:
             task = asyncio.create_task(self._stop(job_id, side))
@@ -186,8 +259,8 @@ class NodeDaemon:
             if side is None:
                 side = self.sidecars[job_id] = await self._spawn(job_id)
             if side.gpus != gpus:
-                await side.send(
-                    ev.Reconfigure(job_id=job_id, epoch=epoch, gpus=gpus, effective_at=decided_at)
+                await self._send(
+                    side, ev.Reconfigure(job_id=job_id, epoch=epoch, gpus=gpus, effective_at=decided_at)
                 )
 
     async def _heartbeats(self, stop: asyncio.Event) -> None:

@@ -13,15 +13,24 @@ still waiting when a newer one arrives is skipped), appended with
 whose GPU set changed — the per-node commands. Node daemons act on the placement of
 the newest epoch for their node (level-triggered, so a missed message is repaired
 by the next one).
+
+Tracing: a placement continues the trace of the decision it places. The placer reads
+the log through a projection, so it takes the context from the stored headers of
+that ``SharesDecided`` (one request, only when tracing is on): span ``placer.place``
+with the phases ``placer.compute`` and ``placer.publish``; the published events carry
+it on to the node daemons.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import msgspec
 import structlog
+from opentelemetry import trace
+from opentelemetry.context import Context
 from shoal import codec
 from shoal import events as ev
 from shoal.allocation import place
@@ -29,17 +38,27 @@ from shoal.bus import Bus, ConcurrencyConflict
 from shoal.clock import Clock
 from shoal.cluster import topology_from_state
 from shoal.events import Envelope
+from shoal.log import bound_job
 from shoal.projection import Projection
 from shoal.state import ClusterState
+from shoal.telemetry import producer_span, stored_context, tracing_enabled
 
 log = structlog.get_logger("shoal.placer")
 
 
 class PlacerService:
     def __init__(
-        self, bus: Bus, *, holder: str, clock: Clock, placer: str = "min-migration", lease_ttl_s: float = 3.0
+        self,
+        bus: Bus,
+        *,
+        holder: str,
+        clock: Clock,
+        placer: str = "min-migration",
+        lease_ttl_s: float = 3.0,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self.bus = bus
+        self.tracer = tracer or trace.get_tracer("shoal.placer")
         self.holder = holder
         self.clock = clock
         self.placer = placer
@@ -47,6 +66,8 @@ class PlacerService:
         self.projection = Projection(bus, listeners=[self._on_event])
         self.latest: ev.SharesDecided | None = None
         self.latest_at = 0.0
+        self.latest_seq = 0
+        """Stream sequence of ``latest`` (its stored headers carry the decision's trace)."""
         self.placements_seq = 0
         self.dirty = asyncio.Event()
         self.is_leader = False
@@ -57,6 +78,7 @@ class PlacerService:
             if self.latest is None or e.epoch > self.latest.epoch:
                 self.latest = e
                 self.latest_at = env.at
+                self.latest_seq = seq
                 self.dirty.set()
         elif isinstance(e, ev.PlacementDecided):
             self.placements_seq = seq
@@ -64,20 +86,51 @@ class PlacerService:
             self.dirty.set()
 
     async def place_once(self) -> ev.PlacementDecided | None:
-        shares = self.latest
+        shares, shares_at, shares_seq = self.latest, self.latest_at, self.latest_seq
         state = self.projection.state
         if shares is None or shares.epoch < state.placement_epoch:
             return None
         if shares.epoch == state.placement_epoch and not self._placement_broken(state):
             return None
+        parent = Context()
+        if tracing_enabled(self.tracer):
+            parent = await stored_context(self.bus.js, self.bus.names.events_stream, shares_seq)
+            state = self.projection.state  # the same object; read again after the await
+        attributes = {
+            "shoal.epoch": shares.epoch,
+            "shoal.trigger": shares.trigger,
+            "shoal.placer": self.placer,
+        }
+        with (
+            self.tracer.start_as_current_span(
+                "placer.place", context=parent, kind=trace.SpanKind.CONSUMER, attributes=attributes
+            ) as span,
+            bound_job(epoch=shares.epoch),
+        ):
+            return await self._place(shares, shares_at, state, span)
+
+    async def _place(
+        self, shares: ev.SharesDecided, shares_at: float, state: ClusterState, span: trace.Span
+    ) -> ev.PlacementDecided | None:
+        t0 = time.time_ns()
         previous = {j: state.jobs[j].placement for j in state.placed}
         decided, result = place(topology_from_state(state), shares, previous, placer=self.placer)
-        decided = msgspec.structs.replace(decided, decided_at=self.latest_at)
+        decided = msgspec.structs.replace(decided, decided_at=shares_at)
+        self.tracer.start_span("placer.compute", start_time=t0).end()
+        span.set_attributes(
+            {
+                "shoal.jobs": len(decided.placements),
+                "shoal.migrations": decided.migrations,
+                "shoal.unplaced": len(result.unplaced),
+            }
+        )
         now = self.clock.now()
         env = codec.wrap(decided, at=now)
         try:
-            res = await self.bus.publish(env, expected_last_subject_seq=self.placements_seq)
+            with producer_span("placer.publish", tracer=self.tracer):
+                res = await self.bus.publish(env, expected_last_subject_seq=self.placements_seq)
         except ConcurrencyConflict:
+            span.set_attribute("shoal.conflict", True)
             await self.projection.wait_for(await self.bus.last_seq())
             return None
         requests = [
@@ -98,7 +151,10 @@ class PlacerService:
             if j in state.jobs
         ]
         if requests:
-            await self.bus.publish_many(requests)
+            with producer_span(
+                "placer.publish_requests", tracer=self.tracer, attributes={"shoal.requests": len(requests)}
+            ):
+                await self.bus.publish_many(requests)
         await self.projection.wait_for(res.seq)
         if result.unplaced:
             log.warning("unplaced", epoch=decided.epoch, unplaced=result.unplaced)

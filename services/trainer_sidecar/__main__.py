@@ -5,6 +5,8 @@ object per line. ``--mode emulated`` (the default) runs the emulated trainer;
 ``--mode real`` runs the job's ``shoal.train`` workers (see ``real.py``).
 End of stdin means the node daemon is gone: the sidecar stops.
 A malformed order is reported on stderr and skipped; it never kills the job.
+An order line may carry the W3C ``traceparent``/``tracestate`` of the node daemon's
+span as extra fields: the sidecar's span for that order continues the trace.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from shoal.bus import Bus
 from shoal.clock import make_clock
 from shoal.models import get_catalog
 from shoal.sim.costs import get_costs
-from shoal_services.trainer_sidecar.emulated import EmulatedTrainer, parse_order
+from shoal_services.trainer_sidecar.emulated import EmulatedTrainer, parse_traced_order
 
 if TYPE_CHECKING:
     from shoal_services.trainer_sidecar.real import RealSidecar
@@ -42,13 +44,16 @@ async def _read_orders(trainer: EmulatedTrainer | RealSidecar, stop: asyncio.Eve
         if not line.strip():
             continue
         try:
-            order = parse_order(line)
+            order, context = parse_traced_order(line)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             log.error("malformed_order", error=str(exc))
             continue
         if order.job_id != trainer.job_id:
             log.error("order_for_another_job", job_id=order.job_id)
             continue
+        if context:
+            # The trace the node daemon sent with the order; the trainer's span for it continues it.
+            trainer.order_context[order.epoch] = context
         await trainer.commands.put(order)
 
 

@@ -29,6 +29,17 @@ the job's lowest ``GpuRef`` drives it: it advances, reports and completes; the
 others only hold the GPUs. A new leader resumes from the newest
 ``ProgressReported`` in the log, so at most one report interval of progress is
 redone when leadership moves (the real sidecar elects a leader in KV instead).
+
+Tracing: each order is a span ``sidecar.reconfigure`` that continues the trace the
+node daemon sent with it (the ``traceparent`` field of the order line, see
+:func:`parse_traced_order`), with a child span per phase: ``sidecar.stop`` (cancel a
+superseded reconfiguration, hand the progress at the change instant over),
+``sidecar.switch`` (take the new GPU set, and the job's progress when leadership
+moved here) and ``sidecar.resume`` (the cost model's stop time, until training runs
+again on the new shape). ``ReconfigurationStarted`` and ``ReconfigurationCompleted``
+are published inside it, so their headers carry the trace on. The reconfigure span
+ends with the reconfiguration (``shoal.outcome``: completed, superseded, stale,
+follower, unchanged or unfinished).
 """
 
 from __future__ import annotations
@@ -40,12 +51,15 @@ import math
 import msgspec
 import nats.js.errors
 import structlog
+from opentelemetry import trace
 from shoal import codec
 from shoal import events as ev
 from shoal.bus import Bus, ConcurrencyConflict
 from shoal.clock import Clock
+from shoal.log import bound_job
 from shoal.models import Catalog, interpolate
 from shoal.sim.costs import ReconfigCosts, classify
+from shoal.telemetry import extract, trace_fields
 
 log = structlog.get_logger("shoal.sidecar")
 
@@ -65,8 +79,14 @@ class EmulatedTrainer:
         costs: ReconfigCosts,
         catalog: Catalog | None = None,
         report_every_s: float = 0.25,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self.bus = bus
+        self.tracer = tracer or trace.get_tracer("shoal.sidecar")
+        self.order_context: dict[int, dict[str, str]] = {}
+        """Epoch -> W3C fields that came with that order (set by the order reader)."""
+        self._flight_spans: tuple[trace.Span, trace.Span] | None = None
+        """(reconfigure, resume) spans of the reconfiguration in flight."""
         self.job_id = job_id
         self.node_id = node_id
         self.clock = clock
@@ -185,10 +205,40 @@ class EmulatedTrainer:
         await self.bus.publish(codec.wrap(event, at=stamp), **kw)  # type: ignore[arg-type]
 
     async def apply(self, cmd: ev.Reconfigure) -> None:
-        """Handle one order (see the module docstring)."""
+        """Handle one order (see the module docstring), inside its span."""
+        parent = extract(self.order_context.pop(cmd.epoch, None))
+        attributes = {
+            "shoal.job_id": self.job_id,
+            "shoal.epoch": cmd.epoch,
+            "shoal.node_id": self.node_id,
+            "shoal.gpus": len(cmd.gpus),
+        }
+        span = self.tracer.start_span(
+            "sidecar.reconfigure", context=parent, kind=trace.SpanKind.CONSUMER, attributes=attributes
+        )
+        try:
+            with trace.use_span(span), bound_job(job_id=self.job_id, epoch=cmd.epoch):
+                await self._apply(cmd, span)
+        finally:
+            # A reconfiguration now in flight ends its span when it completes.
+            in_flight = self._flight_spans is not None and self._flight_spans[0] is span
+            if span.is_recording() and not in_flight:
+                span.end()
+
+    def _end_flight_spans(self, outcome: str) -> None:
+        if self._flight_spans is None:
+            return
+        reconfigure, resume = self._flight_spans
+        self._flight_spans = None
+        resume.end()
+        reconfigure.set_attribute("shoal.outcome", outcome)
+        reconfigure.end()
+
+    async def _apply(self, cmd: ev.Reconfigure, span: trace.Span) -> None:
         now = self.clock.now()
         if cmd.epoch <= self.epoch:
             log.info("stale_order_ignored", job_id=self.job_id, epoch=cmd.epoch, newest=self.epoch)
+            span.set_attribute("shoal.outcome", "stale")
             return
         # The order takes effect when the allocator decided it, not when it reached
         # this process (see the module docstring); never before the current segment.
@@ -196,41 +246,59 @@ class EmulatedTrainer:
         was_leader = self.is_leader
         done = self.iteration_at(t)
         old_world, old_gpus = self.world, self.gpus
-        if self.in_flight is not None and was_leader:
-            await self._publish(
-                ev.ReconfigurationCancelled(
-                    job_id=self.job_id, epoch=self.in_flight[0], by_epoch=cmd.epoch, reason="superseded"
-                ),
-                at=t,
-            )
-            self.in_flight = None
-        self.iteration = done
-        self.segment_at = t
-        self.stopped_until = t
-        if was_leader and old_world:
-            # Hand the exact progress at this instant to whoever leads next (0 GPUs
-            # from now on when the job is preempted).
-            await self._report(t, num_gpus=old_world if cmd.gpus else 0)
-        self.epoch = cmd.epoch
-        self.gpus = tuple(sorted(cmd.gpus))
-        if self.is_leader and not was_leader:
-            # Leadership moved to this node: carry the job's progress over, and count
-            # the change from the shape the job had (a move, not a fresh start).
-            previous = await self._resume_progress(at=t)
-            if previous and not old_world:
-                old_world, old_gpus = previous, ()
-        kind = classify(old_world, self.world, set(old_gpus) != set(self.gpus))
+        with self.tracer.start_as_current_span("sidecar.stop", attributes={"shoal.from_world": old_world}):
+            if self.in_flight is not None and was_leader:
+                await self._publish(
+                    ev.ReconfigurationCancelled(
+                        job_id=self.job_id, epoch=self.in_flight[0], by_epoch=cmd.epoch, reason="superseded"
+                    ),
+                    at=t,
+                )
+                self.in_flight = None
+            self._end_flight_spans("superseded")
+            self.iteration = done
+            self.segment_at = t
+            self.stopped_until = t
+            if was_leader and old_world:
+                # Hand the exact progress at this instant to whoever leads next (0 GPUs
+                # from now on when the job is preempted).
+                await self._report(t, num_gpus=old_world if cmd.gpus else 0)
+        with self.tracer.start_as_current_span("sidecar.switch") as switch:
+            self.epoch = cmd.epoch
+            self.gpus = tuple(sorted(cmd.gpus))
+            if self.is_leader and not was_leader:
+                # Leadership moved to this node: carry the job's progress over, and count
+                # the change from the shape the job had (a move, not a fresh start).
+                previous = await self._resume_progress(at=t)
+                if previous and not old_world:
+                    old_world, old_gpus = previous, ()
+            kind = classify(old_world, self.world, set(old_gpus) != set(self.gpus))
+            switch.set_attributes({"shoal.to_world": self.world, "shoal.leader": self.is_leader})
         if not self.is_leader or kind is None:
+            span.set_attribute("shoal.outcome", "follower" if not self.is_leader else "unchanged")
             return
         stop = self.costs.stop_time(kind)
+        span.set_attributes(
+            {
+                "shoal.kind": kind,
+                "shoal.from_world": old_world,
+                "shoal.to_world": self.world,
+                "shoal.stop_time_s": stop,
+            }
+        )
         await self._publish(
             ev.ReconfigurationStarted(
                 job_id=self.job_id, epoch=cmd.epoch, kind=kind, from_world=old_world, to_world=self.world
             ),
             at=t,
         )
+        log.info(
+            "reconfiguration_started", kind=kind, from_world=old_world, to_world=self.world, stop_time_s=stop
+        )
         self.stopped_until = t + stop
         self.in_flight = (cmd.epoch, t, stop)
+        resume = self.tracer.start_span("sidecar.resume", attributes={"shoal.stop_time_s": stop})
+        self._flight_spans = (span, resume)
         if now >= self.stopped_until:
             await self._finish_reconfiguration()
 
@@ -239,17 +307,25 @@ class EmulatedTrainer:
             return
         epoch, started, stop = self.in_flight
         self.in_flight = None
-        await self._publish(
-            ev.ReconfigurationCompleted(
-                job_id=self.job_id,
-                epoch=epoch,
-                world_size=self.world,
-                gpus=self.gpus,
-                stop_time_s=stop,
-                duration_s=stop,
-            ),
-            at=started + stop,
-        )
+        spans = self._flight_spans
+        resume = spans[1] if spans is not None else trace.INVALID_SPAN
+        try:
+            with trace.use_span(resume), bound_job(job_id=self.job_id, epoch=epoch):
+                await self._publish(
+                    ev.ReconfigurationCompleted(
+                        job_id=self.job_id,
+                        epoch=epoch,
+                        world_size=self.world,
+                        gpus=self.gpus,
+                        stop_time_s=stop,
+                        duration_s=stop,
+                    ),
+                    at=started + stop,
+                )
+                log.info("reconfiguration_completed", world_size=self.world, stop_time_s=stop)
+        finally:
+            if self._flight_spans is spans:
+                self._end_flight_spans("completed")
 
     async def _report(self, at: float, num_gpus: int | None = None) -> None:
         if self.spec is None:
@@ -278,6 +354,12 @@ class EmulatedTrainer:
         return max(0.0, min(waits))
 
     async def run(self, stop: asyncio.Event) -> None:
+        try:
+            await self._run(stop)
+        finally:
+            self._end_flight_spans("unfinished")
+
+    async def _run(self, stop: asyncio.Event) -> None:
         await self.load()
         loop = asyncio.get_running_loop()
         while not stop.is_set() and not self.completed:
@@ -326,3 +408,13 @@ def parse_order(line: bytes) -> ev.Reconfigure:
         msgspec.ValidationError / msgspec.DecodeError: a malformed order.
     """
     return msgspec.json.decode(line, type=ev.Reconfigure)
+
+
+def parse_traced_order(line: bytes) -> tuple[ev.Reconfigure, dict[str, str]]:
+    """:func:`parse_order`, plus the W3C trace fields the node daemon sent with it
+    (``traceparent``/``tracestate``; empty for an order without them).
+
+    Raises:
+        msgspec.ValidationError / msgspec.DecodeError: a malformed order.
+    """
+    return parse_order(line), trace_fields(line)

@@ -36,10 +36,13 @@ import msgspec
 import nats.js.errors
 import structlog
 from nats.js import api
+from opentelemetry import trace
 from shoal import codec
 from shoal import events as ev
 from shoal.bus import Bus, ConcurrencyConflict, LeaderLease
 from shoal.events import GpuRef
+from shoal.log import bound_job
+from shoal.telemetry import extract
 from shoal.train.config import ENV_PREFIX, TrainConfig
 from shoal.train.controller import Controller, OrderError
 
@@ -77,6 +80,8 @@ class RealSidecar:
         self.allowance_s = allowance_s
         self.holder = f"{node_id}-{os.getpid()}"
         self.commands: asyncio.Queue[ev.Reconfigure] = asyncio.Queue()
+        self.order_context: dict[int, dict[str, str]] = {}
+        """Epoch -> W3C fields that came with that order (set by the order reader)."""
         self.newest: ev.Reconfigure | None = None
         self.controller: Controller | None = None
         self.spec: ev.JobSpec | None = None
@@ -255,6 +260,29 @@ class RealSidecar:
                 await lease.release()
 
     async def _on_order(self, order: ev.Reconfigure) -> None:
+        """One order, in a span ``sidecar.reconfigure`` that continues the node daemon's
+        trace; the controller's events (and the reconfiguration task it starts, which
+        inherits the context) carry it on."""
+        parent = extract(self.order_context.pop(order.epoch, None))
+        attributes = {
+            "shoal.job_id": self.job_id,
+            "shoal.epoch": order.epoch,
+            "shoal.node_id": self.node_id,
+            "shoal.gpus": len(order.gpus),
+            "shoal.leader": self.controller is not None,
+        }
+        tracer = trace.get_tracer("shoal.sidecar.real")
+        with (
+            tracer.start_as_current_span(
+                "sidecar.reconfigure", context=parent, kind=trace.SpanKind.CONSUMER, attributes=attributes
+            ) as span,
+            bound_job(job_id=self.job_id, epoch=order.epoch),
+        ):
+            outcome = await self._take_order(order)
+            if outcome:
+                span.set_attribute("shoal.outcome", outcome)
+
+    async def _take_order(self, order: ev.Reconfigure) -> str | None:
         if self.newest is None or order.epoch > self.newest.epoch:
             # A follower keeps the newest valid order to start from if it takes over.
             try:
@@ -265,7 +293,8 @@ class RealSidecar:
             except OrderError:
                 pass
         if self.controller is not None:
-            await self.controller.apply(order)
+            return await self.controller.apply(order)
+        return None
 
 
 def parse_devices(spec: str) -> tuple[int, ...]:
@@ -291,12 +320,21 @@ async def run_with_stdin_orders(sidecar: RealSidecar, stop: asyncio.Event) -> No
     """Run ``sidecar`` on the node daemon's order stream (stdin) until ``stop`` or end of stdin.
 
     The one call an entry point needs for ``--mode real`` (``__main__`` and any other).
+    Where the process has no tracing yet, it is set up from the variables the node
+    daemon exports (``SHOAL_TRACE_JSONL``, ``OTEL_EXPORTER_OTLP_ENDPOINT``), so that the
+    sidecar's spans continue the daemon's traces.
     """
+    from shoal.telemetry import setup_tracing, tracing_enabled
     from shoal_services.trainer_sidecar.__main__ import _read_orders
 
+    tracing = None
+    if not tracing_enabled():
+        tracing = setup_tracing("trainer-sidecar", trace_jsonl=os.environ.get("SHOAL_TRACE_JSONL") or None)
     reader = asyncio.create_task(_read_orders(sidecar, stop))
     try:
         await sidecar.run(stop)
     finally:
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
+        if tracing is not None:
+            tracing.shutdown()
