@@ -128,6 +128,9 @@ class EmulatedStack:
             self.daemons.append(daemon)
             self.tasks.append(asyncio.create_task(daemon.run(stop)))
         await self.wait(lambda s: len(s.nodes) >= c.nodes, timeout_s=30)
+        # A trace replayed before the allocator leads would see its first arrivals
+        # decided together at the takeover instant instead of at their own.
+        await self.wait(lambda s: allocator.is_leader and allocator.asof is not None, timeout_s=30)
 
     async def wait(self, predicate: Callable[[ClusterState], bool], timeout_s: float) -> None:
         """Wait until ``predicate(state)`` holds on the stack's folded state."""
@@ -175,14 +178,18 @@ async def replay_trace(
     ids = {j.job_id for j in jobs}
     while True:
         now = stack.clock.now()
+        due: list[ev.SubmitJob] = []
         while pending and origin + pending[0].submit_time_s - t0 <= now:
             job = pending.pop(0)
-            # Recorded at its trace instant, not when this loop got to it.
-            arrival = origin + job.submit_time_s - t0
-            # The job's calibrated curve travels with it (the simulator publishes it
-            # on arrival), so the arrival decision already uses it.
+            # Recorded at its trace instant, not when this loop got to it; the job's
+            # calibrated curve travels with it (the simulator publishes it on arrival),
+            # so the arrival decision already uses it.
             spec = with_profile(job) if attach_profiles else job.spec
-            await client.command(ev.SubmitJob(spec=spec, job_id=job.job_id, submitted_at=arrival))
+            due.append(
+                ev.SubmitJob(spec=spec, job_id=job.job_id, submitted_at=origin + job.submit_time_s - t0)
+            )
+        # Everything due is submitted at once, so a same-instant burst lands together.
+        await asyncio.gather(*(client.command(cmd) for cmd in due))
         state = stack.projection.state
         if on_tick is not None and loop.time() >= next_tick:
             on_tick(state, now - origin)

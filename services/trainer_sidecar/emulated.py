@@ -65,6 +65,8 @@ log = structlog.get_logger("shoal.sidecar")
 
 _EPS = 1e-6
 _DRAIN_S = 0.01
+_HANDOVER_WAIT_S = 0.5
+"""Wall seconds a new leader waits for the previous leader's handover report."""
 """Wall seconds to wait for orders already in the pipe before acting on an overdue instant."""
 
 
@@ -159,9 +161,28 @@ class EmulatedTrainer:
         forward to ``at`` at the rate the job had then. Returns the number of GPUs
         the job ran on according to that report (0: it was not running).
 
-        Whoever gave up the job reported the instant it did (see :meth:`apply`), so
-        the carry-over only bridges a report that was cut short (a killed process)."""
+        Whoever gave up the job reports the instant it did (see :meth:`apply`): a new
+        leader waits up to ``_HANDOVER_WAIT_S`` for that report, which may still be on its
+        way from the other process; the carry-over only bridges a report that never
+        comes (a killed process)."""
         env = await self._last_envelope("progress")
+
+        def running_before(env: ev.Envelope | None) -> bool:
+            # The job ran somewhere until after its newest report: a handover is due.
+            return (
+                env is not None
+                and isinstance(env.event, ev.ProgressReported)
+                and env.event.num_gpus > 0
+                and env.at < at - _EPS  # type: ignore[operator]
+            )
+
+        if at is not None:
+            deadline = asyncio.get_running_loop().time() + _HANDOVER_WAIT_S
+            while running_before(env) and asyncio.get_running_loop().time() < deadline:
+                if await self._last_event("completed") is not None:
+                    break
+                await asyncio.sleep(0.005)
+                env = await self._last_envelope("progress")
         world = 0
         if env is not None and isinstance(env.event, ev.ProgressReported):
             done = float(env.event.iteration)
@@ -244,6 +265,14 @@ class EmulatedTrainer:
         # this process (see the module docstring); never before the current segment.
         t = now if cmd.effective_at is None else min(now, max(cmd.effective_at, self.segment_at))
         was_leader = self.is_leader
+        finish = self.finish_at() if was_leader and self.in_flight is None else None
+        if finish is not None and finish <= t:
+            # The job ended before this order took effect; this process was only late
+            # to notice (a busy machine at a high time scale). Complete it at its own
+            # instant, as the simulator does; the order then finds nothing to change.
+            await self._complete(finish)
+            span.set_attribute("shoal.outcome", "completed_before")
+            return
         done = self.iteration_at(t)
         old_world, old_gpus = self.world, self.gpus
         with self.tracer.start_as_current_span("sidecar.stop", attributes={"shoal.from_world": old_world}):
@@ -353,6 +382,24 @@ class EmulatedTrainer:
             waits.append((finish - now) / scale)
         return max(0.0, min(waits))
 
+    async def _complete(self, finish: float) -> None:
+        """Complete the job at its finish instant (the leader does, once)."""
+        total = self.total
+        assert total is not None
+        self.iteration = total
+        self.segment_at = self.stopped_until = finish
+        await self._report(finish)
+        try:
+            await self._publish(
+                ev.JobCompleted(job_id=self.job_id, iterations=int(total)),
+                at=finish,
+                expected_last_subject_seq=0,
+            )
+        except ConcurrencyConflict:
+            pass  # another sidecar of this job completed it first
+        self.completed = True
+        log.info("job_completed", job_id=self.job_id, iterations=total, at=finish)
+
     async def run(self, stop: asyncio.Event) -> None:
         try:
             await self._run(stop)
@@ -378,21 +425,8 @@ class EmulatedTrainer:
             if self.in_flight is not None and now >= self.stopped_until:
                 await self._finish_reconfiguration()
             finish = self.finish_at()
-            total = self.total
-            if finish is not None and total is not None and now >= finish:
-                self.iteration = total
-                self.segment_at = self.stopped_until = finish
-                await self._report(finish)
-                try:
-                    await self._publish(
-                        ev.JobCompleted(job_id=self.job_id, iterations=int(total)),
-                        at=finish,
-                        expected_last_subject_seq=0,
-                    )
-                except ConcurrencyConflict:
-                    pass  # another sidecar of this job completed it first
-                self.completed = True
-                log.info("job_completed", job_id=self.job_id, iterations=total, at=finish)
+            if finish is not None and now >= finish:
+                await self._complete(finish)
             elif self.world and loop.time() - self._last_report_wall >= self.report_every_s:
                 await self._report(now)
         # Orders sent just before the end of stdin (the node daemon's last word on a
