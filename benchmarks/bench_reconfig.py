@@ -271,6 +271,7 @@ def render(
             f"(target: at most 3% slower: {'met' if worst >= 0.97 * base else 'NOT met'}). "
             "On 2 shared cores, run-to-run spread is of the same order; the individual runs are listed."
         )
+    lines += ["", "## NCCL on GPUs", "", _gpu_status()]
     lines += [
         "",
         "## Raw records",
@@ -286,6 +287,25 @@ def render(
                 f"{_fmt_ms(r.stop_time_s)} | {r.gpu_time_lost_s:.2f} | {phases} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _gpu_status() -> str:
+    """What this run could say about the NCCL path (it measures CPU/gloo only)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return (
+            "Not run: this machine has no CUDA device (`torch.cuda.is_available()` is false), so every "
+            "number above is CPU/gloo. The NCCL path (in-place 1 → 2 → 1 resize on GPUs) is the `gpu` test "
+            "`tests/train/test_gpu.py`, run with `python -m pytest -m gpu tests/train/test_gpu.py` on a GPU "
+            "machine; the restart on NCCL and the overlap of CUDA-context warm-up with training have not "
+            "been measured yet."
+        )
+    return (
+        f"{torch.cuda.device_count()} CUDA device(s) present ({torch.cuda.get_device_name(0)}), but this "
+        "benchmark measures CPU/gloo workers only; run `python -m pytest -m gpu tests/train/test_gpu.py` "
+        "for the NCCL path."
+    )
 
 
 async def main_async(args: argparse.Namespace) -> None:

@@ -1,0 +1,77 @@
+"""The emulated trainer obeys orders as the real sidecar does: stale epochs are ignored,
+a newer epoch cancels the reconfiguration in flight (CoDDL §4.3), stop times come from
+the cost model, and the job completes at its exact finish instant."""
+
+from __future__ import annotations
+
+import pytest
+from shoal import codec
+from shoal import events as ev
+from shoal.bus import Bus
+from shoal.sim.costs import get_costs
+from shoal_services.trainer_sidecar.emulated import EmulatedTrainer
+
+from tests.services.test_allocator_placer import events_of
+
+pytestmark = pytest.mark.integration
+
+
+class ManualClock:
+    """A clock the test moves by hand (virtual seconds)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, to: float) -> None:
+        self.t = to
+
+
+def refs(n: int) -> tuple[ev.GpuRef, ...]:
+    return tuple(ev.GpuRef(node_id="n0", index=i) for i in range(n))
+
+
+async def trainer(bus: Bus, clock: ManualClock) -> EmulatedTrainer:
+    spec = ev.JobSpec(user="u", min_gpus=1, max_gpus=4, requested_gpus=2, total_iterations=1000)
+    await bus.publish(codec.wrap(ev.JobSubmitted(job_id="j", spec=spec), at=0.0))
+    t = EmulatedTrainer(bus, "j", "n0", clock=clock, costs=get_costs("scale_out=30,scale_in=30"))
+    await t.load()
+    return t
+
+
+async def test_newer_epoch_cancels_the_one_in_flight_and_stale_ones_are_ignored(bus: Bus) -> None:
+    clock = ManualClock()
+    t = await trainer(bus, clock)
+    await t.apply(ev.Reconfigure(job_id="j", epoch=2, gpus=refs(1), effective_at=0.0))  # start: free
+    clock.advance(100.0)  # 100 iterations at 1 it/s (linear curve)
+    await t.apply(
+        ev.Reconfigure(job_id="j", epoch=3, gpus=refs(2), effective_at=100.0)
+    )  # scale-out: 30 s stop
+    clock.advance(110.0)
+    await t.apply(ev.Reconfigure(job_id="j", epoch=4, gpus=refs(4), effective_at=110.0))  # cancels epoch 3
+    await t.apply(ev.Reconfigure(job_id="j", epoch=3, gpus=refs(1), effective_at=110.0))  # stale: ignored
+    assert t.epoch == 4 and t.world == 4
+    cancelled = await events_of(bus, ev.ReconfigurationCancelled)
+    assert [(c.epoch, c.by_epoch) for c in cancelled] == [(3, 4)]
+    # No progress during the cancelled stop (100 -> 110), then a new 30 s stop from 110.
+    assert t.iteration_at(110.0) == pytest.approx(100.0)
+    assert t.iteration_at(140.0) == pytest.approx(100.0)
+    assert t.iteration_at(150.0) == pytest.approx(100.0 + 4 * 10.0)
+    # The job finishes exactly when its remaining 900 iterations are done at 4 it/s.
+    assert t.finish_at() == pytest.approx(140.0 + 900 / 4)
+    started = await events_of(bus, ev.ReconfigurationStarted)
+    assert [(s.epoch, s.kind) for s in started] == [(2, "start"), (3, "scale_out"), (4, "scale_out")]
+
+
+async def test_an_order_after_the_finish_instant_completes_the_job_first(bus: Bus) -> None:
+    clock = ManualClock()
+    t = await trainer(bus, clock)
+    await t.apply(ev.Reconfigure(job_id="j", epoch=2, gpus=refs(2), effective_at=0.0))
+    assert t.finish_at() == 500.0  # 1000 iterations at 2 it/s
+    clock.advance(900.0)  # the process was late: the next order is stamped after the finish
+    await t.apply(ev.Reconfigure(job_id="j", epoch=3, gpus=refs(1), effective_at=800.0))
+    assert t.completed
+    done = [e async for _, e in bus.replay() if isinstance(e.event, ev.JobCompleted)]
+    assert [(e.at, e.event.iterations) for e in done] == [(500.0, 1000)]
