@@ -175,3 +175,36 @@ async def test_a_client_with_only_nats_py_and_json(
     reply = json.loads(stdout)
     assert reply["type"] == "reply.accepted" and reply["id"] == "plain-1"
     assert codec.to_builtins(service.projection.state.jobs["plain-1"].spec.max_gpus) == 2
+
+
+def test_per_user_gpu_limit_counts_the_guaranteed_gpus_of_active_jobs() -> None:
+    """``max_gpus_per_user`` (or the user's own ``max_gpus``) bounds the sum of ``min_gpus``
+    over the user's active jobs; a finished job frees its part."""
+    apply = st.apply
+    state = st.ClusterState()
+    for e in (
+        ev.NodeRegistered(node_id="n0", gpus=tuple(ev.GpuInfo(index=i, gpu_type="V100") for i in range(8))),
+        ev.UserRegistered(user="bob", tickets=100, max_gpus=4),
+    ):
+        state = apply(state, codec.wrap(e, at=0.0))
+    limits = admission.Limits(max_gpus_per_user=6)
+
+    def spec(user: str, gpus: int) -> ev.SubmitJob:
+        return ev.SubmitJob(
+            spec=ev.JobSpec(user=user, min_gpus=gpus, max_gpus=gpus, requested_gpus=gpus, total_iterations=5)
+        )
+
+    first = admission.decide_submit(state, spec("bob", 3), "b1", limits)
+    assert isinstance(first, admission.Accepted)
+    state = apply(state, codec.wrap(first.event, at=1.0))
+    over = admission.decide_submit(state, spec("bob", 2), "b2", limits)
+    assert isinstance(over, admission.Rejected) and over.code == "limit_exceeded"
+    assert "would hold 5 guaranteed GPUs (limit 4)" in over.message  # the user's own limit wins
+    # Without a per-user limit the service-wide one applies.
+    carol = [admission.decide_submit(state, spec("carol", 3), f"c{i}", limits) for i in range(2)]
+    assert all(isinstance(c, admission.Accepted) for c in carol)
+    for i, c in enumerate(carol):
+        state = apply(state, codec.wrap(c.event, at=2.0 + i))
+    assert isinstance(admission.decide_submit(state, spec("carol", 1), "c9", limits), admission.Rejected)
+    state = apply(state, codec.wrap(ev.JobCompleted(job_id="c0", iterations=5), at=9.0))
+    assert isinstance(admission.decide_submit(state, spec("carol", 1), "c9", limits), admission.Accepted)
