@@ -36,6 +36,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import nats.js.errors
 import structlog
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -289,12 +290,27 @@ class AllocatorService:
             )
             log.warning("node_lost", node_id=node_id)
 
+    async def _restore_decision_cursor(self) -> None:
+        """Read the newest ``SharesDecided`` of the log: its stream sequence (for the
+        expected-sequence append) and its instant. The listener sees only the events
+        after a snapshot; without this, an allocator restored from a snapshot would
+        append with a stale expected sequence and never get a decision in."""
+        subject = f"{self.bus.names.prefix}.alloc.shares_decided"
+        try:
+            raw = await self.bus.js.get_last_msg(self.bus.names.events_stream, subject)
+        except nats.js.errors.NotFoundError:
+            return
+        self.decisions_seq = max(self.decisions_seq, int(raw.seq or 0))
+        env = codec.decode(raw.data or b"")
+        self.last_decision_at = max(self.last_decision_at, env.at)
+
     # -- the loop -----------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the log; while holding the lease, decide on churn. Returns when ``stop`` is set."""
         await self.projection.start()
         await self.projection.wait_ready()
+        await self._restore_decision_cursor()
         lease = await self.bus.lease("allocator", self.holder, ttl_s=self.lease_ttl_s)
         renew_every = self.lease_ttl_s / 3
         loop = asyncio.get_running_loop()

@@ -120,3 +120,41 @@ async def test_standby_takes_over_without_losing_or_duplicating_decisions(bus: B
     assert [d.epoch for d in decisions] == list(range(1, len(decisions) + 1))
     state, _ = await fold_log(bus, st.ClusterState(), st.apply)
     assert st.digest(state) == st.digest(a2.projection.state)
+
+
+async def test_restart_resumes_from_its_snapshot_and_decides_the_same(bus: Bus) -> None:
+    """The allocator snapshots its folded state every ``snapshot_every`` events; a restarted
+    allocator starts from that snapshot plus the tail, reaches the digest of a full fold
+    and goes on deciding with the next epoch."""
+    await bus.publish_many([node("n0"), node("n1")])
+    stop = asyncio.Event()
+    first = AllocatorService(
+        bus, GreedyRequested(), holder="a1", clock=WallClock(), node_timeout_s=None, snapshot_every=5
+    )
+    task = asyncio.create_task(first.run(stop))
+    try:
+        await wait_until(lambda: first.is_leader)
+        await bus.publish_many([job(f"j{i}", 1) for i in range(6)])
+        await wait_until(lambda: len(first.projection.state.shares) == 6)
+        deadline = asyncio.get_running_loop().time() + 10
+        while await bus.load_snapshot("allocator") is None:
+            assert asyncio.get_running_loop().time() < deadline, "no snapshot saved"
+            await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+    await bus.publish_many([job("late", 1)])  # a tail after the snapshot
+
+    stop = asyncio.Event()
+    second = AllocatorService(bus, GreedyRequested(), holder="a2", clock=WallClock(), node_timeout_s=None)
+    task = asyncio.create_task(second.run(stop))
+    try:
+        await wait_until(lambda: second.is_leader and "late" in second.projection.state.shares)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+    assert second.projection.restored_from_snapshot
+    decisions = await events_of(bus, ev.SharesDecided)
+    assert [d.epoch for d in decisions] == list(range(1, len(decisions) + 1))
+    state, _ = await fold_log(bus, st.ClusterState(), st.apply)
+    assert st.digest(state) == st.digest(second.projection.state)
