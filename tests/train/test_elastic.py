@@ -8,6 +8,7 @@ did from their step traces.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -265,3 +266,38 @@ async def test_checkpoint_restart_for_scripts_without_the_api(
 
     await rec.wait_for(restored, 60)  # the restarted workers restored the checkpoint
     assert len(processes_of(job_id)) == 2
+
+
+async def test_a_hung_worker_is_detected_within_the_collective_timeout(make_controller, job_id: str) -> None:
+    """A worker that stops answering (SIGSTOP: alive, socket open, silent) must not block its
+    peers forever: the collective times out after ``collective_timeout_s`` (not NCCL's
+    30-minute default), the job is recovered from its checkpoint on the workers left, and
+    the hung process is not left behind."""
+    rec = Recorder()
+    timeout_s = 5.0
+    ctl = make_controller(
+        emit=rec,
+        train=TrainConfig(collective_timeout_s=timeout_s, rendezvous_timeout_s=60, checkpoint_every=20),
+    )
+    await ctl.start()
+    await ctl.apply(order(job_id, 1, 2))
+    await ctl.wait_idle(120)
+    await wait_steps(ctl, 45)
+    assert ctl.current is not None
+    victim = ctl.workers[ctl.current.members[1]].proc.pid
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        hung_at = asyncio.get_running_loop().time()
+        await rec.wait_for(lambda: any(s.kind == "recover" for s in rec.of(ev.ReconfigurationStarted)), 120)
+        detected_s = asyncio.get_running_loop().time() - hung_at
+        await rec.wait_for(lambda: any(c.world_size == 1 for c in rec.of(ev.ReconfigurationCompleted)), 120)
+        resumed = ctl.progress.step if ctl.progress else 0
+        after = await wait_steps(ctl, 10)
+        assert after > resumed >= 20, "training resumed from a checkpoint"
+        # Detection is bounded by the collective timeout plus the time to notice the failure.
+        assert detected_s < timeout_s + 20, f"hang detected after {detected_s:.1f}s"
+        assert victim not in processes_of(job_id), "the hung worker was stopped"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGCONT)
+            os.kill(victim, signal.SIGKILL)
