@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--batch", type=int, default=64, help="global batch size")
+    p.add_argument("--batch", type=int, default=64, help="global batch size (strong scaling)")
+    p.add_argument("--scaling", choices=("strong", "weak"), default="strong")
+    p.add_argument("--per-worker-batch", type=int, default=16, help="samples per worker (weak scaling)")
+    p.add_argument("--weak-range", default="1,4", help="world sizes min,max where weak scaling holds")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     p.add_argument("--float64", action="store_true")
@@ -67,7 +70,15 @@ def main(argv: list[str] | None = None) -> None:
     x, y = (t.to(job.device) for t in load_digits(dtype))
     model, opt = build(args.seed, dtype, args.optimizer, args.lr, job.device)
     job.register(model, opt)  # shoal
-    job.elastic_sampler(len(x), global_batch_size=args.batch, seed=args.seed)  # shoal
+    lo, hi = (int(v) for v in args.weak_range.split(","))
+    job.elastic_sampler(  # shoal
+        len(x),
+        global_batch_size=args.batch,
+        scaling=args.scaling,
+        per_worker_batch=args.per_worker_batch,
+        weak_range=(lo, hi),
+        seed=args.seed,
+    )
     for step in job.train(max_steps=args.max_steps, epochs=args.epochs):  # shoal
         idx = torch.as_tensor(step.indices, dtype=torch.long, device=job.device)
         loss = F.cross_entropy(model(x[idx]), y[idx])

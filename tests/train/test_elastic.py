@@ -301,3 +301,34 @@ async def test_a_hung_worker_is_detected_within_the_collective_timeout(make_cont
         with contextlib.suppress(ProcessLookupError):
             os.kill(victim, signal.SIGCONT)
             os.kill(victim, signal.SIGKILL)
+
+
+async def test_weak_scaling_keeps_the_per_worker_batch_across_a_resize(
+    make_controller, job_id: str, tmp_path: Path
+) -> None:
+    """``--scaling weak``: each worker takes 16 samples whatever the world size (within
+    1..4), so the global batch follows the resize 1 -> 2 -> 1; still each sample once per epoch."""
+    trace = tmp_path / "trace"
+    argv = [sys.executable, str(CNN), "--max-steps", "1000000", "--float64", "--scaling", "weak"]
+    argv += ["--per-worker-batch", "16", "--weak-range", "1,4"]
+    ctl = make_controller(
+        argv=argv, train=TrainConfig(collective_timeout_s=10, rendezvous_timeout_s=60, trace_dir=str(trace))
+    )
+    await ctl.start()
+    for epoch, n in enumerate([1, 2, 1], start=1):
+        assert await ctl.apply(order(job_id, epoch, n)) == "started"
+        await ctl.wait_idle(120)
+        await wait_steps(ctl, 60)
+    await ctl.close(checkpoint=False)
+    batches = _global_batches(read_trace(trace))
+    assert {w for _, w, _, _ in batches} == {1, 2}
+    per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
+    for (_, world, batch, row), nxt in zip(batches, [*batches[1:], None], strict=True):
+        per_epoch[row["data_epoch"]].append(batch)
+        if nxt is not None and nxt[3]["data_epoch"] == row["data_epoch"]:  # not an epoch's tail
+            assert len(batch) == 16 * world
+    finished = sorted(per_epoch)[:-1]
+    assert finished, "at least one whole data epoch"
+    for e in finished:
+        seen = np.sort(np.concatenate(per_epoch[e]))
+        assert np.array_equal(seen, np.arange(DIGITS)), f"data epoch {e}: each sample exactly once"
