@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -84,7 +85,7 @@ class AllocatorService:
         holder: str,
         clock: Clock,
         lease_ttl_s: float = 3.0,
-        coalesce_s: float = 0.02,
+        coalesce_s: float = 0.005,
         tick_s: float | None = None,
         catalog: Catalog | None = None,
         network_packing: bool = True,
@@ -256,11 +257,13 @@ class AllocatorService:
             yield
 
     async def _decide_due(self) -> None:
-        """Decide for every pending trigger instant and periodic wake-up, in time order.
+        """Decide for every pending trigger second and periodic wake-up, in time order.
 
-        Triggers stamped with the same instant (a burst of arrivals in one second, a
-        completion and the arrival it makes room for) make one decision, as in the
-        simulator.
+        The triggers pending within one second of virtual time (a burst of arrivals, a
+        completion and the arrival it makes room for) make one decision, as of the
+        newest of them: the simulator's rule ("after all events of that virtual
+        second"). With a wall clock this is what keeps a burst of a thousand
+        submissions from becoming a thousand decisions.
         """
         while True:
             self.pending.sort(key=lambda p: p[0])
@@ -272,12 +275,14 @@ class AllocatorService:
                 continue
             if t_trig is None:
                 return
-            batch = [p for p in self.pending if p[0] <= t_trig + 1e-9]
+            second_ends = math.floor(t_trig + 1e-9) + 1.0
+            batch = [p for p in self.pending if p[0] < second_ends]
             self.pending = self.pending[len(batch) :]
             kinds = {p[1] for p in batch}
             trigger = next((k for k in ("arrival", "completion") if k in kinds), batch[-1][1])
-            await self.decide_once(trigger, at=t_trig, causation_id=batch[-1][2])
-            self.last_decision_at = max(self.last_decision_at, t_trig)
+            at = batch[-1][0]
+            await self.decide_once(trigger, at=at, causation_id=batch[-1][2])
+            self.last_decision_at = max(self.last_decision_at, at)
 
     async def _mark_lost_nodes(self) -> None:
         if self.node_timeout_s is None:
