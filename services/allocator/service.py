@@ -123,6 +123,8 @@ class AllocatorService:
         self.decided = 0
         self.is_leader = False
         self._since_snapshot = 0
+        self._next_renew = 0.0
+        """Event-loop time at which the leader lease is due for renewal."""
 
     # -- consuming --------------------------------------------------------------
 
@@ -265,7 +267,12 @@ class AllocatorService:
         second"). With a wall clock this is what keeps a burst of a thousand
         submissions from becoming a thousand decisions.
         """
+        loop = asyncio.get_running_loop()
         while True:
+            if loop.time() >= self._next_renew:
+                # A long run of decisions must not let the lease lapse: renew first.
+                self.dirty.set()
+                return
             self.pending.sort(key=lambda p: p[0])
             t_trig = self.pending[0][0] if self.pending else None
             wake = self._wakeup_at()
@@ -319,13 +326,13 @@ class AllocatorService:
         lease = await self.bus.lease("allocator", self.holder, ttl_s=self.lease_ttl_s)
         renew_every = self.lease_ttl_s / 3
         loop = asyncio.get_running_loop()
-        next_renew = 0.0
+        self._next_renew = 0.0
         try:
             while not stop.is_set():
-                if loop.time() >= next_renew:
+                if loop.time() >= self._next_renew:
                     was = self.is_leader
                     self.is_leader = await lease.try_acquire()
-                    next_renew = loop.time() + renew_every
+                    self._next_renew = loop.time() + renew_every
                     if self.is_leader and not was:
                         log.info("leader_elected", holder=self.holder)
                         # A new leader re-reads the log to its end before deciding.
@@ -336,7 +343,7 @@ class AllocatorService:
                         self.dirty.set()
                     elif was and not self.is_leader:
                         log.warning("leadership_lost", holder=self.holder)
-                wait = max(0.0, next_renew - loop.time())
+                wait = max(0.0, self._next_renew - loop.time())
                 wake = self._wakeup_at() if self.is_leader else None
                 scale = getattr(self.clock, "scale", 1.0)
                 if wake is not None:
