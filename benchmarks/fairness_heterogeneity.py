@@ -23,6 +23,10 @@ Three parts:
 Usage::
 
     python benchmarks/fairness_heterogeneity.py [--quick] [--seeds 0,1,2]
+        [--jobs-per-user N] [--days D]
+
+``--jobs-per-user`` and ``--days`` shrink the §5.5 and Philly workloads further than
+``--quick`` (the test suite's smoke run uses them).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from shoal.events import Envelope, TradeExecuted, TradeUndone
 from shoal.fairness.policy import GandivaFairPolicy
 from shoal.fairness.timeline import Timeline, UserFairness, build_timeline, user_fairness, windows
 from shoal.fairness.workloads import (
@@ -62,6 +67,8 @@ GPUS_PER_NODE = 4
 COSTS = ReconfigCosts(name="gandiva", start_s=0.25, scale_out_s=0.05, scale_in_s=0.05, migrate_s=0.25)
 WINDOW_S = 4 * 3600.0
 SHARE_WINDOW_S = 600.0
+#: A user whose 0-4 h progress ratio can be at most this (work left) is "bounded by its work".
+BOUND_CAP = 1.05
 PHILLY_VC = "6214e9"
 PHILLY_DAY = 100
 PHILLY_USERS = 8
@@ -99,6 +106,7 @@ class Run:
         )
         self.trades = self.result.event_counts.get("trade.executed", 0)
         self.undone = self.result.event_counts.get("trade.undone", 0)
+        self.trade_log = trade_log(sim.log.envelopes)
 
     def finish_h(self) -> dict[str, float]:
         """Completion time of each user's last job, hours."""
@@ -111,6 +119,31 @@ class Run:
 
     def fairness(self, start: float = 0.0, stop: float | None = None) -> list[UserFairness]:
         return user_fairness(self.timeline, start, stop, window_s=SHARE_WINDOW_S)
+
+
+def trade_log(envelopes: Sequence[Envelope]) -> list[dict[str, Any]]:
+    """Every executed trade of a run with when it was made and when (and why) undone."""
+    out: dict[str, dict[str, Any]] = {}
+    for env in envelopes:
+        e = env.event
+        if isinstance(e, TradeExecuted):
+            out[e.trade_id] = {
+                "trade_id": e.trade_id,
+                "at_s": env.at,
+                "buyer": e.buyer,
+                "seller": e.seller,
+                "fast_type": e.fast_type,
+                "slow_type": e.slow_type,
+                "fast_gpus": e.fast_gpus,
+                "slow_gpus": e.slow_gpus,
+                "price": e.price,
+                "undone_at_s": None,
+                "undone_reason": "",
+            }
+        elif isinstance(e, TradeUndone) and e.trade_id in out:
+            out[e.trade_id]["undone_at_s"] = env.at
+            out[e.trade_id]["undone_reason"] = e.reason
+    return list(out.values())
 
 
 def weighted(fs: Sequence[UserFairness], key: str) -> float:
@@ -182,9 +215,254 @@ def section55_table(plain: Run, traded: Run, resnet_source: str) -> tuple[list[s
         f"{fmt(max(fin_b.values()))} |"
     )
     data["all"] = {"progress_no_trading_k80_h": ta, "progress_trading_k80_h": tb, "ratio": tb / ta}
+    data["trade_log"] = traded.trade_log
     data["trades_executed"] = traded.trades
     data["trades_undone"] = traded.undone
     return lines, data
+
+
+def per_gpu_rates(resnet_source: str) -> dict[str, dict[str, float]]:
+    """User -> generation -> normalised K80s per GPU at the user's job size (true curves)."""
+    curves = section55_curves(resnet_source)
+    out: dict[str, dict[str, float]] = {}
+    for u in SECTION55_USERS:
+        k = SECTION55_SIZES[u]
+        base = curves[u]["k80"].throughput[k]
+        out[u] = {g: curves[u][g].throughput[k] / base for g in CLUSTER}
+    return out
+
+
+def time_to_progress(tl: Timeline, user: str, amount: float) -> float:
+    """When ``user``'s cumulative normalised progress (K80-seconds) first reaches ``amount``."""
+    done = 0.0
+    for i, (t0, d) in enumerate(zip(tl.t, tl.durations(), strict=True)):
+        r = tl.rate[user][i]
+        if r > 0 and done + r * d >= amount:
+            return t0 + (amount - done) / r
+        done += r * d
+    return math.inf
+
+
+def trading_explanation(plain: Run, traded: Run, resnet_source: str) -> tuple[list[str], dict[str, Any]]:
+    """Why a user does or does not gain in the 0-4 h window, from the two runs' data.
+
+    Two effects are separated: (a) the window can only show a gain for a user that
+    still has work left at 4 h without trading (progress is bounded by the user's
+    total work), and (b) what the terms of each trade are worth to each side at the
+    true per-generation speedups (the second price decides how the surplus is split).
+    """
+    rates = per_gpu_rates(resnet_source)
+    hours = int(WINDOW_S // 3600)
+    a, b = plain.timeline, traded.timeline
+    users: dict[str, Any] = {}
+    for u in SECTION55_USERS:
+        total = a.integral(a.rate[u])
+        in_a, in_b = a.integral(a.rate[u], 0.0, WINDOW_S), b.integral(b.rate[u], 0.0, WINDOW_S)
+        hourly = []
+        for h in range(hours):
+            pa = a.integral(a.rate[u], h * 3600.0, (h + 1) * 3600.0)
+            pb = b.integral(b.rate[u], h * 3600.0, (h + 1) * 3600.0)
+            hourly.append(pb / pa if pa > 0 else math.inf)
+        users[u] = {
+            "total_work_k80_h": total / 3600,
+            "done_by_window_no_trading": in_a / total if total else 0.0,
+            "done_by_window_trading": in_b / total if total else 0.0,
+            "window_ratio_cap": total / in_a if in_a else math.inf,
+            "hourly_ratio": hourly,
+            "hourly_vs_entitlement_no_trading": [
+                a.integral(a.rate[u], h * 3600.0, (h + 1) * 3600.0)
+                / max(1e-9, a.integral(a.entitled_rate[u], h * 3600.0, (h + 1) * 3600.0))
+                for h in range(hours)
+            ],
+            "hourly_vs_entitlement_trading": [
+                b.integral(b.rate[u], h * 3600.0, (h + 1) * 3600.0)
+                / max(1e-9, b.integral(b.entitled_rate[u], h * 3600.0, (h + 1) * 3600.0))
+                for h in range(hours)
+            ],
+            "t90_no_trading_h": time_to_progress(a, u, 0.9 * total) / 3600,
+            "t90_trading_h": time_to_progress(b, u, 0.9 * total) / 3600,
+            "bought": [],
+            "sold": [],
+            "terms_gain_k80_h": 0.0,
+        }
+    trades = []
+    for t in traded.trade_log:
+        rb, rs = rates[t["buyer"]], rates[t["seller"]]
+        gb = t["fast_gpus"] * rb[t["fast_type"]] - t["slow_gpus"] * rb[t["slow_type"]]
+        gs = t["slow_gpus"] * rs[t["slow_type"]] - t["fast_gpus"] * rs[t["fast_type"]]
+        until = t["undone_at_s"] if t["undone_at_s"] is not None else b.end
+        in_force_h = max(0.0, min(until, WINDOW_S) - t["at_s"]) / 3600
+        # The auction's next bidder below the buyer, by the true speedups.
+        ranked = sorted(
+            ((rates[u][t["fast_type"]] / rates[u][t["slow_type"]], u) for u in SECTION55_USERS),
+            key=lambda x: (-x[0], x[1]),
+        )
+        below = [x for x in ranked if x[1] != t["buyer"] and x[0] <= rb[t["fast_type"]] / rb[t["slow_type"]]]
+        row = {
+            **t,
+            "buyer_speedup": rb[t["fast_type"]] / rb[t["slow_type"]],
+            "seller_speedup": rs[t["fast_type"]] / rs[t["slow_type"]],
+            "next_bidder": below[0][1] if below else "",
+            "next_bidder_speedup": below[0][0] if below else math.nan,
+            "buyer_gain_per_h": gb,
+            "seller_gain_per_h": gs,
+            "in_force_in_window_h": in_force_h,
+        }
+        trades.append(row)
+        if t["at_s"] < WINDOW_S:
+            users[t["buyer"]]["bought"].append(t["trade_id"])
+            users[t["seller"]]["sold"].append(t["trade_id"])
+        users[t["buyer"]]["terms_gain_k80_h"] += gb * in_force_h
+        users[t["seller"]]["terms_gain_k80_h"] += gs * in_force_h
+
+    def pct(x: float) -> str:
+        return f"{100 * x:.1f} %"
+
+    lines = [
+        f"Trades executed in the first {hours} h. Speedups and gains are at the true per-GPU speedups of "
+        "the workload's curves (the trader itself ranks users by measured profiles); gains are in "
+        "normalised K80s per hour while the trade is in force, and the buyer's share is its part of the "
+        "trade's surplus (- when a side loses):",
+        "",
+        "| at (h) | trade | buyer gets | seller gets | buyer / seller | price | buyer's speedup "
+        "| seller's speedup | buyer's gain | seller's gain | buyer's share | undone at (h) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in trades:
+        if r["at_s"] >= WINDOW_S:
+            continue
+        undone = "" if r["undone_at_s"] is None else f"{r['undone_at_s'] / 3600:.2f} ({r['undone_reason']})"
+        both = r["buyer_gain_per_h"] + r["seller_gain_per_h"]
+        gains_ok = r["buyer_gain_per_h"] >= 0 and r["seller_gain_per_h"] >= 0 and both > 0
+        share = f"{100 * r['buyer_gain_per_h'] / both:.0f} %" if gains_ok else "-"
+        lines.append(
+            f"| {r['at_s'] / 3600:.2f} | {r['trade_id']} | {r['fast_gpus']} {r['fast_type'].upper()} "
+            f"| {r['slow_gpus']} {r['slow_type'].upper()} | {r['buyer']} / {r['seller']} | {r['price']:.2f} "
+            f"| {r['buyer_speedup']:.2f} | {r['seller_speedup']:.2f} | {r['buyer_gain_per_h']:+.2f} "
+            f"| {r['seller_gain_per_h']:+.2f} | {share} | {undone} |"
+        )
+    lines += [
+        "",
+        "Per user: total work, how much of it is done by 4 h, the largest 0-4 h ratio that work allows "
+        "(total work ÷ progress by 4 h without trading), hour-by-hour progress ratios (trading ÷ no "
+        "trading), when 90 % of the work is done, and what the terms of the user's trades were worth to it "
+        "in the first 4 h (Σ gain × hours in force; an upper bound, it assumes the traded GPUs are kept busy):",
+        "",
+        "| user | total work (K80-h) | done by 4 h, no trading | with trading | most the 0-4 h ratio can be | "
+        + " | ".join(f"ratio {h}-{h + 1} h" for h in range(hours))
+        + " | 90 % done, no trading (h) | with trading (h) | bought in | sold in | trade terms (K80-h) |",
+        "|---|---|---|---|---|" + "---|" * hours + "---|---|---|---|---|",
+    ]
+    for u, d in users.items():
+        lines.append(
+            f"| {u} | {d['total_work_k80_h']:.1f} | {pct(d['done_by_window_no_trading'])} | "
+            f"{pct(d['done_by_window_trading'])} | {fmt(d['window_ratio_cap'], 3)} | "
+            + " | ".join(fmt(x, 3) for x in d["hourly_ratio"])
+            + f" | {fmt(d['t90_no_trading_h'])} | {fmt(d['t90_trading_h'])} | {len(d['bought'])} | "
+            f"{len(d['sold'])} | {d['terms_gain_k80_h']:+.1f} |"
+        )
+
+    # The paragraph on U1 (the user the paper reports gaining ~30 % and shoal does not).
+    u1 = users["U1"]
+    bought = [r for r in trades if r["buyer"] == "U1" and r["at_s"] < WINDOW_S]
+    sold = [r for r in trades if r["seller"] == "U1" and r["at_s"] < WINDOW_S]
+    hourly_text = ", ".join(
+        f"{h}-{h + 1} h {fmt(x, 2)}" for h, x in enumerate(u1["hourly_ratio"]) if not math.isinf(x)
+    )
+    capped = u1["window_ratio_cap"] <= BOUND_CAP
+    para = [
+        f"**Why U1 {'gains nothing' if capped else 'gains little or nothing'} in the 0-4 h window.** "
+        f"U1's jobs total {u1['total_work_k80_h']:.1f} K80-h (the workload sets the job length so that U1 "
+        "alone finishes in 4 h at its untraded share). "
+        f"Without trading U1 has done {pct(u1['done_by_window_no_trading'])} of that by 4 h, "
+        + (
+            f"so no trade can raise its 0-4 h progress by more than ×{fmt(u1['window_ratio_cap'], 3)}: a "
+            "faster U1 only finishes its work earlier inside the window. "
+            if capped
+            else f"so its work would allow a 0-4 h ratio of up to ×{fmt(u1['window_ratio_cap'], 3)} "
+            f"(measured ×{g_ratio(plain, traded, 'U1'):.3f}). "
+        )
+        + f"Hour by hour, U1's progress with trading ÷ without is {hourly_text}; it has done 90 % of its work at "
+        f"{fmt(u1['t90_trading_h'])} h with trading and {fmt(u1['t90_no_trading_h'])} h without. "
+        "Its progress ÷ its untraded entitlement, hour by hour, is "
+        + ", ".join(f"{x:.2f}" for x in u1["hourly_vs_entitlement_no_trading"])
+        + " without trading and "
+        + ", ".join(f"{x:.2f}" for x in u1["hourly_vs_entitlement_trading"])
+        + " with trading"
+        + (
+            ": above 1 without trading, U1 is running on share other users' gangs leave idle; with "
+            "trading those users buy GPUs they can use and that spare share shrinks. "
+            if max(u1["hourly_vs_entitlement_no_trading"], default=0.0) > 1.05
+            else ". "
+        )
+    ]
+    if bought:
+        surplus_b = sum(r["buyer_gain_per_h"] for r in bought)
+        surplus_s = sum(r["seller_gain_per_h"] for r in bought)
+        share = pct(surplus_b / (surplus_b + surplus_s)) if surplus_b + surplus_s > 0 else "-"
+        para.append(
+            f"In the first 4 h U1 bought in {len(bought)} trades ({', '.join(r['trade_id'] for r in bought)}) "
+            f"and sold in {len(sold)}{' (' + ', '.join(r['trade_id'] for r in sold) + ')' if sold else ''}. "
+            f"Of the surplus of its purchases ({surplus_b + surplus_s:.2f} normalised K80s per hour at the "
+            f"true speedups) U1 keeps {surplus_b:.2f} ({share}) and its sellers "
+            f"({', '.join(sorted({r['seller'] for r in bought}))}) get the rest. "
+        )
+        vk = [r for r in bought if r["fast_type"] == "v100" and r["slow_type"] == "k80"]
+        if vk:
+            r = vk[0]
+            para.append(
+                "The second price is the next bidder's speedup, and U1's nearest rival is another ResNet-50 "
+                f"user: by the true curves the next V100/K80 speedup below U1's {r['buyer_speedup']:.2f} is "
+                f"{r['next_bidder']}'s {r['next_bidder_speedup']:.2f}, and U1 paid {r['price']:.2f} K80 per "
+                f"V100 to {r['seller']}, whose own speedup is {r['seller_speedup']:.2f}. "
+                if r["next_bidder"] in ("U2", "U3")
+                else f"U1 paid {r['price']:.2f} K80 per V100 to {r['seller']}, whose own V100/K80 speedup is "
+                f"{r['seller_speedup']:.2f}. "
+            )
+        para.append(
+            f"Over the first 4 h the terms of U1's trades were worth {u1['terms_gain_k80_h']:+.1f} K80-h to U1 "
+            f"and {sum(r['seller_gain_per_h'] * r['in_force_in_window_h'] for r in bought):+.1f} K80-h to "
+            "its sellers."
+        )
+    else:
+        para.append("U1 bought nothing in the first 4 h.")
+    u4 = users["U4"]
+    all_terms = sum(max(0.0, d["terms_gain_k80_h"]) for d in users.values())
+    u4_share = f" ({pct(u4['terms_gain_k80_h'] / all_terms)} of all users' gains)" if all_terms > 0 else ""
+    text = [
+        "",
+        "".join(para),
+        "",
+        f"U4, in contrast, sold fast GPUs in {len(u4['sold'])} trades and bought in {len(u4['bought'])} in the "
+        f"first 4 h; the terms were worth {u4['terms_gain_k80_h']:+.1f} K80-h to it{u4_share}. It has done "
+        f"{pct(u4['done_by_window_no_trading'])} of its work by 4 h without trading, so the window can show "
+        f"up to ×{fmt(u4['window_ratio_cap'], 3)} (measured ×{g_ratio(plain, traded, 'U4'):.3f}).",
+        "",
+        "The paper's Figure 8 plots each user's mini-batch *rate* over time, not progress in a window bounded "
+        "by the user's remaining work. Its Figure 9 lists user1 buying V100s at 1.71 and 1.94 K80 per V100, "
+        "far below a ResNet-50 job's V100/K80 speedup (5.14 in its Table 1), so there user1 kept most of "
+        "each trade's surplus; a second price set by another ResNet-50 user leaves the buyer little of it.",
+    ]
+    lines += text
+    return lines, {"users": users, "trades": trades}
+
+
+def table1_note(d: dict[str, Any]) -> str:
+    """One sentence on U1's window bound with Table 1 speedups (see :func:`trading_explanation`)."""
+    u1 = d["explanation"]["users"]["U1"]
+    return (
+        f"{'Here too U1' if u1['window_ratio_cap'] <= BOUND_CAP else 'U1'} has done {100 * u1['done_by_window_no_trading']:.1f} % of its work by 4 h without "
+        f"trading, so its 0-4 h ratio can be at most ×{fmt(u1['window_ratio_cap'], 3)} (measured "
+        f"{d['U1']['ratio']:.3f}); it reaches 90 % of its work at {fmt(u1['t90_trading_h'])} h with trading "
+        f"instead of {fmt(u1['t90_no_trading_h'])} h."
+    )
+
+
+def g_ratio(plain: Run, traded: Run, user: str) -> float:
+    """A user's 0-4 h progress with trading ÷ without."""
+    a, b = plain.timeline, traded.timeline
+    pa = a.integral(a.rate[user], 0.0, WINDOW_S)
+    return b.integral(b.rate[user], 0.0, WINDOW_S) / pa if pa > 0 else math.inf
 
 
 def fairness_rows(run: Run, label: str, stop: float | None = None) -> list[str]:
@@ -338,12 +616,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small workloads (smoke test)")
     parser.add_argument("--seeds", default="0,1,2", help="seeds of the Philly user/model draw")
+    parser.add_argument(
+        "--jobs-per-user", type=int, default=None, help="§5.5 jobs per user (default 150, 30 with --quick)"
+    )
+    parser.add_argument(
+        "--days", type=float, default=None, help="days of the Philly slice (default 1, 0.25 with --quick)"
+    )
     parser.add_argument("--out", type=Path, default=REPORT)
     parser.add_argument("--figures", type=Path, default=FIGURES)
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    jobs_per_user = 30 if args.quick else 150
-    days = 0.25 if args.quick else 1.0
+    jobs_per_user = args.jobs_per_user or (30 if args.quick else 150)
+    days = args.days or (0.25 if args.quick else 1.0)
     args.figures.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     data: dict[str, Any] = {"section55": {}, "philly": {}}
@@ -353,8 +637,12 @@ def main(argv: list[str] | None = None) -> int:
     for source in ("gavel", "table1"):
         s55[source] = section55(source, jobs_per_user)
     tables = {}
+    explained: dict[str, list[str]] = {}
     for source, (plain, traded) in s55.items():
         tables[source], data["section55"][source] = section55_table(plain, traded, source)
+        explained[source], data["section55"][source]["explanation"] = trading_explanation(
+            plain, traded, source
+        )
     figures = plot_section55(*s55["gavel"], args.figures)
 
     # 3. Philly fairness vs JCT
@@ -423,7 +711,10 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     def ratio_line(a: str, b: str, key: str, what: str) -> str:
-        per_seed = [ra[key] / rb[key] for ra, rb in zip(per_policy[a], per_policy[b], strict=True)]
+        per_seed = [
+            ra[key] / rb[key] if rb[key] else math.nan
+            for ra, rb in zip(per_policy[a], per_policy[b], strict=True)
+        ]
         return (
             f"- {what}: {a} / {b} = "
             + ", ".join(f"{r:.3f}" for r in per_seed)
@@ -461,6 +752,10 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/fairness_heterogeneity.py" + (" --quick" if args.quick else "")
     if args.seeds != "0,1,2":
         command += f" --seeds {args.seeds}"
+    if args.jobs_per_user:
+        command += f" --jobs-per-user {args.jobs_per_user}"
+    if args.days:
+        command += f" --days {args.days:g}"
     fair_header = [
         "| run | user | active (h) | share deviation (% of cluster) | shortfall (% of cluster) | "
         "mean held / fair | progress / entitlement |",
@@ -514,12 +809,14 @@ def main(argv: list[str] | None = None) -> int:
         f"progress in the first 4 h: {', '.join(gained) if gained else 'none'}; whole cluster "
         f"{g['all']['ratio']:.3f}.",
         "",
+        *explained["gavel"],
+        "",
         "Table 1 speedups for every ResNet-50 user (3.34× P100, 5.14× V100 at every size) instead:",
         "",
         *tables["table1"],
         "",
         f"Trades executed: {data['section55']['table1']['trades_executed']}; undone: "
-        f"{data['section55']['table1']['trades_undone']}.",
+        f"{data['section55']['table1']['trades_undone']}. " + table1_note(data["section55"]["table1"]),
         "",
         f"Figures: `{args.figures.name}/s55_rate.png` (per-user normalised rate against the entitlement, "
         f"as the paper's Figure 8) and `{args.figures.name}/s55_share.png` (GPUs held against the fair share).",
