@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 from shoal.commands.run import CLI_ARGV as CLI
+from shoal.commands.run import CONTROL_PLANE, service_available
 
 pytestmark = pytest.mark.integration
 
@@ -39,6 +43,30 @@ def bounds(jobs: int, gpus: int) -> tuple[float, float, float]:
     mean_fastest = sum(f for _, f in fastest) / len(fastest)
     lower = max(max(a / 3600 + f for a, f in fastest), gpu_hours / gpus)
     return mean_fastest, lower, serial
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def log_lines(out: str) -> list[dict[str, object]]:
+    """The demo's log (its path is printed): JSON objects, one per line, except that
+    the processes share the file and a logger writes a line and its newline apart, so
+    two processes logging at the same instant can leave two objects on one line."""
+    m = re.search(r"^logs: (\S+)$", out, flags=re.M)
+    assert m, out
+    decoder = json.JSONDecoder()
+    entries = []
+    for line in Path(m.group(1)).read_text().splitlines():
+        i = 0
+        while line.startswith("{", i):
+            entry, i = decoder.raw_decode(line, i)
+            entries.append(entry)
+    return entries
 
 
 def test_reduced_demo_prints_results_and_exits_0() -> None:
@@ -84,6 +112,31 @@ def test_reduced_demo_prints_results_and_exits_0() -> None:
     assert util and 0 < float(util.group(1)) <= 100.0
     # Service logs went to the log file, not the terminal.
     assert "job_completed" not in out
+
+    # The services ran as separate supervised processes, as under `shoal up` ...
+    log = log_lines(out)
+    started = {str(e["name"]): int(e["pid"]) for e in log if e.get("event") == "child_started"}  # type: ignore[call-overload]
+    services = [n for n in CONTROL_PLANE if service_available(n)]
+    assert {"admission", "allocator", "placer"} <= set(services)
+    assert set(started) == {*services, "node-daemon-node0", "node-daemon-node1"}, started
+    assert len(set(started.values())) == len(started)
+    # ... each of which stopped cleanly (sidecars too, stopped by their node daemon) ...
+    clean = [e["service"] for e in log if e.get("event") == "stopped" and e.get("clean")]
+    assert {n if not n.startswith("node-daemon-") else "node-daemon" for n in started} <= set(clean), clean
+    assert "trainer-sidecar" in clean
+    assert not [e for e in log if e.get("level") == "error"], [e for e in log if e.get("level") == "error"]
+    assert "did not exit cleanly" not in proc.stderr
+    # ... and the profiler's models are in the log.
+    m = re.search(r"(\d+) share decisions, (\d+) throughput models from the profiler", out)
+    assert m and int(m.group(1)) > 0, out
+    if "profiler" in services:
+        assert int(m.group(2)) > 0, out
+    # Nothing is left behind: no service, no sidecar.
+    pids = set(started.values()) | {int(e["pid"]) for e in log if e.get("event") == "sidecar_started"}  # type: ignore[call-overload]
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)], "processes left behind by shoal demo"
 
 
 def test_demo_rejects_bad_arguments_without_starting_anything() -> None:

@@ -110,7 +110,9 @@ def configure_logging(settings: Settings, *, stream: TextIO | None = None) -> No
     structlog.configure(
         processors=[*shared, *tail, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        # One write per line (PrintLogger writes the newline separately), so the lines of
+        # processes sharing one stderr pipe never interleave.
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
     handler = logging.StreamHandler(stream)

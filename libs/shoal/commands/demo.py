@@ -1,14 +1,23 @@
 """``shoal demo``: the whole system on a short slice of a real trace, in about a minute.
 
-What it does: starts an embedded nats-server with a temporary store (or uses
-``NATS_URL``, under a fresh prefix whose streams are deleted afterwards, so a demo
-never touches a real installation's log), runs the emulated stack
-(:class:`shoal_services.stack.EmulatedStack`: admission, allocator, placer and node
-daemons as tasks of this process, one real sidecar subprocess per job and node),
-replays the first ``--jobs`` jobs of a Microsoft Philly VC at their trace arrival
-times through the admission service, shows a live progress line, and prints the
-result computed from the event log: JCT (average, median, p99), makespan, GPU
-utilisation and reconfigurations. Then it stops everything and exits 0.
+What it does: starts the same supervised installation ``shoal up`` starts (see
+:func:`shoal.commands.up.installation`), but on an embedded nats-server with a
+temporary JetStream store and in a fresh state directory (with ``NATS_URL`` set: that
+server, under a fresh prefix whose streams are deleted afterwards), so a demo never
+touches a real installation: admission, profiler, allocator, placer and trader, each
+its own process (``shoal run <service>``), and ``--nodes`` emulated node daemons,
+which start one real sidecar process per job they run, all on one scaled clock
+(``--time-scale`` with a shared ``SHOAL_CLOCK_ORIGIN``). Once the nodes are
+registered and the leader-elected services hold their leases, it replays the first
+``--jobs`` jobs of a Microsoft Philly VC at their trace arrival times through the
+admission service with the SDK (each job's calibrated throughput curves travel in its
+spec as a known profile, as the simulator has them) and shows a live view fed by the
+event stream: ``shoal top``'s frame on a terminal, one progress line per ``--tick``
+otherwise (so logs and CI stay readable). When every job has finished it stops the
+children (each drains its work) and the server, prints the result computed from the
+event log: JCT (average, median, p99), makespan, GPU utilisation, reconfigurations,
+and how many decisions, profiler models and progress reports the services wrote;
+then it exits 0.
 
 Choices:
 
@@ -17,22 +26,33 @@ Choices:
   policies may grow up to their model's maximum). Arrival times and durations are the
   trace's; the only compression is the clock: ``--time-scale`` virtual seconds per
   wall second, by default chosen so that the slice's critical path (latest arrival +
-  run time on the requested GPUs) takes ``--target-s`` wall seconds.
+  run time on the requested GPUs) takes ``--target-s`` wall seconds; starting and
+  stopping the processes comes on top.
+* An arrival is stamped by the admission service when the submission reaches it (an
+  installation accepts no client-chosen arrival time), and every decision, placement
+  and progress report crosses processes, so results differ somewhat from
+  ``shoal simulate`` on the same slice: at a time scale of thousands each wall
+  millisecond of latency is seconds of virtual time, and the profiler's models replace
+  the calibrated curves as measurements come in.
 * The policy defaults to ``afs-p``; if this build lacks it, the first available of a
   few well-known policies is used and the substitution is announced. An explicitly
   requested policy that cannot be loaded is an error.
-* Service logs go to ``demo.log`` in a temporary directory (its path is printed), so
-  the terminal shows the live view; errors still reach stderr.
-* Ctrl-C stops the replay, prints what finished so far and exits 130.
+* Every child's output and the demo's own log go to ``demo.log`` in a temporary
+  directory (its path is printed; the file is kept), so the terminal shows only the
+  live view and the results.
+* Ctrl-C stops the replay and the services, prints what finished so far and exits
+  130; a second Ctrl-C exits at once (the children die with the demo).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import math
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -207,6 +227,8 @@ def demo(args: argparse.Namespace) -> int:
         raise CommandError("--nodes and --gpus-per-node must be >= 1")
     if args.target_s <= 0 or args.tick <= 0:
         raise CommandError("--target-s and --tick must be positive")
+    import msgspec
+
     from shoal.workloads import load_philly
 
     try:
@@ -219,9 +241,11 @@ def demo(args: argparse.Namespace) -> int:
     overrides = settings_overrides(args)
     overrides["time_scale"] = time_scale
     overrides["log_level"] = args.log_level or "info"
+    overrides["gpu_type"] = args.gpu_type
     settings = load_settings(**overrides)
     # The policy flag, else SHOAL_POLICY when set, else the default (with a fallback).
     name, policy, note = choose_policy(args.policy or os.environ.get("SHOAL_POLICY") or None)
+    settings = msgspec.structs.replace(settings, policy=name)
     if settings.policy_params:
         from shoal.policies.registry import get_policy
 
@@ -230,6 +254,9 @@ def demo(args: argparse.Namespace) -> int:
         except (ValueError, TypeError, ImportError) as exc:
             raise CommandError(f"policy {name!r}: {exc}") from None
     if not args.in_session:
+        from shoal.commands.up import _preflight
+
+        _preflight(settings)  # catalog and placer: fail here, not in a crash-looping child
         # The demo runs in a session of its own so that Ctrl-C reaches only us; we pass
         # it on as SIGTERM (see shoal.runtime.run_in_session).
         if note:
@@ -257,16 +284,19 @@ def demo(args: argparse.Namespace) -> int:
             args.gpu_type,
         ]
         return run_in_session(argv, settings)
+
     workdir = Path(tempfile.mkdtemp(prefix="shoal-demo-"))
-    # Our own output goes to a copy of stdout; fd 1 (inherited by every sidecar) and the
-    # service logs go to demo.log, so the terminal shows only the live view.
-    out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    state_dir = workdir / "state"
+    # A fresh state dir (so no `shoal up` of the user's is seen or disturbed), one clock
+    # origin for every process, and on an external server a prefix of our own.
+    fresh: dict[str, Any] = {"state_dir": str(state_dir), "clock_origin": time.time()}
+    if settings.nats_url:
+        fresh["prefix"] = f"{settings.prefix}-demo-{os.getpid()}-{int(time.time())}"
+    settings = msgspec.structs.replace(settings, **fresh)
+    out = sys.stdout
     interactive = out.isatty()
     log_path = workdir / "demo.log"
     log_file = open(log_path, "a", buffering=1)  # noqa: SIM115 - lives until the end of the demo
-    sys.stdout.flush()
-    saved_stdout = os.dup(1)
-    os.dup2(log_file.fileno(), 1)
     from shoal.log import configure_logging
 
     configure_logging(settings, stream=log_file)
@@ -277,14 +307,15 @@ def demo(args: argparse.Namespace) -> int:
             f"(critical path {critical_path_s(jobs) / 3600:.1f} h ≈ {critical_path_s(jobs) / time_scale:.0f} s)",
             file=out,
         )
-        print(f"logs: {log_path}", file=out)
-        code = asyncio.run(_demo(args, settings, jobs, name, policy, out, interactive))
+        print(f"logs: {log_path}", file=out, flush=True)
+        return asyncio.run(_demo(args, settings, jobs, name, policy, out, interactive, log_file.fileno()))
     finally:
-        os.dup2(saved_stdout, 1)
-        os.close(saved_stdout)
         log_file.close()
-        out.close()
-    return code
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+class _Stopped(Exception):
+    """The demo was interrupted (Ctrl-C/SIGTERM) before the replay finished."""
 
 
 async def _demo(
@@ -295,98 +326,289 @@ async def _demo(
     policy: Any,
     out: TextIO,
     interactive: bool,
+    log_fd: int,
 ) -> int:
-    from shoal_services.stack import EmulatedStack, StackConfig, replay_trace, summarize
-
     from shoal.bus import Bus, NoServerError
-    from shoal.nats_server import EmbeddedNats, NatsServerError
+    from shoal.commands.top import TopModel
+    from shoal.commands.up import installation
 
-    server: EmbeddedNats | None = None
-    external = bool(settings.nats_url)
-    if external:
-        url = settings.nats_url
-        prefix = f"{settings.prefix}-demo-{os.getpid()}-{int(time.time())}"
-    else:
-        server = EmbeddedNats()  # a temporary store, removed when the server stops
-        try:
-            server.start()
-        except NatsServerError as exc:
-            raise CommandError(str(exc)) from None
-        url, prefix = server.url, settings.prefix
-    print(f"NATS: {url}  prefix: {prefix}", file=out, flush=True)
+    interrupted = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if interrupted.is_set():  # a second one: do not wait for the drain
+            with contextlib.suppress(Exception):
+                if interactive:
+                    out.write(_LEAVE_SCREEN)
+                out.flush()
+            os._exit(130)
+        interrupted.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    started = time.monotonic()
+    model = TopModel()
+    ids = [j.job_id for j in jobs]
+    total_gpus = args.nodes * args.gpus_per_node
+    counts: collections.Counter[str] = collections.Counter()
+    restarts: dict[str, int] = {}
+    wall = 0.0
     try:
-        try:
-            bus = await Bus.connect(url, prefix=prefix, name="shoal-demo")
-        except NoServerError as exc:
-            raise CommandError(f"{exc} (check NATS_URL)") from None
-        config = StackConfig(
+        async with installation(
+            settings,
             nodes=args.nodes,
             gpus_per_node=args.gpus_per_node,
             gpu_type=args.gpu_type,
-            time_scale=settings.time_scale,
-            costs=settings.costs,
-            catalog=settings.catalog or "",
-            placer=settings.placer,
-            network_packing=settings.network_packing,
-        )
-        stack = EmulatedStack(bus, url, policy, config)
-        total_gpus = args.nodes * args.gpus_per_node
-        ids = [j.job_id for j in jobs]
-        view = LiveView(out, ids, total_gpus, interactive)
-        interrupted = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, interrupted.set)
-        started = time.monotonic()
-        try:
-            await stack.start()
-            replay = asyncio.create_task(replay_trace(stack, jobs, on_tick=view, tick_s=args.tick))
-            stopper = asyncio.create_task(interrupted.wait())
-            await asyncio.wait({replay, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            stopper.cancel()
-            if not replay.done():
-                replay.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await replay
-            elif replay.exception() is not None:
-                view.finish()
-                raise replay.exception()  # type: ignore[misc]
-            view(stack.projection.state, stack.clock.now() - stack.clock.origin)
-            view.finish()
-            wall = time.monotonic() - started
-            result = summarize(stack.projection.state, ids, total_gpus)
-        finally:
-            await stack.stop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
-            if external:
-                await _delete_installation(bus)
-            await bus.close()
-        if interrupted.is_set():
-            print("interrupted; results so far:", file=out)
-        print(f"results ({policy_name}, from the event log):", file=out)
-        print(result_table(result, wall, policy_name), file=out, flush=True)
-        return 130 if interrupted.is_set() else 0
+            store_dir=None,
+            stdout=log_fd,
+            stderr=log_fd,
+        ) as inst:
+            names = [s.name for s in inst.specs]
+            control = [n for n in names if not n.startswith("node-daemon-")]
+            print(
+                f"NATS: {inst.url}  prefix: {settings.prefix}\n"
+                f"services: {', '.join(control)} and {len(names) - len(control)} node "
+                f"daemon{'' if len(names) - len(control) == 1 else 's'}, each its own process",
+                file=out,
+                flush=True,
+            )
+            if inst.skipped:
+                print(f"not in this build, skipped: {', '.join(inst.skipped)}", file=out, flush=True)
+            try:
+                bus = await Bus.connect(inst.url, prefix=settings.prefix, name="shoal-demo")
+            except NoServerError as exc:
+                raise CommandError(f"{exc} (check NATS_URL)") from None
+            try:
+                run = _Replay(args, settings, jobs, policy, bus, inst, model, counts, out, interactive)
+                await run.run(interrupted)
+            finally:
+                wall = time.monotonic() - started
+                await bus.close()
+                restarts = {n: c.restarts for n, c in inst.supervisor.children.items() if c.restarts}
+            if not interrupted.is_set():
+                print("stopping the services …", file=out, flush=True)
+        unclean = inst.unclean_exits()
     finally:
-        if server is not None:
-            server.stop()
+        if settings.nats_url:  # the demo's prefix on someone else's server: removed afterwards
+            await _delete_installation(settings)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    from shoal_services.stack import summarize
+
+    result = summarize(model.state, ids, total_gpus)
+    if interrupted.is_set():
+        print("interrupted; results so far:", file=out)
+    print(f"results ({policy_name}, from the event log):", file=out)
+    print(result_table(result, wall, policy_name), file=out)
+    print(
+        f"  {sum(counts.values())} events: {counts['alloc.shares_decided']} share decisions, "
+        f"{counts['profile.throughput_model_updated']} throughput models from the profiler, "
+        f"{counts['job.progress']} progress reports",
+        file=out,
+        flush=True,
+    )
+    if restarts:
+        print(f"note: services restarted after a crash (see the log): {restarts}", file=sys.stderr)
+    if unclean:
+        print(f"children that did not exit cleanly: {unclean}", file=sys.stderr, flush=True)
+    return 130 if interrupted.is_set() else 0
 
 
-async def _delete_installation(bus: Any) -> None:
+_ENTER_SCREEN = "\x1b[?1049h\x1b[?25l"
+_LEAVE_SCREEN = "\x1b[?25h\x1b[?1049l"
+
+
+class _Replay:
+    """Follow the log into ``model``, wait for the services, submit the trace, draw."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        settings: Any,
+        jobs: Sequence[Any],
+        policy: Any,
+        bus: Any,
+        inst: Any,
+        model: Any,
+        counts: collections.Counter[str],
+        out: TextIO,
+        interactive: bool,
+    ) -> None:
+        from shoal.client import Client
+        from shoal.clock import ScaledClock
+
+        self.args = args
+        self.settings = settings
+        self.jobs = jobs
+        self.policy = policy
+        self.bus = bus
+        self.client = Client(bus)
+        self.inst = inst
+        self.model = model
+        self.counts = counts
+        self.out = out
+        self.interactive = interactive
+        self.color = interactive and not os.environ.get("NO_COLOR")
+        self.clock = ScaledClock(settings.time_scale, settings.clock_origin)
+        self.ids = [j.job_id for j in jobs]
+        self.view = LiveView(out, self.ids, args.nodes * args.gpus_per_node, interactive=False)
+        self.origin = self.clock.now()
+
+    async def _follow(self, stop: asyncio.Event) -> None:
+        async for batch in self.bus.replay_batches(follow=True, stop=stop, idle_expires_s=0.25):
+            for seq, env in batch:
+                self.model.apply(seq, env)
+                self.counts[env.type] += 1
+            self.model.seq = max(self.model.seq, batch.last_seq)
+
+    def _check_children(self) -> None:
+        """Raise when a service crashed more often than the supervisor restarts it."""
+        sup = self.inst.supervisor
+        for name, child in sup.children.items():
+            proc = child.proc
+            if proc is not None and proc.returncode is not None and child.restarts >= sup.max_restarts:
+                raise CommandError(
+                    f"service {name} keeps crashing (exit status {proc.returncode}); see the log"
+                )
+
+    async def _ready(self, interrupted: asyncio.Event, timeout_s: float = 120.0) -> None:
+        """Until every node is up and every leader-elected service holds its lease."""
+        from shoal.state import NODE_UP
+
+        names = {s.name for s in self.inst.specs}
+        leases = [
+            await self.bus.lease(n, "shoal-demo", ttl_s=self.settings.lease_ttl_s)
+            for n in ("allocator", "placer", "profiler", "trader")
+            if n in names
+        ]
+        deadline = time.monotonic() + timeout_s
+        while not interrupted.is_set():
+            self._check_children()
+            up = sum(1 for n in self.model.state.nodes.values() if n.status == NODE_UP)
+            if up >= self.args.nodes and all([await lease.holder_now() for lease in leases]):
+                return
+            if time.monotonic() > deadline:
+                raise CommandError(f"the services did not come up within {timeout_s:.0f} s; see the log")
+            await asyncio.sleep(0.1)
+
+    def _origin(self) -> float:
+        """The virtual instant of the trace's first arrival: now, rounded up to the
+        allocator's periodic-decision grid (or to a whole second), so that periodic
+        decisions fall on the trace's own grid, as in the simulator."""
+        from shoal.allocation import policy_tick
+
+        tick = policy_tick(self.policy) or 1.0
+        base = self.settings.clock_origin
+        return float(base + tick * math.ceil((self.clock.now() - base) / tick))
+
+    async def _submit(self, job: Any, interrupted: asyncio.Event) -> None:
+        from shoal_services.stack import with_profile
+
+        from shoal import events as ev
+        from shoal.client import NoAdmissionError
+
+        cmd = ev.SubmitJob(spec=with_profile(job), job_id=job.job_id)
+        for attempt in range(20):
+            try:
+                await self.client.command(cmd)
+                return
+            except NoAdmissionError:
+                if attempt == 19 or interrupted.is_set():
+                    raise
+                await asyncio.sleep(0.25)
+
+    def _draw(self) -> None:
+        from shoal.commands.top import render
+
+        state = self.model.state
+        vnow = self.clock.now() - self.origin
+        if not self.interactive:
+            self.view(state, vnow)
+            return
+        size = shutil.get_terminal_size((120, 40))
+        frame = render(
+            self.model,
+            prefix=self.settings.prefix,
+            width=size.columns,
+            height=max(10, size.lines - 2),
+            color=self.color,
+            finished=5,
+        )
+        head = "shoal demo · " + self.view.line(state, vnow)
+        text = head[: size.columns] + "\n" + frame
+        self.out.write("\x1b[H" + text.replace("\n", "\x1b[K\n") + "\x1b[K\x1b[J")
+        self.out.flush()
+
+    async def run(self, interrupted: asyncio.Event) -> None:
+        from shoal.state import FINISHED_STATUSES
+
+        stop = asyncio.Event()
+        follower = asyncio.create_task(self._follow(stop))
+        loop = asyncio.get_running_loop()
+        if self.interactive:
+            self.out.write(_ENTER_SCREEN)
+        try:
+            await self._ready(interrupted)
+            pending = sorted(self.jobs, key=lambda j: (j.submit_time_s, j.job_id))
+            t0 = pending[0].submit_time_s if pending else 0.0
+            self.origin = self._origin()
+            next_tick = loop.time()
+            while not interrupted.is_set():
+                if follower.done():
+                    follower.result()  # its exception, if any
+                    raise CommandError("the event stream ended unexpectedly")
+                self._check_children()
+                now = self.clock.now()
+                due = []
+                while pending and self.origin + pending[0].submit_time_s - t0 <= now:
+                    due.append(pending.pop(0))
+                # Everything due is submitted at once, so a same-instant burst lands together.
+                await asyncio.gather(*(self._submit(job, interrupted) for job in due))
+                state = self.model.state
+                if loop.time() >= next_tick:
+                    self._draw()
+                    next_tick = loop.time() + self.args.tick
+                if not pending and all(
+                    j in state.jobs and state.jobs[j].status in FINISHED_STATUSES for j in self.ids
+                ):
+                    break
+                wait = (
+                    self.clock.to_wall(self.origin + pending[0].submit_time_s - t0 - now) if pending else 0.05
+                )
+                await asyncio.sleep(min(max(wait, 0.0), 0.05))
+        finally:
+            if self.interactive:
+                self.out.write(_LEAVE_SCREEN)
+            stop.set()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(follower, 2.0)
+            if not follower.done():
+                follower.cancel()
+                with contextlib.suppress(BaseException):
+                    await follower
+            # The last state, as a plain line on the normal screen.
+            self.view(self.model.state, self.clock.now() - self.origin)
+
+
+async def _delete_installation(settings: Any) -> None:
     """Remove the demo's streams and buckets from an external server (best effort)."""
-    n = bus.names
-    for stream in (n.events_stream, n.ctl_stream, n.dlq_stream):
+    from shoal.bus import Bus
+
+    try:
+        bus = await Bus.connect(settings.nats_url, prefix=settings.prefix, name="shoal-demo", declare=False)
+    except Exception:
+        return
+    try:
+        n = bus.names
+        for stream in (n.events_stream, n.ctl_stream, n.dlq_stream):
+            with contextlib.suppress(Exception):
+                await bus.js.delete_stream(stream)
         with contextlib.suppress(Exception):
-            await bus.js.delete_stream(stream)
-    with contextlib.suppress(Exception):
-        await bus.js.delete_object_store(n.snapshot_bucket)
-    with contextlib.suppress(Exception):
-        names = [s.config.name async for s in _streams(bus)]
-        for name in names:
-            if name.startswith(f"KV_{n.lease_bucket}"):
-                await bus.js.delete_stream(name)
-
-
-async def _streams(bus: Any) -> Any:
-    for info in await bus.js.streams_info():
-        yield info
+            await bus.js.delete_object_store(n.snapshot_bucket)
+        with contextlib.suppress(Exception):
+            names = [s.config.name for s in await bus.js.streams_info() if s.config.name]
+            for name in names:
+                if name.startswith(f"KV_{n.lease_bucket}"):
+                    await bus.js.delete_stream(name)
+    finally:
+        await bus.close()

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -132,12 +134,102 @@ def _front(args: argparse.Namespace, settings: Any) -> int:
     return run_in_session(argv, settings)
 
 
-async def _up(args: argparse.Namespace, settings: Any) -> int:
+class Installation:
+    """A running installation (see :func:`installation`)."""
+
+    def __init__(
+        self,
+        settings: Any,
+        url: str,
+        server: Any,
+        supervisor: Any,
+        specs: list[Any],
+        skipped: list[str],
+    ) -> None:
+        self.settings = settings
+        """The settings the children got (``clock_origin`` set when time is scaled)."""
+        self.url = url
+        self.server = server
+        """The embedded ``EmbeddedNats``, or None when ``settings.nats_url`` was used."""
+        self.supervisor = supervisor
+        self.specs = specs
+        self.skipped = skipped
+        """Control-plane services not in this build (not started)."""
+
+    def unclean_exits(self) -> dict[str, int]:
+        """Children whose last exit status was neither 0 nor still running."""
+        codes = {n: c.proc.returncode for n, c in self.supervisor.children.items() if c.proc is not None}
+        return {n: c for n, c in codes.items() if c not in (0, None)}
+
+
+def service_specs(
+    settings: Any, url: str, *, nodes: int, gpus_per_node: int, gpu_type: str
+) -> tuple[list[Any], list[str]]:
+    """(process specs, skipped services): every available control-plane service
+    (``shoal run <service>``) and ``nodes`` emulated node daemons, all with ``settings``
+    as ``SHOAL_*`` variables and ``url`` as their server."""
+    from shoal.supervisor import ProcessSpec
+
+    child_env = {**settings.to_env(), "SHOAL_NATS_URL": url}
+    cli = [*CLI_ARGV, "run"]
+    specs: list[ProcessSpec] = []
+    skipped: list[str] = []
+    for name in CONTROL_PLANE:
+        if service_available(name):
+            specs.append(ProcessSpec(name=name, argv=(*cli, name), env=child_env))
+        else:
+            skipped.append(name)
+    for i in range(nodes):
+        node_id = f"node{i}"
+        specs.append(
+            ProcessSpec(
+                name=f"node-daemon-{node_id}",
+                argv=(
+                    *cli,
+                    "node-daemon",
+                    "--node-id",
+                    node_id,
+                    "--fake-gpus",
+                    str(gpus_per_node),
+                    "--gpu-type",
+                    gpu_type,
+                ),
+                env=child_env,
+            )
+        )
+    return specs, skipped
+
+
+@contextlib.asynccontextmanager
+async def installation(
+    settings: Any,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    gpu_type: str,
+    store_dir: Path | None,
+    stdout: int | None = None,
+    stderr: int | None = None,
+) -> AsyncIterator[Installation]:
+    """Start a whole installation for ``settings.state_dir``; stop it on exit.
+
+    Starts an embedded nats-server (JetStream store in ``store_dir``; a temporary one,
+    removed when the server stops, when None) unless ``settings.nats_url`` is set,
+    declares the streams, starts every service (:func:`service_specs`) under a
+    :class:`~shoal.supervisor.Supervisor` (children's output to ``stdout``/``stderr``,
+    inherited when None) and records the server in ``<state dir>/up.json``. On exit
+    it stops the children (SIGTERM, each drains; SIGKILL after the drain timeout),
+    removes ``up.json`` and stops the server. Used by ``shoal up`` and ``shoal demo``.
+
+    Raises:
+        CommandError: another installation runs for the state dir, or the server
+            cannot be started or reached.
+    """
     import msgspec
 
     from shoal.nats_server import EmbeddedNats, NatsServerError
     from shoal.runtime import read_up_info, remove_up_info, write_up_info
-    from shoal.supervisor import ProcessSpec, Supervisor
+    from shoal.supervisor import Supervisor
 
     state_dir = Path(settings.state_dir)
     running = read_up_info(state_dir)
@@ -152,7 +244,7 @@ async def _up(args: argparse.Namespace, settings: Any) -> int:
     if settings.nats_url:
         url = settings.nats_url
     else:
-        server = EmbeddedNats(store_dir=state_dir / "jetstream", mqtt_port=settings.mqtt_port)
+        server = EmbeddedNats(store_dir=store_dir, mqtt_port=settings.mqtt_port)
         try:
             server.start()
         except NatsServerError as exc:
@@ -164,35 +256,11 @@ async def _up(args: argparse.Namespace, settings: Any) -> int:
         )
     try:
         await _declare(url, settings.prefix)
-        child_env = {**settings.to_env(), "SHOAL_NATS_URL": url}
+        specs, skipped = service_specs(
+            settings, url, nodes=nodes, gpus_per_node=gpus_per_node, gpu_type=gpu_type
+        )
         base_env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_") and k != "NATS_URL"}
-        cli = [*CLI_ARGV, "run"]
-        specs: list[ProcessSpec] = []
-        skipped: list[str] = []
-        for name in CONTROL_PLANE:
-            if service_available(name):
-                specs.append(ProcessSpec(name=name, argv=(*cli, name), env=child_env))
-            else:
-                skipped.append(name)
-        for i in range(args.nodes):
-            node_id = f"node{i}"
-            specs.append(
-                ProcessSpec(
-                    name=f"node-daemon-{node_id}",
-                    argv=(
-                        *cli,
-                        "node-daemon",
-                        "--node-id",
-                        node_id,
-                        "--fake-gpus",
-                        str(args.gpus_per_node),
-                        "--gpu-type",
-                        args.gpu_type,
-                    ),
-                    env=child_env,
-                )
-            )
-        supervisor = Supervisor(specs, base_env=base_env)
+        supervisor = Supervisor(specs, base_env=base_env, stdout=stdout, stderr=stderr)
         write_up_info(
             state_dir,
             url,
@@ -200,47 +268,61 @@ async def _up(args: argparse.Namespace, settings: Any) -> int:
             server_pid=server.proc.pid if server is not None and server.proc is not None else None,
             mqtt_port=server.mqtt_listen_port if server is not None else None,
         )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        signals: list[int] = []
-
-        def on_signal(signum: int) -> None:
-            signals.append(signum)
-            if len(signals) > 1:  # a second signal: do not wait for the drain
-                os._exit(128 + signum)
-            stop.set()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal, sig)
-        await supervisor.start()
         try:
-            print(f"NATS: {url}", flush=True)
+            await supervisor.start()
+            yield Installation(settings, url, server, supervisor, specs, skipped)
+        finally:
+            await supervisor.stop(timeout_s=settings.drain_timeout_s + 5.0)
+    finally:
+        remove_up_info(state_dir)
+        if server is not None:
+            server.stop()
+
+
+async def _up(args: argparse.Namespace, settings: Any) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        signals.append(signum)
+        if len(signals) > 1:  # a second signal: do not wait for the drain
+            os._exit(128 + signum)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    state_dir = Path(settings.state_dir)
+    try:
+        async with installation(
+            settings,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            gpu_type=args.gpu_type,
+            store_dir=state_dir / "jetstream",
+        ) as inst:
+            server = inst.server
+            print(f"NATS: {inst.url}", flush=True)
             if server is not None and server.mqtt_listen_port is not None:
                 print(f"MQTT: mqtt://127.0.0.1:{server.mqtt_listen_port}", flush=True)
             print(
                 f"prefix: {settings.prefix}  policy: {settings.policy}  time scale: {settings.time_scale:g}"
             )
-            print(f"services: {', '.join(s.name for s in specs)}")
-            if skipped:
-                print(f"not in this build, skipped: {', '.join(skipped)}")
+            print(f"services: {', '.join(s.name for s in inst.specs)}")
+            if inst.skipped:
+                print(f"not in this build, skipped: {', '.join(inst.skipped)}")
             print(f"state dir: {state_dir}")
             print("running; Ctrl-C to stop", flush=True)
             await stop.wait()
             print("stopping …", flush=True)
-        finally:
-            await supervisor.stop(timeout_s=settings.drain_timeout_s + 5.0)
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
-        codes = {n: c.proc.returncode for n, c in supervisor.children.items() if c.proc is not None}
-        unclean = {n: c for n, c in codes.items() if c not in (0, None)}
-        if unclean:
-            print(f"children that did not exit cleanly: {unclean}", file=sys.stderr, flush=True)
-        print("stopped", flush=True)
-        return 0
     finally:
-        remove_up_info(state_dir)
-        if server is not None:
-            server.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    unclean = inst.unclean_exits()
+    if unclean:
+        print(f"children that did not exit cleanly: {unclean}", file=sys.stderr, flush=True)
+    print("stopped", flush=True)
+    return 0
 
 
 async def _declare(url: str, prefix: str) -> None:
