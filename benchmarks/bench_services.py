@@ -614,8 +614,10 @@ async def main_async(args: argparse.Namespace) -> str:
         "Every job wants 1 GPU and never ends. The background jobs are submitted through admission and "
         "placed first; then each probe is submitted with `Client.submit` (a NATS request to admission) "
         "and timed until a `PlacementDecided` that includes it reaches a plain NATS subscriber, then "
-        "cancelled, so the active count stays constant. Probes are sequential; the allocator coalesces "
-        "triggers for 20 ms before deciding, which is inside every figure. Percentiles are nearest-rank.",
+        "cancelled, so the active count stays constant. Probes are sequential; the allocator waits "
+        f"{latency[0]['coalesce_s'] * 1000:.0f} ms for a burst to land before deciding (its coalescing "
+        "window, in every figure but the diagnostic row) and makes one decision per second of pending "
+        "triggers. Percentiles are nearest-rank.",
         "",
         "Breakdown columns: *admission reply* is the `Client.submit` round trip (admission decides, "
         "appends `JobSubmitted`, waits until its own projection has folded it, replies); *→ shares* is "
@@ -644,7 +646,7 @@ async def main_async(args: argparse.Namespace) -> str:
             + ", ".join(f"{r['setup_decisions']:,} for {r['active']:,} jobs" for r in bursts)
             + "), not one per burst. Reading of the code (`AllocatorService._decide_due`): each "
             "`JobSubmitted` carries its own wall-clock instant and the allocator decides as of each distinct "
-            "trigger instant in turn, so the 20 ms coalescing window delays decisions but does not merge a "
+            "trigger instant in turn, so the coalescing window delays decisions but does not merge a "
             "burst on a wall clock.",
         ]
     lost = [(r["active"], r["lost_lease"]) for r in [*latency, diagnostic] if r["lost_lease"]]
