@@ -19,6 +19,9 @@ A run past ``--cpu-limit`` CPU seconds is stopped and reported with how far it g
 On the big trace FIFO never displaces a job, so its queue grows to thousands and every
 decision walks it: there the baseline measures a long queue, not the bare engine, and
 runs under its own, shorter ``--baseline-limit``. The big trace's targets run first.
+Last, ``--large-flat-policies`` (default AFS-P) run on the big trace in the flat setting
+of ``shoal simulate --flat`` (one 64-GPU pool, no packing, no placement, free
+reconfigurations: the AFS simulator's setting), to show what placement costs.
 
 Usage::
 
@@ -76,11 +79,11 @@ class _Limited:
         return self._policy.decide(view, memory)
 
 
-def run(trace: str, policy_name: str, cpu_limit: float) -> dict[str, Any]:
-    """Simulate one (trace, policy) and time it."""
+def run(trace: str, policy_name: str, cpu_limit: float, *, flat: bool = False) -> dict[str, Any]:
+    """Simulate one (trace, policy) and time it (``flat``: the AFS simulator's flat pool)."""
     jobs = load_workload(trace, seed=0)
     policy: Policy = EngineOnlyFifo() if policy_name == "engine-only" else make_policy(policy_name, seed=0)
-    sim = Simulator(jobs, _Limited(policy, cpu_limit), SimConfig(retain_log=False), trace=trace)
+    sim = Simulator(jobs, _Limited(policy, cpu_limit), SimConfig(retain_log=False, flat=flat), trace=trace)
     c0, w0 = time.process_time(), time.perf_counter()
     status = "ok"
     decisions = 0.0
@@ -96,6 +99,7 @@ def run(trace: str, policy_name: str, cpu_limit: float) -> dict[str, Any]:
     return {
         "trace": trace,
         "policy": policy_name,
+        "setting": "flat" if flat else "topology",
         "jobs": len(jobs),
         "completed": completed,
         "cpu_s": cpu,
@@ -122,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--baseline-limit", type=float, default=120.0, help="CPU seconds for the baseline on the big trace"
     )
+    parser.add_argument(
+        "--large-flat-policies",
+        default="afs-p",
+        help="policies also run on the big trace in the flat setting (`shoal simulate --flat`: one pool "
+        "of 64 GPUs, no packing or placement, free reconfigurations); empty to skip",
+    )
     parser.add_argument("--quick", action="store_true", help="small trace only (a smoke run)")
     args = parser.parse_args(argv)
 
@@ -129,22 +139,23 @@ def main(argv: list[str] | None = None) -> int:
 
     known = set(policy_names())
     policies = [p for p in args.policies.split(",") if p]
-    plan = []
+    plan: list[tuple[str, str, bool]] = []
     if not args.quick:  # the big trace's target first: it matters most if time runs out
-        plan += [(args.large, p) for p in args.large_policies.split(",") if p]
-    plan += [(args.small, "engine-only")] + [(args.small, p) for p in policies]
+        plan += [(args.large, p, False) for p in args.large_policies.split(",") if p]
+    plan += [(args.small, "engine-only", False)] + [(args.small, p, False) for p in policies]
     if not args.quick:
-        plan += [(args.large, "engine-only")]
+        plan += [(args.large, "engine-only", False)]
+        plan += [(args.large, p, True) for p in args.large_flat_policies.split(",") if p]
     rows: list[dict[str, Any]] = []
-    for trace, policy in plan:
+    for trace, policy, flat in plan:
         if policy != "engine-only" and policy not in known:
             rows.append({"trace": trace, "policy": policy, "status": "not registered"})
             continue
         limit = args.baseline_limit if (trace == args.large and policy == "engine-only") else args.cpu_limit
-        row = run(trace, policy, limit)
+        row = run(trace, policy, limit, flat=flat)
         rows.append(row)
         print(
-            f"{trace:>16} {policy:>18}: {row['status']:>10} cpu {row['cpu_s']:8.2f} s "
+            f"{trace:>16} {policy:>18} {row['setting']:>8}: {row['status']:>10} cpu {row['cpu_s']:8.2f} s "
             f"wall {row['wall_s']:8.2f} s {row['completed']}/{row['jobs']} jobs",
             file=sys.stderr,
             flush=True,
@@ -152,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         # The report is rewritten after every run, so an interrupted benchmark keeps
         # what it measured (and says which runs are missing).
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(render(rows, args, argv, pending=plan[len(rows) :]))
+        args.out.write_text(render(rows, args, argv, pending=[(t, p) for t, p, _ in plan[len(rows) :]]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(rows, args, argv))
     print(f"wrote {args.out}", file=sys.stderr)
@@ -166,7 +177,11 @@ def render(
     pending: list[tuple[str, str]] | None = None,
 ) -> str:
     cmd = "python benchmarks/bench_sim.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    base = {r["trace"]: r for r in rows if r["policy"] == "engine-only" and r.get("status") == "ok"}
+    base = {
+        (r["trace"], r.get("setting")): r
+        for r in rows
+        if r["policy"] == "engine-only" and r.get("status") == "ok"
+    }
     lines = [
         "# Simulation speed",
         "",
@@ -179,22 +194,24 @@ def render(
         "Setting: `shoal simulate` defaults — 64 GPUs as 16 servers × 4, network packing, min-migration "
         "placement, `coddl` reconfiguration costs, seed 0, log not retained. One run at a time, one process. "
         "`engine-only` is the named baseline in the same run (FIFO that never reads curves: the engine's own "
-        "cost). `× baseline` = the policy's CPU seconds / engine-only's on the same trace.",
+        "cost). `× baseline` = the policy's CPU seconds / engine-only's on the same trace and setting. "
+        "Setting `flat` is `shoal simulate --flat` (one pool, no packing, no placement, free "
+        "reconfigurations: the AFS simulator), run on the big trace only.",
         "",
-        "| trace | policy | jobs | completed | CPU s | wall s | jobs/s (CPU) | decisions | ms/decision (CPU) "
-        "| × baseline | status |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| trace | setting | policy | jobs | completed | CPU s | wall s | jobs/s (CPU) | decisions "
+        "| ms/decision (CPU) | × baseline | status |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         if "cpu_s" not in r:
-            lines.append(f"| {r['trace']} | {r['policy']} | | | | | | | | | {r['status']} |")
+            lines.append(f"| {r['trace']} | | {r['policy']} | | | | | | | | | {r['status']} |")
             continue
         jps = r["completed"] / r["cpu_s"] if r["cpu_s"] > 0 else float("nan")
         ms = 1000 * r["cpu_s"] / r["decisions"] if r["decisions"] else float("nan")
-        b = base.get(r["trace"])
+        b = base.get((r["trace"], r["setting"]))
         ratio = f"{r['cpu_s'] / b['cpu_s']:.1f}" if b and b["cpu_s"] > 0 else ""
         lines.append(
-            f"| {r['trace']} | {r['policy']} | {r['jobs']:,} | {r['completed']:,} | {r['cpu_s']:.2f} | "
+            f"| {r['trace']} | {r['setting']} | {r['policy']} | {r['jobs']:,} | {r['completed']:,} | {r['cpu_s']:.2f} | "
             f"{r['wall_s']:.2f} | {jps:,.0f} | {int(r['decisions']):,} | {ms:.2f} | {ratio} | {r['status']} |"
         )
     if pending:
@@ -206,7 +223,14 @@ def render(
         ]
     lines += ["", "Targets:", ""]
     for (trace, policy), limit in TARGETS.items():
-        hit = [r for r in rows if r["trace"] == trace and r["policy"] == policy and "cpu_s" in r]
+        hit = [
+            r
+            for r in rows
+            if r["trace"] == trace
+            and r["policy"] == policy
+            and r.get("setting") == "topology"
+            and "cpu_s" in r
+        ]
         if not hit:
             lines.append(f"- {policy} on {trace} under {limit:g} s: not run in this report.")
             continue

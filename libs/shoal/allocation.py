@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from shoal.events import GpuRef, PlacementDecided, SharesDecided
-from shoal.policies.base import ClusterView, Decision, Policy, check_decision, feasible_counts
+from shoal.policies.base import ClusterView, Decision, Policy, check_decision, feasible_counts, jobs_by_id
 
 if TYPE_CHECKING:
     from shoal.placement import Placement, Topology
@@ -50,12 +50,15 @@ def pack_shares(view: ClusterView, decision: Decision) -> Decision:
         return decision
     from shoal.placement import regulate_shares
 
-    feasible = {j.job_id: feasible_counts(j) for j in view.jobs}
+    # Only jobs with a positive share need their counts: regulation never reads the
+    # counts of a job planned at 0 (it stays at 0, appendix E).
+    jobs = jobs_by_id(view)
+    feasible = {j: feasible_counts(jobs[j]) for j, s in decision.shares.items() if s > 0 and j in jobs}
     if view.gpus_by_type and decision.gpu_types:
         shares: dict[str, int] = {}
         for gpu_type, count in sorted(view.gpus_by_type.items()):
             part = {j: s for j, s in decision.shares.items() if decision.gpu_types.get(j, "") == gpu_type}
-            shares.update(regulate_shares(part, {j: feasible[j] for j in part}, g, count))
+            shares.update(regulate_shares(part, {j: feasible[j] for j in part if j in feasible}, g, count))
         rest = {j: s for j, s in decision.shares.items() if j not in shares}
         shares.update(rest)
     else:

@@ -1,7 +1,9 @@
 """Scratch state shared by the placers: free GPUs per node, indexed for fast choice.
 
 One :class:`Cluster` lives for one placement call and never escapes it, so the
-placers stay pure functions of their arguments. Nodes are addressed by their
+placers stay pure functions of their arguments; what depends on the topology alone
+(node ids, capacities, families) is computed once per topology object and shared,
+read only, between calls. Nodes are addressed by their
 ordinal in ``Topology.nodes``. A *family* is the set of nodes a job may use: ``""``
 (every node) for an untyped job, or a GPU type.
 
@@ -19,6 +21,48 @@ from shoal.events import GpuRef
 from shoal.placement.topology import Placement, PlacementError, Topology
 
 
+class _TopologyIndex:
+    """What a :class:`Cluster` derives from the topology alone (nothing here is mutated)."""
+
+    def __init__(self, topology: Topology) -> None:
+        nodes = topology.nodes
+        self.node_ids = [n.node_id for n in nodes]
+        self.cap = [len(n.gpu_indices) for n in nodes]
+        self.sorted_idx = [tuple(sorted(n.gpu_indices)) for n in nodes]
+        self.ord_of = {n.node_id: o for o, n in enumerate(nodes)}
+        self.usable = [frozenset(n.gpu_indices) for n in nodes]
+        # Families: "" holds every node, a type holds the nodes of that type.
+        self.node_families: list[tuple[str, ...]] = [("", n.gpu_type) if n.gpu_type else ("",) for n in nodes]
+        self.members: dict[str, list[int]] = {}
+        for o, fams in enumerate(self.node_families):
+            for f in fams:
+                self.members.setdefault(f, []).append(o)
+        self.total_free = {f: sum(self.cap[o] for o in ms) for f, ms in self.members.items()}
+        self.gpn = {f: max(self.cap[o] for o in ms) for f, ms in self.members.items()}
+        self.max_cap = max(self.cap, default=0)
+        self.free_buckets: dict[str, list[list[int]]] = {
+            f: [[] for _ in range(self.max_cap + 1)] for f in self.members
+        }
+        for f, ms in self.members.items():
+            for o in ms:
+                self.free_buckets[f][self.cap[o]].append(o)  # ordinals ascending: already a heap
+
+
+_last_topology: tuple[Topology, _TopologyIndex] | None = None
+
+
+def _topology_index(topology: Topology) -> _TopologyIndex:
+    """The index of ``topology``, reused while callers pass the same (frozen) object:
+    the simulator and the placer service place on one topology many times."""
+    global _last_topology
+    last = _last_topology
+    if last is not None and last[0] is topology:
+        return last[1]
+    index = _TopologyIndex(topology)
+    _last_topology = (topology, index)
+    return index
+
+
 class Cluster:
     """Mutable free-GPU bookkeeping for one placement call."""
 
@@ -29,13 +73,15 @@ class Cluster:
         previous: Mapping[str, tuple[GpuRef, ...]],
         gpu_types: Mapping[str, str] | None,
     ) -> None:
-        nodes = topology.nodes
-        self.node_ids = [n.node_id for n in nodes]
-        self.cap = [len(n.gpu_indices) for n in nodes]
-        self.free = list(self.cap)
-        self.free_idx: list[list[int]] = [sorted(n.gpu_indices) for n in nodes]
-        ord_of = {n.node_id: o for o, n in enumerate(nodes)}
-        usable = [frozenset(n.gpu_indices) for n in nodes]
+        ti = _topology_index(topology)
+        # Shared with other calls on the same topology, read only: node_ids, cap,
+        # node_families, members, gpn.
+        self.node_ids = ti.node_ids
+        self.cap = ti.cap
+        self.free = list(ti.cap)
+        self.free_idx: list[list[int]] = [list(idx) for idx in ti.sorted_idx]
+        ord_of = ti.ord_of
+        usable = ti.usable
         types = gpu_types or {}
 
         self.shares: dict[str, int] = {}
@@ -47,21 +93,15 @@ class Cluster:
         self.family: dict[str, str] = {j: types.get(j, "") or "" for j in self.shares}
 
         # Families: "" holds every node, a type holds the nodes of that type.
-        self.node_families: list[tuple[str, ...]] = [("", n.gpu_type) if n.gpu_type else ("",) for n in nodes]
-        self.members: dict[str, list[int]] = {}
-        for o, fams in enumerate(self.node_families):
-            for f in fams:
-                self.members.setdefault(f, []).append(o)
-        self.total_free: dict[str, int] = {f: sum(self.cap[o] for o in ms) for f, ms in self.members.items()}
-        self.gpn: dict[str, int] = {f: max(self.cap[o] for o in ms) for f, ms in self.members.items()}
-        self.max_cap = max(self.cap, default=0)
+        self.node_families: list[tuple[str, ...]] = ti.node_families
+        self.members: dict[str, list[int]] = ti.members
+        self.total_free: dict[str, int] = dict(ti.total_free)
+        self.gpn: dict[str, int] = ti.gpn
+        self.max_cap = ti.max_cap
         # free_buckets[family][k]: heap of node ordinals whose free count was k when pushed.
         self.free_buckets: dict[str, list[list[int]]] = {
-            f: [[] for _ in range(self.max_cap + 1)] for f in self.members
+            f: [list(b) for b in buckets] for f, buckets in ti.free_buckets.items()
         }
-        for f, ms in self.members.items():
-            for o in ms:
-                self.free_buckets[f][self.free[o]].append(o)  # ordinals ascending: already a heap
 
         # Previous GPUs still usable, on nodes the job may use: job -> node -> sorted indices.
         self.prev: dict[str, dict[int, list[int]]] = {}

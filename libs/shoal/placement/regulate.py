@@ -38,6 +38,7 @@ Choices where the paper is silent (documented here, tested in tests/placement):
 
 from __future__ import annotations
 
+import functools
 import heapq
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Mapping
@@ -129,6 +130,20 @@ class _Feasible:
         return bisect_right(self.counts, hi) > bisect_left(self.counts, lo)
 
 
+@functools.lru_cache(maxsize=4096)
+def _feasible_cached(counts: tuple[int, ...] | None, limit: int) -> _Feasible:
+    return _Feasible(counts, limit)
+
+
+def _feasible_of(counts: tuple[int, ...] | None, limit: int) -> _Feasible:
+    """A (shared, never mutated) :class:`_Feasible`: most jobs have one of a few shapes,
+    so regulating every decision would otherwise rebuild the same ones."""
+    try:
+        return _feasible_cached(counts, limit)
+    except TypeError:  # unhashable counts (a list): build it
+        return _Feasible(counts, limit)
+
+
 def _sizes_down(start: int, g: int, subs: tuple[int, ...]) -> Iterator[int]:
     """Regulated sizes ``<= start``, decreasing (``g <= 1``: every size)."""
     if g <= 1:
@@ -209,7 +224,7 @@ def regulate_shares(
         if s < 0:
             raise ValueError(f"negative share {s} for {job!r}")
         planned += s
-        f = feas[job] = _Feasible(feasible.get(job), total_gpus)
+        f = feas[job] = _feasible_of(feasible.get(job), total_gpus)
         r = 0
         if s > 0:
             # AFS appendix E, Proposition 2: x_i, restricted to the job's feasible counts.

@@ -93,6 +93,27 @@ DEFAULT_UNIT_S = 7200.0
 _LEASE_EPS = 1e-6
 
 
+_LADDERS: dict[tuple[Any, ...], tuple[Ladder, int]] = {}
+"""Memo: a job's ladder and smallest count depend only on the fields of the key, and a
+long queue holds many jobs of a few shapes (a ladder is never mutated)."""
+
+
+def _ladder(job: JobView) -> tuple[Ladder, int]:
+    """``(Ladder(job), Ladder(job).first())``, shared between jobs of the same shape."""
+    key = (job.elastic, job.requested_gpus, job.min_gpus, job.max_gpus, job.allowed_gpu_counts)
+    try:
+        hit = _LADDERS.get(key)
+    except TypeError:  # a hand-built view with a list of allowed counts
+        ladder = Ladder(job)
+        return ladder, ladder.first()
+    if hit is None:
+        ladder = Ladder(job)
+        hit = (ladder, ladder.first())
+        if len(_LADDERS) < 4096:
+            _LADDERS[key] = hit
+    return hit
+
+
 class _Entry:
     """One job's working record during a decision."""
 
@@ -101,8 +122,7 @@ class _Entry:
     def __init__(self, job: JobView, rank: int, *, length_aware: bool) -> None:
         self.job = job
         self.rank = rank
-        self.ladder = Ladder(job)
-        self.first = self.ladder.first()
+        self.ladder, self.first = _ladder(job)
         self.remaining = job.remaining_iterations if length_aware else None
         # count 0 (not growable in stage two): p' is not needed until a share is set.
         self.count = 0
@@ -431,8 +451,16 @@ class AFSP:
 
             held = sorted((e for e in entries if e.job.job_id in leases), key=by_counter)
             free = _fill_smallest_shares(held, total)
-            waiting = sorted((e for e in entries if e.job.job_id not in leases), key=by_counter)
-            free = _fill_smallest_shares(waiting, free)
+            # The same pass over the waiting jobs in (counter, rank) order, popped from a
+            # heap only until the GPUs run out (keys are unique: the same order as a sort,
+            # without sorting a long queue that mostly gets nothing).
+            heap = [(counters[e.job.job_id], e.rank, e) for e in entries if e.job.job_id not in leases]
+            heapq.heapify(heap)
+            while free > 0 and heap:
+                e = heapq.heappop(heap)[2]
+                if not e.count and e.first and e.first <= free:
+                    e.set_count(e.first)
+                    free -= e.first
         if free > 0:
             stage_two = afs_p_stage_two_naive if self._naive else afs_p_stage_two_fast
             stage_two(entries, free)

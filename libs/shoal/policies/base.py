@@ -9,6 +9,7 @@ lease counters, queues …) and returns a :class:`Decision`. The allocator recor
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -79,13 +80,40 @@ def feasible_counts(job: JobView) -> tuple[int, ...]:
     Non-elastic jobs get exactly ``requested_gpus``; elastic jobs anything in
     ``[min_gpus, max_gpus]`` that ``allowed_gpu_counts`` (when set) permits.
     """
-    if not job.elastic:
-        return (job.requested_gpus,)
-    counts = range(job.min_gpus, job.max_gpus + 1)
-    if job.allowed_gpu_counts:
-        allowed = set(job.allowed_gpu_counts)
+    allowed = job.allowed_gpu_counts
+    if allowed is not None and not isinstance(allowed, tuple):
+        allowed = tuple(allowed)  # a hand-built view may pass a list
+    return _feasible_counts(job.elastic, job.requested_gpus, job.min_gpus, job.max_gpus, allowed)
+
+
+@functools.lru_cache(maxsize=4096)
+def _feasible_counts(
+    elastic: bool, requested: int, min_gpus: int, max_gpus: int, allowed_gpu_counts: tuple[int, ...] | None
+) -> tuple[int, ...]:
+    """:func:`feasible_counts` of the fields it reads (memoised: a decision asks for
+    every job's counts several times, and most jobs share a few shapes)."""
+    if not elastic:
+        return (requested,)
+    counts = range(min_gpus, max_gpus + 1)
+    if allowed_gpu_counts:
+        allowed = set(allowed_gpu_counts)
         return tuple(c for c in counts if c in allowed)
     return tuple(counts)
+
+
+_last_index: tuple[ClusterView, dict[str, JobView]] | None = None
+
+
+def jobs_by_id(view: ClusterView) -> dict[str, JobView]:
+    """job id -> job of ``view`` (the last view's index is reused: the allocator checks
+    and packs each decision against the same view several times). Do not mutate it."""
+    global _last_index
+    last = _last_index
+    if last is not None and last[0] is view:
+        return last[1]
+    index = {j.job_id: j for j in view.jobs}
+    _last_index = (view, index)
+    return index
 
 
 class DecisionError(ValueError):
@@ -95,7 +123,7 @@ class DecisionError(ValueError):
 def check_decision(view: ClusterView, decision: Decision) -> None:
     """Raise :class:`DecisionError` unless the decision respects every job's
     feasible counts and gives out no more GPUs than exist."""
-    jobs = {j.job_id: j for j in view.jobs}
+    jobs = jobs_by_id(view)
     total = 0
     for job_id, gpus in decision.shares.items():
         if job_id not in jobs:
