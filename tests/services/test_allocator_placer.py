@@ -158,3 +158,29 @@ async def test_restart_resumes_from_its_snapshot_and_decides_the_same(bus: Bus) 
     assert [d.epoch for d in decisions] == list(range(1, len(decisions) + 1))
     state, _ = await fold_log(bus, st.ClusterState(), st.apply)
     assert st.digest(state) == st.digest(second.projection.state)
+
+
+async def test_placer_places_only_the_newest_epoch_of_a_backlog(bus: Bus) -> None:
+    """Decisions that a newer one superseded before the placer got to them are never placed:
+    no node daemon is sent to a shape that is already stale."""
+    await bus.publish_many(
+        [
+            node("n0"),
+            job("a", 1),
+            job("b", 1),
+            ev.SharesDecided(epoch=1, shares={"a": 1}, trigger="arrival"),
+            ev.SharesDecided(epoch=2, shares={"a": 1, "b": 1}, trigger="arrival"),
+            ev.SharesDecided(epoch=3, shares={"b": 2}, trigger="completion"),
+        ]
+    )
+    placer = PlacerService(bus, holder="p1", clock=WallClock())
+    stop = asyncio.Event()
+    task = asyncio.create_task(placer.run(stop))
+    try:
+        await wait_until(lambda: placer.projection.state.placement_epoch == 3)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+    placed = await events_of(bus, ev.PlacementDecided)
+    assert [p.epoch for p in placed] == [3]
+    assert {j: len(g) for j, g in placed[0].placements.items()} == {"b": 2}
