@@ -30,9 +30,10 @@ async def test_submission_to_placement(nats_url: str, prefix: str) -> None:
     r = await bench.latency_case(nats_url, prefix, active=5, probes=3, nodes=3, probe_timeout_s=15)
     assert len(r["placed_ms"]) == 3
     assert all(0 < ms < 15_000 for ms in r["placed_ms"])
-    # The reply comes before the share decision, which comes before the placement.
+    # The share decision comes before the placement. (Admission replies once its own
+    # projection has folded the submission, which may be after the allocator decided.)
     for reply, shared, placed in zip(r["reply_ms"], r["shared_ms"], r["placed_ms"], strict=True):
-        assert reply <= shared <= placed
+        assert reply > 0 and shared <= placed
     assert r["active_at_end"] == 5  # every probe was cancelled again
     assert r["decisions"] >= 1 + 3
 
