@@ -176,6 +176,8 @@ class Controller:
         self._last_report = 0.0
         self._recovering = False
         self._closing = False
+        self._queued: tuple[int, tuple[GpuRef, ...]] | None = None
+        """The newest order waiting for a cancelled reconfiguration to settle."""
 
     # -- lifetime ----------------------------------------------------------------------
 
@@ -244,11 +246,16 @@ class Controller:
         return gpus
 
     async def apply(self, order: ev.Reconfigure) -> str:
-        """Handle one order: ``stale``, ``rejected``, ``unchanged`` or ``started``.
+        """Handle one order: ``stale``, ``rejected``, ``unchanged``, ``queued`` or ``started``.
 
         A stale epoch (at or below the newest seen) is ignored. A malformed order is
         reported as ``ReconfigurationFailed`` and changes nothing. A newer order cancels
-        the reconfiguration in flight at its earliest safe point (CoDDL §4.3).
+        the reconfiguration in flight at its earliest safe point (CoDDL §4.3) and is
+        ``queued``: it starts as soon as the cancelled one has settled (cancelled, or
+        completed when it was past its last safe point). ``apply`` never waits for that,
+        so a burst of orders is taken in as fast as it comes, and only the newest queued
+        order ever starts (the ones it replaced in the queue never began, so they have
+        nothing to report).
         """
         if order.epoch <= self.epoch:
             log.info("stale_order_ignored", job_id=self.job_id, epoch=order.epoch, newest=self.epoch)
@@ -260,31 +267,51 @@ class Controller:
             await self.emit(ev.ReconfigurationFailed(job_id=self.job_id, epoch=order.epoch, reason=str(exc)))
             return "rejected"
         self.epoch = order.epoch
-        if self.inflight is not None:
-            await self._cancel_inflight(order.epoch)
-        if self.done.is_set():
+        inflight = self.inflight
+        if self._recovering or (inflight is not None and inflight.task is not None):
+            if self._queued is not None:
+                log.info("queued_order_replaced", job_id=self.job_id, epoch=self._queued[0], by=order.epoch)
+            self._queued = (order.epoch, gpus)
+            if inflight is not None and inflight.cancel_by < 0:
+                inflight.cancel_by = order.epoch
+                inflight.cancel_at = time.monotonic()
+                await self._notify()
+            return "queued"
+        return await self._begin(order.epoch, gpus)
+
+    async def _begin(self, epoch: int, gpus: tuple[GpuRef, ...]) -> str:
+        """Start the reconfiguration to ``gpus`` for ``epoch`` (nothing is in flight)."""
+        if self.done.is_set() or self._closing:
             return "unchanged"
         current = self.current.gpus if self.current is not None else ()
         if gpus == current:
             return "unchanged"
         kind = self._classify(current, gpus)
         record = ReconfigurationRecord(
-            epoch=order.epoch,
+            epoch=epoch,
             kind=kind,
             from_world=len(current),
             to_world=len(gpus),
             started=time.monotonic(),
         )
         self.history.append(record)
-        inflight = _InFlight(epoch=order.epoch, kind=kind, target=gpus, record=record)
+        inflight = _InFlight(epoch=epoch, kind=kind, target=gpus, record=record)
         self.inflight = inflight
         await self.emit(
             ev.ReconfigurationStarted(
-                job_id=self.job_id, epoch=order.epoch, kind=kind, from_world=len(current), to_world=len(gpus)
+                job_id=self.job_id, epoch=epoch, kind=kind, from_world=len(current), to_world=len(gpus)
             )
         )
         inflight.task = self._spawn_task(self._run_reconfiguration(inflight))
         return "started"
+
+    async def _start_queued(self) -> None:
+        """After a reconfiguration settled: start the newest order that waited for it."""
+        queued, self._queued = self._queued, None
+        if queued is None or self.inflight is not None:
+            self._queued = queued if self.inflight is not None else None
+            return
+        await self._begin(*queued)
 
     def _classify(self, current: tuple[GpuRef, ...], target: tuple[GpuRef, ...]) -> str:
         if not target:
@@ -300,8 +327,10 @@ class Controller:
         return "migrate"
 
     async def wait_idle(self, timeout_s: float) -> None:
-        """Until no reconfiguration is in flight."""
-        await self._wait(lambda: self.inflight is None, timeout_s, "reconfiguration to finish")
+        """Until no reconfiguration is in flight or waiting to start."""
+        await self._wait(
+            lambda: self.inflight is None and self._queued is None, timeout_s, "reconfiguration to finish"
+        )
 
     # -- the reconfigurations ----------------------------------------------------------------
 
@@ -352,6 +381,8 @@ class Controller:
             if self.inflight is inflight:
                 self.inflight = None
             await self._notify()
+            if self._queued is not None and not self._recovering:
+                await self._start_queued()
 
     async def _phase(self, inflight: _InFlight, name: str, since: float) -> float:
         now = time.monotonic()
@@ -591,6 +622,8 @@ class Controller:
             await self._run_reconfiguration(inflight)
         finally:
             self._recovering = False
+            if self._queued is not None and self.inflight is None:
+                await self._start_queued()
 
     async def _regroup(self, cur: Generation, alive: tuple[int, ...], dead: Worker) -> bool:
         """Approximate recovery: the survivors form a new group at once and finish the step."""
