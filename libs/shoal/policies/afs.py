@@ -413,54 +413,75 @@ class AFSP:
         self.unit_s = float(unit_s)
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
-        """Processor sharing by counters when jobs exceed GPUs, then eq. (3) by ``f``."""
+        """Processor sharing by counters when jobs exceed GPUs, then eq. (3) by ``f``.
+
+        A long queue mostly waits: per waiting job this does only a few C-level steps
+        (its counter, a heap entry); the per-job working record (:class:`_Entry`) is
+        made only for the jobs the passes actually look at.
+        """
         now = view.now_s
         unit = self.unit_s
-        entries = _entries(view, length_aware=False)
+        jobs = arrival_order(view.jobs)
+        ids = [j.job_id for j in jobs]
+        rank_of = {job_id: rank for rank, job_id in enumerate(ids)}
         old_counters: Mapping[str, Any] = memory.get("counters") or {}
         old_leases: Mapping[str, Any] = memory.get("leases") or {}
-        counters: dict[str, int] = {}
         leases: dict[str, float] = {}
-        for e in entries:
-            job_id = e.job.job_id
-            counter = int(old_counters.get(job_id, 0))
-            start = old_leases.get(job_id)
-            if start is not None:
-                start = float(start)
-                # Every whole unit executed since the lease started adds one (§3.3); the
-                # lease goes on in phase, so a unit in progress is not lost.
-                units = max(0, int((now - start) / unit + _LEASE_EPS))  # clock skew: no negative
-                counter += units
-                start += units * unit
-                if units == 0 or now - start > _LEASE_EPS:
-                    leases[job_id] = start  # mid-unit: held (non-preemptive)
-                # else: the unit ended just now, the job is evicted.
-            counters[job_id] = counter
+        bumped: dict[str, int] = {}
+        for job_id, start in old_leases.items():
+            if job_id not in rank_of:
+                continue  # finished
+            start = float(start)
+            # Every whole unit executed since the lease started adds one (§3.3); the
+            # lease goes on in phase, so a unit in progress is not lost.
+            units = max(0, int((now - start) / unit + _LEASE_EPS))  # clock skew: no negative
+            bumped[job_id] = int(old_counters.get(job_id, 0)) + units
+            start += units * unit
+            if units == 0 or now - start > _LEASE_EPS:
+                leases[job_id] = start  # mid-unit: held (non-preemptive)
+            # else: the unit ended just now, the job is evicted.
+        get_old = old_counters.get
+        counters = [bumped[j] if j in bumped else int(get_old(j, 0)) for j in ids]
+
+        made: dict[int, _Entry] = {}
+
+        def entry(rank: int) -> _Entry:
+            e = made.get(rank)
+            if e is None:
+                e = made[rank] = _Entry(jobs[rank], rank, length_aware=False)
+            return e
 
         total = view.total_gpus
-        need = sum(e.first for e in entries)
-        contended = need > total
+        need = 0
+        contended = False
+        for job in jobs:
+            need += _ladder(job)[1]
+            if need > total:
+                contended = True
+                break
         if not contended:
             # Every job fits at its smallest share: counters are ignored (§3.3).
-            free = _fill_smallest_shares(entries, total)
+            free = _fill_smallest_shares([entry(r) for r in range(len(jobs))], total)
         else:
             # Stage one, processor sharing: jobs holding a lease keep running
             # (non-preemptive); the rest by increasing counter (ties: arrival).
-            def by_counter(e: _Entry) -> tuple[int, int]:
-                return (counters[e.job.job_id], e.rank)
-
-            held = sorted((e for e in entries if e.job.job_id in leases), key=by_counter)
-            free = _fill_smallest_shares(held, total)
+            held_ranks = sorted((counters[rank_of[j]], rank_of[j]) for j in leases)
+            free = _fill_smallest_shares([entry(r) for _, r in held_ranks], total)
             # The same pass over the waiting jobs in (counter, rank) order, popped from a
             # heap only until the GPUs run out (keys are unique: the same order as a sort,
             # without sorting a long queue that mostly gets nothing).
-            heap = [(counters[e.job.job_id], e.rank, e) for e in entries if e.job.job_id not in leases]
+            if held_ranks:
+                skip = {r for _, r in held_ranks}
+                heap = [(c, r) for r, c in enumerate(counters) if r not in skip]
+            else:
+                heap = list(zip(counters, range(len(counters)), strict=True))
             heapq.heapify(heap)
             while free > 0 and heap:
-                e = heapq.heappop(heap)[2]
+                e = entry(heapq.heappop(heap)[1])
                 if not e.count and e.first and e.first <= free:
                     e.set_count(e.first)
                     free -= e.first
+        entries = [made[r] for r in sorted(made)]
         if free > 0:
             stage_two = afs_p_stage_two_naive if self._naive else afs_p_stage_two_fast
             stage_two(entries, free)
@@ -471,7 +492,7 @@ class AFSP:
                 job_id = e.job.job_id
                 new_leases[job_id] = leases.get(job_id, float(now))
         memory_out: dict[str, Any] = {
-            "counters": {j: c for j, c in counters.items() if c},
+            "counters": {j: c for j, c in zip(ids, counters, strict=True) if c},
             "leases": new_leases,
         }
         if contended and new_leases:

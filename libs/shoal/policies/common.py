@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from collections.abc import Iterable, Sequence
 
 from shoal.policies.base import JobView, feasible_counts
 
+_ARRIVAL_KEY = operator.attrgetter("arrival_s", "job_id")
+
 
 def arrival_order(jobs: Iterable[JobView]) -> list[JobView]:
     """Jobs by arrival time, then job id (the deterministic tie-break)."""
-    return sorted(jobs, key=lambda j: (j.arrival_s, j.job_id))
+    return sorted(jobs, key=_ARRIVAL_KEY)
 
 
 def throughput_at(job: JobView, gpus: int) -> float:

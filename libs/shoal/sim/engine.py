@@ -100,7 +100,7 @@ from msgspec import Struct
 from shoal import events as ev
 from shoal.allocation import decide_shares, place
 from shoal.events import GpuInfo
-from shoal.policies.base import ClusterView, Policy
+from shoal.policies.base import ClusterView, JobView, Policy
 from shoal.sim.costs import PRESETS, ReconfigCosts, classify
 from shoal.sim.log import InMemoryLog, VirtualClock
 from shoal.sim.metrics import Series, UserShares, jct_summary
@@ -109,6 +109,16 @@ from shoal.view import cluster_gpus, job_curve, job_view
 from shoal.workloads import TraceJob
 
 _EPS = 1e-6
+
+_VIEW_NEUTRAL = (
+    ev.PlacementDecided,
+    ev.NodeRegistered,
+    ev.UserRegistered,
+    ev.TicketsSet,
+    ev.TradeExecuted,
+    ev.TradeUndone,
+)
+"""Events without a ``job_id`` that change nothing a job's view reads."""
 PROFILING_MODES: tuple[str, ...] = ("oracle", "overestimate")
 
 
@@ -238,6 +248,7 @@ class _Job:
         "reconfigs",
         "requested",
         "resume_at",
+        "seq",
         "settled_at",
         "total",
         "types",
@@ -273,6 +284,8 @@ class _Job:
         """(wait - pending_since) · pend_inv while pending: BI_j(t) = pend_c + t · pend_inv."""
         self.finished_at: float | None = None
         self.reconfigs = 0
+        self.seq = 0
+        """Arrival index: the engine's active-job order (``Simulator.active``)."""
 
     def progress(self, now: float) -> float:
         if self.rate <= 0.0:
@@ -281,6 +294,10 @@ class _Job:
         if now <= start:
             return self.done
         return min(self.total, self.done + self.rate * (now - start))
+
+
+def _seq(job: _Job) -> int:
+    return job.seq
 
 
 def _fit(curve: Sequence[float], width: int) -> tuple[float, ...]:
@@ -370,7 +387,11 @@ class Simulator:
         self._topology: Any = None
         self._node_type: dict[str, str] = {}
         self._placer_keeps_same = cfg.placer == "min-migration"
-        self._view_cache: dict[str, tuple[Any, ...]] = {}
+        self._view_cache: dict[str, JobView] = {}
+        """Views of jobs that hold no GPUs, valid until an event about the job (see _emit)."""
+        self._running: dict[str, _Job] = {}
+        """Jobs that hold GPUs (``job.gpus > 0``); few next to a long queue."""
+        self._arrived = 0
         self.reconfigurations = 0
         self.starts = 0
         self.preemptions = 0
@@ -393,6 +414,22 @@ class Simulator:
     # -- emission --------------------------------------------------------------
 
     def _emit(self, event: ev.Event, at: float | None = None) -> None:
+        cache = self._view_cache
+        if cache:
+            # A cached view stays right while no event about its job is folded: what
+            # job_view reads of a job without GPUs (spec, progress, service, curves,
+            # convergence) changes only with such an event, and its exact progress only
+            # when it gets a share (SharesDecided names it).
+            job_id = getattr(event, "job_id", None)
+            if job_id is not None:
+                cache.pop(job_id, None)
+            elif isinstance(event, ev.SharesDecided):
+                for j in event.shares:
+                    cache.pop(j, None)
+                for j in self.log.state.shares:
+                    cache.pop(j, None)
+            elif not isinstance(event, _VIEW_NEUTRAL):
+                cache.clear()
         self.log.append(event, self.clock.now if at is None else at)
 
     # -- setup -----------------------------------------------------------------
@@ -550,6 +587,8 @@ class Simulator:
                 if curve is not None:
                     by_type[gpu_type] = _fit(curve, width)
         job = _Job(tj, by_type)
+        job.seq = self._arrived
+        self._arrived += 1
         self.jobs[job.id] = job
         self.active[job.id] = job
         self._pend_add(job, now)
@@ -658,14 +697,17 @@ class Simulator:
         wake = memory.get("next_decision_at_s")
         self._wakeup = float(math.ceil(wake - _EPS)) if isinstance(wake, int | float) else None
 
-        current = {j: job.gpus for j, job in active.items() if job.gpus}
+        # The jobs holding GPUs, in arrival order (the order every loop below used to
+        # take over all active jobs: events and heap entries come out the same).
+        running = sorted(self._running.values(), key=_seq)
+        current = {job.id: job.gpus for job in running}
         current_types = {j: state.jobs[j].gpu_type for j in current if state.jobs[j].gpu_type}
         unchanged = shares.shares == current and shares.gpu_types == current_types
         emitted = not unchanged or memory != state.policy_memory
         if emitted:
             # Settle progress under the old rates before the fold sees new shares.
-            for j, job in active.items():
-                if job.gpus and shares.shares.get(j, 0) != job.gpus:
+            for job in running:
+                if shares.shares.get(job.id, 0) != job.gpus:
                     self._settle(job, now, report=True)
             self._emit(shares)
             self._emit_trades(memory)
@@ -683,7 +725,7 @@ class Simulator:
                 self._sample(now)
             return
         else:
-            previous = {j: state.jobs[j].placement for j, job in active.items() if job.gpus}
+            previous = {job.id: state.jobs[job.id].placement for job in running}
             placed, result = place(self._topology, shares, previous, placer=cfg.placer)
             if result.unplaced:
                 self.unplaced_decisions += 1
@@ -699,7 +741,10 @@ class Simulator:
                 self.migrations += placed.migrations
                 self._emit(placed)
 
-        for j, job in active.items():
+        # Only a job that holds GPUs or is given some can change.
+        changing = [active[j] for j in new_alloc if j not in self._running]
+        for job in sorted(running + changing, key=_seq) if changing else running:
+            j = job.id
             new = new_alloc.get(j, 0)
             kind = classify(job.gpus, new, j in moved)
             if kind is None:
@@ -712,9 +757,9 @@ class Simulator:
     def _view(self, now: float) -> ClusterView:
         """What :func:`shoal.view.build_view` returns for the active jobs, with each
         job's exact progress and published curves, built job by job with
-        :func:`shoal.view.job_view`. A job that holds no GPUs and whose inputs did not
-        change since the last decision keeps its previous (frozen) view: in a long queue
-        most jobs wait, and rebuilding their views was most of a decision's cost.
+        :func:`shoal.view.job_view`. A job that holds no GPUs keeps its view until an
+        event about it is folded (:meth:`_emit` drops it then): in a long queue most
+        jobs wait, and rebuilding their views was most of a decision's cost.
         ``tests/sim/test_engine.py`` checks the result equals ``build_view`` at every
         decision."""
         state = self.log.state
@@ -722,39 +767,24 @@ class Simulator:
         cache = self._view_cache
         curves = self.curves
         by_type_all = self.curves_by_type if self.hetero else None
-        views = []
+        views: list[JobView] = []
+        append = views.append
         for job_id, job in self.active.items():
+            hit = cache.get(job_id)
+            if hit is not None:
+                append(hit)
+                continue
             js = jobs[job_id]
             curve = curves.get(job_id)
             if curve is None:
                 curve = job_curve(js)
             by_type = by_type_all.get(job_id) if by_type_all is not None else None
-            done = job.progress(now)
+            view = job_view(
+                job_id, js, now=now, curve=curve, curves_by_type=by_type, iterations_done=job.progress(now)
+            )
             if js.gpus == 0:
-                hit = cache.get(job_id)
-                if (
-                    hit is not None
-                    and hit[0] is curve
-                    and hit[1] is by_type
-                    and hit[2] == done
-                    and hit[3] == js.attained_service_gpu_s
-                    and hit[4] is js.convergence
-                    and hit[5] == js.gpu_type
-                ):
-                    views.append(hit[6])
-                    continue
-            view = job_view(job_id, js, now=now, curve=curve, curves_by_type=by_type, iterations_done=done)
-            if js.gpus == 0:
-                cache[job_id] = (
-                    curve,
-                    by_type,
-                    done,
-                    js.attained_service_gpu_s,
-                    js.convergence,
-                    js.gpu_type,
-                    view,
-                )
-            views.append(view)
+                cache[job_id] = view
+            append(view)
         _, by_gen = cluster_gpus(state)
         return ClusterView(
             now_s=now,
@@ -885,6 +915,7 @@ class Simulator:
             self._bi_s1 = self._bi_s2 = 0.0  # no float residue once the queue is empty
 
     def _run_add(self, job: _Job) -> None:
+        self._running[job.id] = job
         self._n_running += 1
         self._ce_sum += job.rate / job.curve[1]
         held = self._held
@@ -893,6 +924,7 @@ class Simulator:
             held[key] = held.get(key, 0) + n
 
     def _run_remove(self, job: _Job) -> None:
+        del self._running[job.id]
         self._n_running -= 1
         self._ce_sum -= job.rate / job.curve[1]
         if not self._n_running:
