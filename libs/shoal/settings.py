@@ -110,6 +110,10 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     train_device: TrainDevice | None = None
     """Device of real workers; default ``cuda`` on NVML GPUs, ``cpu`` on fake ones (one CPU
     worker slot per fake GPU)."""
+    sidecar_host: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:-]{1,253}$")] = "127.0.0.1"
+    """Address of this node that real sidecars bind their control server and rendezvous
+    store to and advertise to the job's workers on other nodes; the default only reaches
+    workers on the same machine."""
     heartbeat_s: PositiveFloat = 1.0
     lease_ttl_s: PositiveFloat = 3.0
     """Leader lease TTL of the allocator and the placer."""

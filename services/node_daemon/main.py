@@ -13,7 +13,11 @@ default) and get this daemon's settings (URL, prefix, clock, cost model …) as
 ``python -m shoal_services.trainer_sidecar --mode real`` and run the job's
 ``shoal.train`` entrypoint as real worker processes: on NVML GPUs one CUDA worker per
 GPU index, on fake GPUs one CPU (gloo) worker slot per fake GPU (choice: a machine
-without GPUs can still run real training end to end, which is how CI tests it). On ``stop``
+without GPUs can still run real training end to end, which is how CI tests it).
+A job placed on several nodes has one sidecar on each; its workers run on the nodes
+the placement names, and reach the leading sidecar at that node's
+``SHOAL_SIDECAR_HOST`` (default ``127.0.0.1``: set it to the node's address when the
+nodes are separate machines). On ``stop``
 the daemon stops its sidecars (each finishes its current report) and exits; the allocator will notice the missing heartbeats and
 declare the node lost if it does not come back.
 """
@@ -63,7 +67,8 @@ def sidecar_argv(
     Emulated sidecars get their settings from the environment (see :func:`sidecar_env`).
     Real ones (``settings.sidecar_mode == "real"``) take theirs as flags: the server, the
     prefix, this node's devices (CUDA indices of ``gpus``, or one CPU slot per fake
-    GPU), the GPU type and a work directory under the state dir for checkpoints.
+    GPU), the GPU type, a work directory under the state dir for checkpoints, and the
+    address workers on other nodes reach this node's sidecar at (``sidecar_host``).
     """
     if settings is None or settings.sidecar_mode == "emulated":
 
@@ -95,6 +100,7 @@ def sidecar_argv(
             "--job", job_id, "--node", node_id, "--nats-url", nats_url, "--prefix", settings.prefix,
             "--devices", devices, "--device", device, "--gpu-type", gpu_type, "--workdir", workdir,
             "--lease-ttl", repr(settings.lease_ttl_s), "--report-every", repr(settings.report_every_s),
+            "--advertise-host", settings.sidecar_host,
         ]  # fmt: skip
 
     return real_argv

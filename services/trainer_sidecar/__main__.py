@@ -122,6 +122,7 @@ async def _run_real(args: argparse.Namespace, bus: Bus, stop: asyncio.Event) -> 
         ),
         lease_ttl_s=args.lease_ttl,
         report_every_s=args.report_every,
+        advertise_host=args.advertise_host,
     )
     try:
         await run_with_stdin_orders(sidecar, stop)
@@ -152,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     real.add_argument("--collective-timeout", type=float, default=30.0)
     real.add_argument("--rendezvous-timeout", type=float, default=120.0)
     real.add_argument("--checkpoint-every", type=int, default=200)
+    real.add_argument(
+        "--advertise-host",
+        default="127.0.0.1",
+        help="address of this node that workers on other nodes reach (leader's control server and store)",
+    )
     args = p.parse_args(argv)
     return asyncio.run(main_async(args))
 

@@ -1,18 +1,40 @@
-"""The real trainer sidecar: runs a ``shoal.train`` job's worker processes on this node.
+"""The real trainer sidecar: runs a ``shoal.train`` job's worker processes.
 
 It reads the same ``Reconfigure`` order stream on stdin as the emulated trainer
 (one JSON object per line, from the node daemon) and reports the same events, so
 the node daemon treats both modes alike.
 
+One sidecar per job per node: the node daemon of every node the job is placed on
+starts one and sends it the job's whole GPU set at each epoch.
+
 Leadership (EDL §4.1): the job's sidecars campaign for the lease ``train.<job>`` in
 JetStream KV. Only the leader runs the :class:`~shoal.train.controller.Controller`
-(worker processes, rendezvous store, control server). The others follow the order
-stream and campaign; when the leader's lease lapses (it died) one of them takes
-over and starts the job from the newest order, restoring the checkpoint named in
-the job metadata. A leader that leaves on purpose (stdin closed, SIGTERM)
+(rendezvous store, control server, the job's generations). The others follow the
+order stream and campaign; when the leader's lease lapses (it died) one of them
+takes over and starts the job from the newest order, restoring the checkpoint named
+in the job metadata. A leader that leaves on purpose (stdin closed, SIGTERM)
 checkpoints, writes the metadata (checkpoint directory, step, epoch) to the KV
 bucket ``<P>_TRAIN_META`` and releases the lease, so the next leader takes over at
 once instead of after the TTL.
+
+Workers run on the nodes the placement names (see ``remote.py``): the leader starts
+those of its own node as its children, and those of another node through that
+node's sidecar of the job, which runs them as its children (they die with it) and
+reports their exits. A GPU of another node is valid when the node registered it
+(``NodeRegistered`` in the log); the worker start then waits (up to the rendezvous
+timeout) for the node's sidecar to answer, since the node daemons start a job's
+sidecars at the same time. Workers reach the leader's control server and rendezvous
+store at ``advertise_host`` (``--advertise-host``, ``SHOAL_SIDECAR_HOST`` through
+the node daemon): the default ``127.0.0.1`` only serves a job whose nodes share one
+machine; across machines it must be an address of the leader's node that the others
+reach (and gloo may need ``GLOO_SOCKET_IFNAME`` in ``spec.env``). The checkpoint
+directory must be storage that every node of the job sees, as for a leader
+handover.
+
+A follower that is stopped (the job left its node) gives the workers it hosts
+``drain_s`` to leave at the switch of the graceful scale-in before it kills them; a
+worker that dies with its node reaches the leader as a worker death, which the
+controller recovers from.
 
 What the job runs comes from its ``JobSubmitted``: ``spec.entrypoint`` is the
 worker command, ``spec.env`` its extra environment. ``SHOAL_TRAIN_API=0`` in
@@ -45,6 +67,8 @@ from shoal.log import bound_job
 from shoal.telemetry import extract
 from shoal.train.config import ENV_PREFIX, TrainConfig
 from shoal.train.controller import Controller, OrderError
+from shoal.train.launch import LaunchRequest, WorkerProcess, launch_local
+from shoal_services.trainer_sidecar.remote import RemoteWorkers, WorkerHost
 
 log = structlog.get_logger("shoal.sidecar.real")
 
@@ -66,6 +90,9 @@ class RealSidecar:
         lease_ttl_s: float = 3.0,
         report_every_s: float = 1.0,
         allowance_s: float = 0.5,
+        advertise_host: str = "127.0.0.1",
+        drain_s: float = 5.0,
+        poll_s: float = 1.0,
     ) -> None:
         self.bus = bus
         self.job_id = job_id
@@ -78,6 +105,9 @@ class RealSidecar:
         self.lease_ttl_s = lease_ttl_s
         self.report_every_s = report_every_s
         self.allowance_s = allowance_s
+        self.advertise_host = advertise_host
+        self.drain_s = drain_s
+        self.poll_s = poll_s
         self.holder = f"{node_id}-{os.getpid()}"
         self.commands: asyncio.Queue[ev.Reconfigure] = asyncio.Queue()
         self.order_context: dict[int, dict[str, str]] = {}
@@ -87,11 +117,18 @@ class RealSidecar:
         self.spec: ev.JobSpec | None = None
         self._meta_kv: object = None
         self._completed = False
+        self.node_gpus: dict[str, frozenset[int]] = {}
+        """GPU indices other nodes registered (``NodeRegistered``), learnt as orders name them."""
+        self.remote: RemoteWorkers | None = None
+        """The leader's launcher for workers on other nodes."""
+        self.host: WorkerHost | None = None
+        """Runs the workers a leader on another node asks this node for."""
+        self._leading = False
 
     # -- what the job is ------------------------------------------------------------------
 
-    async def _last_event(self, name: str) -> ev.Event | None:
-        subject = f"{self.bus.names.prefix}.job.{self.job_id}.{name}"
+    async def _last_event(self, name: str, aggregate: str = "job", key: str = "") -> ev.Event | None:
+        subject = f"{self.bus.names.prefix}.{aggregate}.{key or self.job_id}.{name}"
         try:
             raw = await self.bus.js.get_last_msg(self.bus.names.events_stream, subject)
         except nats.js.errors.NotFoundError:
@@ -108,16 +145,54 @@ class RealSidecar:
         return submitted.spec
 
     def gpu_index(self, gpu: GpuRef) -> int:
+        """The GPU's device index (CUDA) or CPU slot on its own node.
+
+        Raises:
+            OrderError: a GPU this node does not have, or another node did not register.
+        """
+        if gpu.node_id == self.node_id:
+            if gpu.index not in self.devices:
+                raise OrderError(
+                    f"unknown GPU {gpu.node_id}/{gpu.index}: node {self.node_id} has {list(self.devices)}"
+                )
+            return gpu.index
+        known = self.node_gpus.get(gpu.node_id)
+        if known is None:
+            raise OrderError(f"unknown GPU {gpu.node_id}/{gpu.index}: node {gpu.node_id} is not registered")
+        if gpu.index not in known:
+            raise OrderError(
+                f"unknown GPU {gpu.node_id}/{gpu.index}: node {gpu.node_id} registered {sorted(known)}"
+            )
+        return gpu.index  # the node's sidecar resolves it to its own device
+
+    def own_gpu_index(self, gpu: GpuRef) -> int:
+        """:meth:`gpu_index` for a GPU that must be on this node (a spawn from the leader)."""
         if gpu.node_id != self.node_id:
-            raise OrderError(
-                f"GPU {gpu.node_id}/{gpu.index} is not on node {self.node_id}: "
-                "real mode runs a job's workers on its leader's node only"
-            )
-        if gpu.index not in self.devices:
-            raise OrderError(
-                f"unknown GPU {gpu.node_id}/{gpu.index}: node {self.node_id} has {list(self.devices)}"
-            )
-        return gpu.index
+            raise OrderError(f"GPU {gpu.node_id}/{gpu.index} is not on node {self.node_id}")
+        return self.gpu_index(gpu)
+
+    async def learn_nodes(self, gpus: Sequence[GpuRef]) -> None:
+        """Read the registration of every other node ``gpus`` name that is not known yet
+        (or lacks a GPU named: the node may have registered again)."""
+        for node in sorted({g.node_id for g in gpus} - {self.node_id}):
+            known = self.node_gpus.get(node, frozenset())
+            if all(g.index in known for g in gpus if g.node_id == node):
+                continue
+            try:
+                registered = await self._last_event("registered", aggregate="node", key=node)
+            except Exception as exc:  # the order is then rejected as naming an unknown node
+                log.warning("node_lookup_failed", job_id=self.job_id, node=node, error=str(exc))
+                continue
+            if isinstance(registered, ev.NodeRegistered):
+                self.node_gpus[node] = frozenset(g.index for g in registered.gpus)
+
+    async def _launch(self, request: LaunchRequest) -> WorkerProcess:
+        """The controller's launcher: a child here, or a child of the GPU's node's sidecar."""
+        if request.gpu.node_id == self.node_id:
+            log_dir = self.workdir / self.job_id / self.holder / "logs"
+            return await launch_local(request, device_index=self.gpu_index(request.gpu), log_dir=log_dir)
+        assert self.remote is not None
+        return await self.remote.launch(request)
 
     # -- events -------------------------------------------------------------------------------
 
@@ -158,6 +233,10 @@ class RealSidecar:
     async def _lead(self) -> None:
         """Became leader: start the controller on the newest order, from the handed-over state."""
         assert self.spec is not None
+        self._leading = True
+        if self.host is not None:
+            # Workers this node ran for the previous leader belong to no generation now.
+            await self.host.drop_others(self.holder)
         meta = await self.read_meta()
         checkpoint_dir = str(meta.get("checkpoint_dir") or self.workdir / self.job_id / "checkpoint")
         env = dict(self.spec.env)
@@ -170,6 +249,15 @@ class RealSidecar:
             except ValueError as exc:
                 log.error("bad_job_train_options", job_id=self.job_id, error=str(exc))
         train = msgspec.structs.replace(train, checkpoint_dir=checkpoint_dir)
+        self.remote = RemoteWorkers(
+            self.bus.nc,
+            self.bus.names.prefix,
+            self.job_id,
+            self.holder,
+            spawn_timeout_s=train.rendezvous_timeout_s,
+            poll_s=self.poll_s,
+        )
+        await self.remote.start()
         self.controller = Controller(
             job_id=self.job_id,
             argv=self.spec.entrypoint,
@@ -184,6 +272,8 @@ class RealSidecar:
             allowance_s=self.allowance_s,
             report_every_s=self.report_every_s,
             gpu_type=self.gpu_type,
+            host=self.advertise_host,
+            launch=self._launch,
         )
         await self.controller.start()
         await self.write_meta()
@@ -198,6 +288,10 @@ class RealSidecar:
         with contextlib.suppress(Exception):
             await self.write_meta()
         self.controller = None
+        if self.remote is not None:
+            await self.remote.close()
+            self.remote = None
+        self._leading = False
 
     async def _complete(self) -> None:
         ctl = self.controller
@@ -228,11 +322,30 @@ class RealSidecar:
                 lease.revision = None
             if lease.is_leader != was:
                 changed.set()
+            if not lease.is_leader and self.host is not None and self.host.leaders():
+                # Workers run here for a leader that no longer holds the lease (it died):
+                # they must not outlive it. The grace covers a lease read that lags a spawn.
+                with contextlib.suppress(Exception):
+                    await self.host.drop_others(await lease.holder_now(), grace_s=self.lease_ttl_s)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.lease_ttl_s / 3)
 
+    def _refuse_spawn(self) -> str:
+        return f"the sidecar on {self.node_id} leads job {self.job_id}" if self._leading else ""
+
     async def run(self, stop: asyncio.Event) -> None:
         await self.load()
+        # Serve the leader's worker starts at once: it may be waiting for this node.
+        self.host = WorkerHost(
+            self.bus.nc,
+            self.bus.names.prefix,
+            self.job_id,
+            self.node_id,
+            resolve=self.own_gpu_index,
+            log_dir=self.workdir / self.job_id / self.holder / "logs",
+            refuse=self._refuse_spawn,
+        )
+        await self.host.start()
         # torch's import takes seconds: do it before campaigning, off the event loop.
         await asyncio.to_thread(importlib.import_module, "torch.distributed")
         lease: LeaderLease = await self.bus.lease(f"train.{self.job_id}", self.holder, ttl_s=self.lease_ttl_s)
@@ -258,6 +371,7 @@ class RealSidecar:
             if lease.is_leader:
                 await self._resign(checkpoint=True)
                 await lease.release()
+            await self.host.close(drain_s=self.drain_s)
 
     async def _on_order(self, order: ev.Reconfigure) -> None:
         """One order, in a span ``sidecar.reconfigure`` that continues the node daemon's
@@ -283,6 +397,7 @@ class RealSidecar:
                 span.set_attribute("shoal.outcome", outcome)
 
     async def _take_order(self, order: ev.Reconfigure) -> str | None:
+        await self.learn_nodes(order.gpus)
         if self.newest is None or order.epoch > self.newest.epoch:
             # A follower keeps the newest valid order to start from if it takes over.
             try:

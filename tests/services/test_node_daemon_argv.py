@@ -40,6 +40,17 @@ def test_real_mode_on_fake_gpus_runs_one_cpu_slot_per_gpu(tmp_path: Path) -> Non
     assert (flag(argv, "--device"), flag(argv, "--gpu-type")) == ("cpu", "T4")
     assert parse_devices(flag(argv, "--devices")) == (0, 1, 2)
     assert flag(argv, "--workdir") == str(tmp_path / "train")
+    # Workers of a job spanning nodes reach its leading sidecar here: same machine by default.
+    assert flag(argv, "--advertise-host") == "127.0.0.1"
+
+
+def test_real_mode_advertises_the_configured_sidecar_host(tmp_path: Path) -> None:
+    env = {"SHOAL_SIDECAR_MODE": "real", "SHOAL_SIDECAR_HOST": "10.0.0.7"}
+    settings = Settings.load(env=env, state_dir=str(tmp_path))
+    argv = list(sidecar_argv("n0", settings, fake_gpus(1), True, "nats://h:1")("j1"))
+    assert flag(argv, "--advertise-host") == "10.0.0.7"
+    with pytest.raises(SettingsError, match="SHOAL_SIDECAR_HOST"):
+        Settings.load(env={"SHOAL_SIDECAR_HOST": "a b"}, state_dir=str(tmp_path))
 
 
 @pytest.mark.parametrize(("indices", "expected"), [((2,), (2,)), ((0, 1, 3), (0, 1, 3))])

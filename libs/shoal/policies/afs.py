@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -423,7 +424,7 @@ class AFSP:
         unit = self.unit_s
         jobs = arrival_order(view.jobs)
         ids = [j.job_id for j in jobs]
-        rank_of = {job_id: rank for rank, job_id in enumerate(ids)}
+        rank_of = dict(zip(ids, range(len(ids)), strict=True))
         old_counters: Mapping[str, Any] = memory.get("counters") or {}
         old_leases: Mapping[str, Any] = memory.get("leases") or {}
         leases: dict[str, float] = {}
@@ -440,8 +441,10 @@ class AFSP:
             if units == 0 or now - start > _LEASE_EPS:
                 leases[job_id] = start  # mid-unit: held (non-preemptive)
             # else: the unit ended just now, the job is evicted.
-        get_old = old_counters.get
-        counters = [bumped[j] if j in bumped else int(get_old(j, 0)) for j in ids]
+        # Counters in memory are ints (this policy writes them).
+        counters: list[int] = list(map(old_counters.get, ids, itertools.repeat(0)))
+        for job_id, counter in bumped.items():
+            counters[rank_of[job_id]] = counter
 
         made: dict[int, _Entry] = {}
 
@@ -470,14 +473,16 @@ class AFSP:
             # The same pass over the waiting jobs in (counter, rank) order, popped from a
             # heap only until the GPUs run out (keys are unique: the same order as a sort,
             # without sorting a long queue that mostly gets nothing).
-            if held_ranks:
-                skip = {r for _, r in held_ranks}
-                heap = [(c, r) for r, c in enumerate(counters) if r not in skip]
-            else:
-                heap = list(zip(counters, range(len(counters)), strict=True))
+            heap: list[tuple[float, int]] = list(zip(counters, range(len(counters)), strict=True))
+            skip = {r for _, r in held_ranks}
+            for r in skip:
+                heap[r] = (math.inf, r)  # not a waiting job: skipped if ever popped
             heapq.heapify(heap)
             while free > 0 and heap:
-                e = entry(heapq.heappop(heap)[1])
+                r = heapq.heappop(heap)[1]
+                if r in skip:
+                    continue
+                e = entry(r)
                 if not e.count and e.first and e.first <= free:
                     e.set_count(e.first)
                     free -= e.first

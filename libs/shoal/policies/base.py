@@ -10,6 +10,7 @@ lease counters, queues …) and returns a :class:`Decision`. The allocator recor
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -102,6 +103,7 @@ def _feasible_counts(
 
 
 _last_index: tuple[ClusterView, dict[str, JobView]] | None = None
+_JOB_ID = operator.attrgetter("job_id")
 
 
 def jobs_by_id(view: ClusterView) -> dict[str, JobView]:
@@ -111,7 +113,7 @@ def jobs_by_id(view: ClusterView) -> dict[str, JobView]:
     last = _last_index
     if last is not None and last[0] is view:
         return last[1]
-    index = {j.job_id: j for j in view.jobs}
+    index = dict(zip(map(_JOB_ID, view.jobs), view.jobs, strict=True))
     _last_index = (view, index)
     return index
 

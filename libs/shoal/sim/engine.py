@@ -387,8 +387,10 @@ class Simulator:
         self._topology: Any = None
         self._node_type: dict[str, str] = {}
         self._placer_keeps_same = cfg.placer == "min-migration"
-        self._view_cache: dict[str, JobView] = {}
-        """Views of jobs that hold no GPUs, valid until an event about the job (see _emit)."""
+        self._views: dict[str, JobView | None] = {}
+        """Every active job's view, in arrival order; a job's entry is rebuilt when it is in
+        ``_stale`` or holds GPUs, and otherwise stays until an event about it (see _emit)."""
+        self._stale: set[str] = set()
         self._running: dict[str, _Job] = {}
         """Jobs that hold GPUs (``job.gpus > 0``); few next to a long queue."""
         self._arrived = 0
@@ -414,22 +416,18 @@ class Simulator:
     # -- emission --------------------------------------------------------------
 
     def _emit(self, event: ev.Event, at: float | None = None) -> None:
-        cache = self._view_cache
-        if cache:
-            # A cached view stays right while no event about its job is folded: what
-            # job_view reads of a job without GPUs (spec, progress, service, curves,
-            # convergence) changes only with such an event, and its exact progress only
-            # when it gets a share (SharesDecided names it).
-            job_id = getattr(event, "job_id", None)
-            if job_id is not None:
-                cache.pop(job_id, None)
-            elif isinstance(event, ev.SharesDecided):
-                for j in event.shares:
-                    cache.pop(j, None)
-                for j in self.log.state.shares:
-                    cache.pop(j, None)
-            elif not isinstance(event, _VIEW_NEUTRAL):
-                cache.clear()
+        # A kept view stays right while no event about its job is folded: what job_view
+        # reads of a job without GPUs (spec, progress, service, curves, convergence)
+        # changes only with such an event, and its exact progress only when it gets a
+        # share (SharesDecided names it).
+        job_id = getattr(event, "job_id", None)
+        if job_id is not None:
+            self._stale.add(job_id)
+        elif isinstance(event, ev.SharesDecided):
+            self._stale.update(event.shares)
+            self._stale.update(self.log.state.shares)
+        elif not isinstance(event, _VIEW_NEUTRAL):
+            self._stale.update(self._views)
         self.log.append(event, self.clock.now if at is None else at)
 
     # -- setup -----------------------------------------------------------------
@@ -591,6 +589,7 @@ class Simulator:
         self._arrived += 1
         self.jobs[job.id] = job
         self.active[job.id] = job
+        self._views[job.id] = None
         self._pend_add(job, now)
         self._emit(ev.JobSubmitted(job_id=job.id, spec=tj.spec))
         if self.config.profiling == "overestimate":
@@ -673,7 +672,7 @@ class Simulator:
         job.types = {}
         job.rate = 0.0
         del self.active[job.id]
-        self._view_cache.pop(job.id, None)
+        del self._views[job.id]
         self._pending_reconf.pop(job.id, None)
         self._emit(ev.JobCompleted(job_id=job.id, iterations=int(job.total)))
 
@@ -764,32 +763,33 @@ class Simulator:
         decision."""
         state = self.log.state
         jobs = state.jobs
-        cache = self._view_cache
+        views = self._views
         curves = self.curves
         by_type_all = self.curves_by_type if self.hetero else None
-        views: list[JobView] = []
-        append = views.append
-        for job_id, job in self.active.items():
-            hit = cache.get(job_id)
-            if hit is not None:
-                append(hit)
-                continue
+        stale = self._stale
+        rebuild = [j for j in stale if j in views]
+        rebuild += [j for j in state.shares if j not in stale and j in views]
+        stale.clear()
+        for job_id in rebuild:
             js = jobs[job_id]
             curve = curves.get(job_id)
             if curve is None:
                 curve = job_curve(js)
             by_type = by_type_all.get(job_id) if by_type_all is not None else None
-            view = job_view(
-                job_id, js, now=now, curve=curve, curves_by_type=by_type, iterations_done=job.progress(now)
+            views[job_id] = job_view(
+                job_id,
+                js,
+                now=now,
+                curve=curve,
+                curves_by_type=by_type,
+                iterations_done=self.active[job_id].progress(now),
             )
-            if js.gpus == 0:
-                cache[job_id] = view
-            append(view)
+        jobs_view = tuple(views.values())
         _, by_gen = cluster_gpus(state)
         return ClusterView(
             now_s=now,
             total_gpus=self.total_gpus,
-            jobs=tuple(views),
+            jobs=jobs_view,  # type: ignore[arg-type]  # every entry was just built
             gpus_by_type=by_gen if len(by_gen) > 1 else {},
             gpus_per_node=0 if self.config.flat else self.config.gpus_per_node,
             user_tickets={u: float(us.tickets) for u, us in state.users.items()},

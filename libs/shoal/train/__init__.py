@@ -27,6 +27,11 @@ variables and per-worker visible devices), hosts a ``TCPStore`` for rendezvous a
 a JSON-lines control server (:mod:`shoal.train.protocol`), and turns each
 ``Reconfigure(epoch, gpus)`` into a new *generation*: a membership (worker ids in
 rank order) with its own process group under its own store prefix.
+Workers run on the nodes the placement names: the leader starts those of its own
+node as its children and those of another node through that node's sidecar of the
+job, which runs them as its children and reports their exits
+(:mod:`shoal.train.launch`, ``services/trainer_sidecar/remote.py``); every worker
+connects back to the leader's control server and store by address.
 
 Data plane: workers hold process groups (gloo on CPU, NCCL on GPU) built directly
 from the store, with a timeout on every collective and rendezvous. Each step does

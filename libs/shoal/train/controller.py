@@ -5,19 +5,23 @@ One :class:`Controller` per job, run by the job's leader sidecar. It turns
 the protocol) and reports what happened through ``emit`` as shoal events:
 ``ReconfigurationStarted/Phase/Completed/Cancelled/Failed`` and ``ProgressReported``.
 It knows nothing of NATS, so it is driven the same way by the sidecar and by tests.
+
+Workers are started through a *launcher* (:mod:`shoal.train.launch`): by default
+children of this process; the real sidecar passes one that starts the workers of
+GPUs on other nodes through those nodes' sidecars of the same job and hands back a
+process handle with the same interface. Workers find the control server and the
+``TCPStore`` at ``host`` (the address this controller advertises), so ``host`` must
+be reachable from every node the job runs on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import datetime as dt
 import math
-import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +35,7 @@ from shoal import events as ev
 from shoal.events import GpuRef
 from shoal.train import protocol as pr
 from shoal.train.config import TrainConfig
+from shoal.train.launch import Launcher, LaunchRequest, WorkerProcess, launch_local
 
 log = structlog.get_logger("shoal.train.controller")
 
@@ -49,21 +54,18 @@ class _Superseded(Exception):
     """A newer epoch cancelled the reconfiguration at a safe point."""
 
 
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
-
-
 @dataclass
 class Worker:
     id: int
     gpu: GpuRef
-    proc: asyncio.subprocess.Process
+    proc: WorkerProcess
     writer: asyncio.StreamWriter | None = None
     plan: pr.Plan | None = None
     exited: bool = False
     expected_exit: bool = False
     ready: set[int] = field(default_factory=set)
+    reported_failure: bool = False
+    """It sent ``WorkerFailed``: a collective broke under it (a peer failed first)."""
 
 
 @dataclass
@@ -111,14 +113,20 @@ class Controller:
         job_id: the job.
         argv: the user's command (``JobSpec.entrypoint``).
         workdir: checkpoints and worker logs go here.
-        gpu_index: maps a ``GpuRef`` to the local device index (CUDA) or slot (CPU);
-            raises :class:`OrderError` for a GPU that is not this node's.
+        gpu_index: maps a ``GpuRef`` to its device index (CUDA) or slot (CPU) on its
+            node; raises :class:`OrderError` for a GPU the job cannot use.
         max_gpus: the job's ``max_gpus``.
         emit: publishes an event.
         api: the script uses ``shoal.train`` (stop-free changes possible); else every
             change is a checkpoint-restart and workers get torchrun's variables.
         restart_only: force checkpoint-restart (a per-job choice; also the baseline).
         allowance_s: EDL's ``T_a``: the switch is committed ``ceil(T_a / T_b)`` steps ahead.
+        host: the address the control server and the rendezvous store bind to and that
+            workers connect to.
+        launch: starts one worker; default: a child of this process on
+            ``gpu_index(gpu)`` (:func:`shoal.train.launch.launch_local`).
+        failure_settle_s: how long a recovery waits to learn which worker failed when
+            the first death it sees is a worker whose collective broke under it.
     """
 
     def __init__(
@@ -138,6 +146,8 @@ class Controller:
         report_every_s: float = 1.0,
         gpu_type: str = "cpu",
         host: str = "127.0.0.1",
+        launch: Launcher | None = None,
+        failure_settle_s: float = 3.0,
     ) -> None:
         if not argv:
             raise ValueError(f"job {job_id} has no entrypoint to run")
@@ -155,6 +165,10 @@ class Controller:
         self.report_every_s = report_every_s
         self.gpu_type = gpu_type
         self.host = host
+        self.launch: Launcher = launch or self.launch_local
+        self.failure_settle_s = failure_settle_s
+        self._failed: dict[int, Worker] = {}
+        """Members that died unexpectedly since the last recovery (see :meth:`_culprits`)."""
         self.epoch = -1
         self.workers: dict[int, Worker] = {}
         self.current: Generation | None = None
@@ -412,8 +426,7 @@ class Controller:
         held = {ws[w].gpu for w in keep}
         gen = self._new_gen()
         inflight.gen = gen
-        new = [self._spawn_worker(g) for g in inflight.target if g not in held]
-        new_workers = [await w for w in new]
+        new_workers = await self._spawn_workers(inflight, [(g, {}) for g in inflight.target if g not in held])
         ws.update((w.id, w) for w in new_workers)
         members = keep + tuple(w.id for w in new_workers)
         plan = self._plan(gen, members, cold=False, broadcast=bool(new_workers))
@@ -495,7 +508,7 @@ class Controller:
         gen = self._new_gen()
         inflight.gen = gen
         extra = self._torchrun_env(len(inflight.target)) if not self.api else [{}] * len(inflight.target)
-        workers = [await self._spawn_worker(g, e) for g, e in zip(inflight.target, extra, strict=True)]
+        workers = await self._spawn_workers(inflight, list(zip(inflight.target, extra, strict=True)))
         members = tuple(w.id for w in workers)
         if not self.api:
             for w in workers:
@@ -575,6 +588,7 @@ class Controller:
                 self.done.set()
             return
         log.warning("worker_died", job_id=self.job_id, worker=w.id, returncode=rc)
+        self._failed[w.id] = w
         if not self._recovering:
             self._recovering = True
             self._spawn_task(self._recover(w))
@@ -587,7 +601,9 @@ class Controller:
             cur = self.current
             if cur is None:
                 return
-            survivors = tuple(g for g in cur.gpus if g != dead.gpu) or cur.gpus
+            culprits = await self._culprits(cur, dead)
+            survivors = tuple(g for m, g in zip(cur.members, cur.gpus, strict=False) if m not in culprits)
+            survivors = survivors or cur.gpus
             alive = tuple(m for m in cur.members if m in self.workers)
             approximate = self.train.recovery == "approximate" and self.api
             if (
@@ -624,6 +640,29 @@ class Controller:
             self._recovering = False
             if self._queued is not None and self.inflight is None:
                 await self._start_queued()
+
+    async def _culprits(self, cur: Generation, dead: Worker) -> set[int]:
+        """The members whose failure the job must shrink by: those that died without
+        reporting a failed collective (killed, crashed, lost with their node).
+
+        A worker that reported ``WorkerFailed`` first died *because* a peer did (its
+        all-reduce broke); when it is the first death noticed, the peer's own end (a remote
+        worker's is noticed by a poll) gets ``failure_settle_s`` to show up, so that the job
+        shrinks by the failed peer and not by the healthy worker. Failing that (a hung
+        peer), the first death noticed is the culprit.
+        """
+
+        def known() -> set[int]:
+            return {
+                m for m in cur.members if (w := self._failed.get(m)) is not None and not w.reported_failure
+            }
+
+        if not known():
+            with contextlib.suppress(ReconfigurationFailedError):
+                await self._wait(lambda: bool(known()), self.failure_settle_s, "the failed peer")
+        culprits = known() or {dead.id}
+        self._failed.clear()
+        return culprits
 
     async def _regroup(self, cur: Generation, alive: tuple[int, ...], dead: Worker) -> bool:
         """Approximate recovery: the survivors form a new group at once and finish the step."""
@@ -696,10 +735,57 @@ class Controller:
             store_port=self._store.port,
         )
 
+    async def launch_local(self, request: LaunchRequest) -> WorkerProcess:
+        """The default launcher: a child of this process on ``gpu_index(request.gpu)``."""
+        index = self.gpu_index(request.gpu)
+        return await launch_local(request, device_index=index, log_dir=self.workdir / "logs")
+
+    async def _spawn_workers(
+        self, inflight: _InFlight, specs: list[tuple[GpuRef, dict[str, str]]]
+    ) -> list[Worker]:
+        """Start one worker per (GPU, extra environment), concurrently (a remote start is
+        a round trip, and may wait for the sidecar of a node that is still starting).
+
+        Waiting for the starts is a safe point: a newer order cancels it (CoDDL §4.3), and
+        the starts still under way are reaped in the background when they land.
+
+        Raises:
+            _Superseded: a newer order came first.
+            Exception: a start failed (the workers that did start are killed).
+        """
+        if not specs:
+            return []
+        starts = asyncio.gather(*(self._spawn_worker(g, e) for g, e in specs), return_exceptions=True)
+        starts.add_done_callback(lambda _: self._spawn_task(self._notify()))
+        try:
+            await self._wait(
+                lambda: starts.done() or inflight.cancel_by >= 0,
+                self.train.rendezvous_timeout_s + 10,
+                f"{len(specs)} worker(s) to start",
+            )
+        except BaseException:
+            self._spawn_task(self._reap_starts(starts))
+            raise
+        if not starts.done():
+            self._spawn_task(self._reap_starts(starts))
+            raise _Superseded()
+        results = starts.result()
+        workers = [r for r in results if isinstance(r, Worker)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self._kill(workers)
+            raise errors[0]
+        return workers
+
+    async def _reap_starts(self, starts: asyncio.Future[list[Any]]) -> None:
+        """Kill the workers of an abandoned start as soon as they exist."""
+        results = await starts
+        await self._kill([r for r in results if isinstance(r, Worker)])
+
     async def _spawn_worker(self, gpu: GpuRef, extra_env: dict[str, str] | None = None) -> Worker:
         wid = self._next_worker
         self._next_worker += 1
-        index = self.gpu_index(gpu)
+        self.gpu_index(gpu)  # an OrderError for a GPU the job cannot use, before anything starts
         train = TrainConfig(
             **{
                 **{k: getattr(self.train, k) for k in self.train.__struct_fields__},
@@ -709,22 +795,16 @@ class Controller:
                 "checkpoint_dir": self.train.checkpoint_dir or str(self.workdir / "checkpoint"),
             }
         )
-        env = {**os.environ, **self.env, **train.to_env()}
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env["CUDA_VISIBLE_DEVICES"] = str(index) if train.device == "cuda" else ""
-        env.update(extra_env or {})
-        logf = open(self.workdir / "logs" / f"worker-{wid}.log", "ab")  # noqa: SIM115
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *self.argv,
-                env=env,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=logf,
-                stderr=logf,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-            )
-        finally:
-            logf.close()
+        request = LaunchRequest(
+            job_id=self.job_id,
+            worker=wid,
+            gpu=gpu,
+            argv=tuple(self.argv),
+            env={**self.env, **train.to_env(), **(extra_env or {})},
+            device=train.device,
+            log_name=f"worker-{wid}.log",
+        )
+        proc = await self.launch(request)
         w = Worker(id=wid, gpu=gpu, proc=proc)
         self.workers[wid] = w
         self._spawn_task(self._on_exit(w))
@@ -855,6 +935,8 @@ class Controller:
                 self.inflight.cancel_at = now
                 self.inflight.reason = "job finished"
         elif isinstance(msg, pr.WorkerFailed):
+            if (w := self.workers.get(msg.worker)) is not None:
+                w.reported_failure = True
             log.warning("worker_failed", job_id=self.job_id, worker=msg.worker, reason=msg.reason)
         await self._notify()
 
