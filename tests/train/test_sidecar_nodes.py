@@ -1,0 +1,255 @@
+"""One job on two nodes in real mode: one sidecar per job per node, workers on the nodes
+the placement names, over a real nats-server.
+
+The two "nodes" share this machine: each is a real sidecar process started as the node
+daemon starts it (``--mode real --node nX``), fed orders on stdin. The leader starts
+the worker of the other node through that node's sidecar, which runs it as its own child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from shoal import codec
+from shoal import events as ev
+from shoal.bus import Bus
+from shoal.gpus import fake_gpus
+
+from tests.services.test_allocator_placer import events_of
+from tests.train.conftest import CNN, processes_of
+from tests.train.test_sidecar import order_line, send, stop, wait_event
+
+# Two sidecars, their workers and the torch imports of all of them: 30-50 s each on two cores.
+pytestmark = pytest.mark.integration
+
+N0, N1 = ev.GpuRef("n0", 0), ev.GpuRef("n1", 0)
+LEASE_TTL_S = 1.5
+
+
+async def setup_job(bus: Bus, job_id: str, trace: Path) -> None:
+    """Two registered nodes with one (fake) GPU each, and a job that may use both."""
+    for node in ("n0", "n1"):
+        await bus.publish(
+            codec.wrap(ev.NodeRegistered(node_id=node, gpus=fake_gpus(1), emulated=True), at=time.time())
+        )
+    spec = ev.JobSpec(
+        user="u",
+        max_gpus=2,
+        global_batch_size=64,
+        entrypoint=(sys.executable, str(CNN), "--max-steps", "1000000"),
+        env={"SHOAL_TRAIN_TRACE_DIR": str(trace), "SHOAL_TRAIN_CHECKPOINT_EVERY": "20"},
+    )
+    await bus.publish(codec.wrap(ev.JobSubmitted(job_id=job_id, spec=spec), at=time.time()))
+
+
+def start_node_sidecar(bus: Bus, nats_url: str, job_id: str, node: str, workdir: Path) -> subprocess.Popen:
+    argv = [
+        sys.executable, "-m", "shoal_services.trainer_sidecar", "--mode", "real",
+        "--job", job_id, "--node", node, "--nats-url", nats_url, "--prefix", bus.names.prefix,
+        "--devices", "1", "--workdir", str(workdir), "--report-every", "0.2",
+        "--collective-timeout", "10", "--rendezvous-timeout", "60", "--lease-ttl", repr(LEASE_TTL_S),
+        "--advertise-host", "127.0.0.1",
+    ]  # fmt: skip
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, env={**os.environ, "SHOAL_TRAIN_JOB": job_id})
+
+
+async def lease_holder(bus: Bus, job_id: str) -> str:
+    with contextlib.suppress(Exception):  # no bucket or no key yet: nobody leads
+        kv = await bus.js.key_value(f"{bus.names.lease_bucket}_{int(LEASE_TTL_S * 1000)}MS")
+        return (await kv.get(f"train.{job_id}")).value.decode()
+    return ""
+
+
+async def wait_leader(bus: Bus, job_id: str, side: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not (await lease_holder(bus, job_id)).endswith(f"-{side.pid}"):
+        assert side.poll() is None, "the sidecar exited"
+        assert time.monotonic() < deadline, "the first sidecar did not take the lease"
+        await asyncio.sleep(0.1)
+
+
+def stop_all(sides: list[subprocess.Popen]) -> list[int]:
+    """End of stdin for every sidecar at once, as the node daemons do when the job ends."""
+    for s in sides:
+        with contextlib.suppress(OSError):
+            assert s.stdin is not None
+            s.stdin.close()
+    return [s.returncode if s.returncode is not None else stop(s) for s in sides]
+
+
+class Parents:
+    """Samples the parent of every live process of the job: whose child each worker is."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        self.of: dict[int, int] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def _sample(self) -> None:
+        for pid in processes_of(self.job_id):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+                self.of.setdefault(pid, int(f.read().rsplit(")", 1)[1].split()[1]))
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.to_thread(self._sample)
+            await asyncio.sleep(0.1)
+
+    def __enter__(self) -> Parents:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
+def steps_by_gen(trace: Path) -> dict[int, dict[int, list[dict]]]:
+    """gen -> step -> the rows of that step (one per worker), each with its worker's pid."""
+    out: dict[int, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for f in sorted(trace.glob("steps-*.jsonl")):
+        pid = int(f.stem.rsplit("-p", 1)[1])
+        for line in f.read_text().splitlines():
+            if line.strip():
+                row = {**json.loads(line), "pid": pid}
+                out[row["gen"]][row["step"]].append(row)
+    return out
+
+
+def assert_trained_across(gens: dict[int, list[dict]], parents: dict[int, int], sidecars: set[int]) -> int:
+    """Every step of a world-2 generation had one worker under each sidecar, taking disjoint
+    halves of the global batch; returns how many such steps there were."""
+    steps = 0
+    for rows in gens.values():
+        if len(rows) != 2:
+            continue  # a step at a switch boundary recorded by one side only
+        assert {r["world"] for r in rows} == {2} and {r["rank"] for r in rows} == {0, 1}
+        assert {parents.get(r["pid"]) for r in rows} == sidecars, (rows, parents)
+        a, b = (set(r["indices"]) for r in rows)
+        # Halves of one global batch: 64 samples, or the 1797 % 64 left at a data epoch's tail.
+        assert not a & b and abs(len(a) - len(b)) <= 1 and len(a | b) in (64, 1797 % 64)
+        steps += 1
+    return steps
+
+
+async def test_a_job_on_two_nodes_is_resized_across_them(
+    bus: Bus, nats_url: str, job_id: str, tmp_path: Path
+) -> None:
+    """2 nodes x 1 GPU -> the leader's node only -> 2 nodes again, as the node daemons would
+    drive it: the node that loses the job gets the order and then end of stdin; the node
+    that gets it back starts a fresh sidecar."""
+    trace = tmp_path / "trace"
+    await setup_job(bus, job_id, trace)
+    s0 = start_node_sidecar(bus, nats_url, job_id, "n0", tmp_path)
+    sides = [s0]
+    try:
+        await wait_leader(bus, job_id, s0)
+        s1 = start_node_sidecar(bus, nats_url, job_id, "n1", tmp_path)
+        sides.append(s1)
+        with Parents(job_id) as parents:
+            for s in (s0, s1):
+                send(s, order_line(job_id, 1, (N0, N1)))
+            await wait_event(bus, ev.ReconfigurationCompleted, lambda e: e.epoch == 1 and e.world_size == 2)
+            await wait_event(
+                bus, ev.ProgressReported, lambda e: e.epoch == 1 and e.num_gpus == 2 and e.iteration >= 30
+            )
+            # n1 loses the job: its node daemon sends the order, then closes the sidecar's stdin.
+            for s in (s0, s1):
+                send(s, order_line(job_id, 2, (N0,)))
+            assert stop(s1) == 0
+            await wait_event(bus, ev.ReconfigurationCompleted, lambda e: e.epoch == 2 and e.world_size == 1)
+            shrunk_at = (
+                await wait_event(bus, ev.ProgressReported, lambda e: e.epoch == 2 and e.num_gpus == 1)
+            )[-1]
+            # n1 gets it back: a fresh sidecar there, the worker starts through it.
+            s1b = start_node_sidecar(bus, nats_url, job_id, "n1", tmp_path)
+            sides.append(s1b)
+            for s in (s0, s1b):
+                send(s, order_line(job_id, 3, (N0, N1)))
+            await wait_event(bus, ev.ReconfigurationCompleted, lambda e: e.epoch == 3 and e.world_size == 2)
+            grown = await wait_event(
+                bus,
+                ev.ProgressReported,
+                lambda e: e.epoch == 3 and e.num_gpus == 2 and e.iteration >= shrunk_at.iteration + 30,
+            )
+        assert (await lease_holder(bus, job_id)).endswith(f"-{s0.pid}"), "the leader never moved"
+        started = [(s.epoch, s.kind) for s in await events_of(bus, ev.ReconfigurationStarted)]
+        assert started == [(1, "start"), (2, "scale_in"), (3, "scale_out")], (
+            "resized in place, never restarted"
+        )
+        assert not await events_of(bus, ev.ReconfigurationFailed)
+    finally:
+        assert stop_all(sides) == [0] * len(sides)
+    by_gen = steps_by_gen(trace)
+    two = sorted(
+        g for g, steps in by_gen.items() if any(r["world"] == 2 for rows in steps.values() for r in rows)
+    )
+    assert len(two) == 2, f"generations at world 2: {two}"
+    assert assert_trained_across(by_gen[two[0]], parents.of, {s0.pid, s1.pid}) >= 30
+    assert assert_trained_across(by_gen[two[1]], parents.of, {s0.pid, s1b.pid}) >= 30
+    # Progress went on across both resizes: no step was redone, none skipped.
+    steps = sorted({step for gen in by_gen.values() for step in gen})
+    assert steps == list(range(steps[0], steps[-1] + 1)) and steps[0] == 0
+    assert grown[-1].iteration > shrunk_at.iteration
+    assert not processes_of(job_id)
+
+
+async def test_a_follower_that_dies_takes_its_workers_and_the_leader_recovers(
+    bus: Bus, nats_url: str, job_id: str, tmp_path: Path
+) -> None:
+    """kill -9 of the sidecar on the leader's peer node: its worker dies with it, the leader
+    sees a worker death and recovers from the checkpoint; the allocator's next order (the
+    node is gone) leaves the job on the leader's node, where it keeps training."""
+    trace = tmp_path / "trace"
+    await setup_job(bus, job_id, trace)
+    s0 = start_node_sidecar(bus, nats_url, job_id, "n0", tmp_path)
+    sides = [s0]
+    try:
+        await wait_leader(bus, job_id, s0)
+        s1 = start_node_sidecar(bus, nats_url, job_id, "n1", tmp_path)
+        sides.append(s1)
+        with Parents(job_id) as parents:
+            for s in (s0, s1):
+                send(s, order_line(job_id, 1, (N0, N1)))
+            await wait_event(bus, ev.ProgressReported, lambda e: e.num_gpus == 2 and e.iteration >= 30)
+        remote_workers = [pid for pid, parent in parents.of.items() if parent == s1.pid]
+        assert len(remote_workers) == 1
+        killed_at = max(e.iteration for e in await events_of(bus, ev.ProgressReported))
+        os.kill(s1.pid, signal.SIGKILL)
+        s1.wait(10)
+        await wait_event(bus, ev.ReconfigurationStarted, lambda e: e.kind == "recover", timeout=60)
+        assert remote_workers[0] not in processes_of(job_id), "the worker died with its node's sidecar"
+        # The job shrinks by the lost node's GPU, not by the healthy worker whose
+        # all-reduce broke when its peer died.
+        recovered = await wait_event(
+            bus, ev.ReconfigurationCompleted, lambda e: e.epoch == 1 and e.world_size == 1
+        )
+        assert recovered[-1].gpus == (N0,)
+        await wait_event(bus, ev.ProgressReported, lambda e: e.num_gpus == 1 and e.iteration > killed_at)
+        # The allocator's next order (n1 is gone) keeps it there; training goes on.
+        send(s0, order_line(job_id, 2, (N0,)))
+        await wait_event(
+            bus,
+            ev.ProgressReported,
+            lambda e: e.epoch == 2 and e.num_gpus == 1 and e.iteration > killed_at + 10,
+        )
+        assert not await events_of(bus, ev.ReconfigurationFailed)
+    finally:
+        assert stop_all(sides) == [0 if s is s0 else s.returncode for s in sides]
+    recover = [s for s in await events_of(bus, ev.ReconfigurationStarted) if s.kind == "recover"]
+    assert recover[0].from_world == 2
+    # Recovery restarts from the periodic checkpoint (every 20 steps), not from scratch.
+    rows = [r for steps in steps_by_gen(trace).values() for rs in steps.values() for r in rs]
+    restarted = min(r["step"] for r in rows if r["gen"] > min(r2["gen"] for r2 in rows))
+    assert restarted >= 20
+    assert not processes_of(job_id)
