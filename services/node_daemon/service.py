@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 import structlog
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.util.types import AnyValue
 from shoal import codec
 from shoal import events as ev
 from shoal.bus import Bus
@@ -166,7 +167,7 @@ class NodeDaemon:
 
     async def _send(self, side: Sidecar, order: ev.Reconfigure) -> None:
         """Send one order inside its own span, whose context rides on the order line."""
-        attributes = {
+        attributes: dict[str, AnyValue] = {
             "shoal.job_id": order.job_id,
             "shoal.epoch": order.epoch,
             "shoal.node_id": self.node_id,
@@ -218,7 +219,7 @@ class NodeDaemon:
         parent = Context()
         if tracing_enabled(self.tracer):
             parent = await stored_context(self.bus.js, self.bus.names.events_stream, placement_seq)
-        attributes = {"shoal.epoch": epoch, "shoal.node_id": self.node_id}
+        attributes: dict[str, AnyValue] = {"shoal.epoch": epoch, "shoal.node_id": self.node_id}
         with (
             self.tracer.start_as_current_span(
                 "node_daemon.reconcile", context=parent, kind=trace.SpanKind.CONSUMER, attributes=attributes
@@ -252,15 +253,15 @@ class NodeDaemon:
             self._stopping.add(task)
             task.add_done_callback(self._stopping.discard)
         for job_id, gpus in desired.items():
-            side = self.sidecars.get(job_id)
-            if side is not None and side.proc.returncode is not None:
-                log.warning("sidecar_died", job_id=job_id, returncode=side.proc.returncode)
-                side = None
-            if side is None:
-                side = self.sidecars[job_id] = await self._spawn(job_id)
-            if side.gpus != gpus:
+            running = self.sidecars.get(job_id)
+            if running is not None and running.proc.returncode is not None:
+                log.warning("sidecar_died", job_id=job_id, returncode=running.proc.returncode)
+                running = None
+            if running is None:
+                running = self.sidecars[job_id] = await self._spawn(job_id)
+            if running.gpus != gpus:
                 await self._send(
-                    side, ev.Reconfigure(job_id=job_id, epoch=epoch, gpus=gpus, effective_at=decided_at)
+                    running, ev.Reconfigure(job_id=job_id, epoch=epoch, gpus=gpus, effective_at=decided_at)
                 )
 
     async def _heartbeats(self, stop: asyncio.Event) -> None:

@@ -52,6 +52,7 @@ import msgspec
 import nats.js.errors
 import structlog
 from opentelemetry import trace
+from opentelemetry.util.types import AnyValue
 from shoal import codec
 from shoal import events as ev
 from shoal.bus import Bus, ConcurrencyConflict
@@ -228,7 +229,7 @@ class EmulatedTrainer:
     async def apply(self, cmd: ev.Reconfigure) -> None:
         """Handle one order (see the module docstring), inside its span."""
         parent = extract(self.order_context.pop(cmd.epoch, None))
-        attributes = {
+        attributes: dict[str, AnyValue] = {
             "shoal.job_id": self.job_id,
             "shoal.epoch": cmd.epoch,
             "shoal.node_id": self.node_id,

@@ -18,12 +18,9 @@ indices are per node.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import os
-import signal
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -67,9 +64,25 @@ class LaunchRequest(msgspec.Struct, frozen=True, kw_only=True):
 Launcher = Callable[[LaunchRequest], Awaitable[WorkerProcess]]
 
 
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+# Runs in the new process before the worker's own command: the worker dies with the
+# process that started it (PR_SET_PDEATHSIG survives exec), and one whose parent is
+# already gone does not start. Done here rather than in a ``preexec_fn``, which makes
+# ``subprocess`` fork the whole (torch-sized) parent instead of vfork it and holds the
+# event loop up to a quarter of a second per worker.
+_EXEC_DYING_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def dying_with_parent(argv: Sequence[str]) -> list[str]:
+    """``argv`` run so that it gets SIGKILL when this process dies (Linux; as is elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-I", "-S", "-c", _EXEC_DYING_WITH_PARENT, str(os.getpid()), *argv]
 
 
 def worker_env(
@@ -85,7 +98,7 @@ def worker_env(
 async def launch_local(
     request: LaunchRequest, *, device_index: int, log_dir: Path
 ) -> asyncio.subprocess.Process:
-    """Start ``request`` as a child of this process that dies with it (``PR_SET_PDEATHSIG``).
+    """Start ``request`` as a child of this process that dies with it (:func:`dying_with_parent`).
 
     Args:
         request: what to run.
@@ -96,12 +109,11 @@ async def launch_local(
     logf = open(log_dir / (request.log_name or f"worker-{request.worker}.log"), "ab")  # noqa: SIM115
     try:
         return await asyncio.create_subprocess_exec(
-            *request.argv,
+            *dying_with_parent(request.argv),
             env=worker_env(request, device_index),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=logf,
             stderr=logf,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
     finally:
         logf.close()
