@@ -59,6 +59,7 @@ import nats.js.errors
 import structlog
 from nats.js import api
 from opentelemetry import trace
+from opentelemetry.util.types import AnyValue
 from shoal import codec
 from shoal import events as ev
 from shoal.bus import Bus, ConcurrencyConflict, LeaderLease
@@ -353,6 +354,10 @@ class RealSidecar:
         campaign = asyncio.create_task(self._campaign(lease, stop, changed))
         try:
             while not stop.is_set():
+                order: ev.Reconfigure | None = None
+                with contextlib.suppress(TimeoutError):
+                    order = await asyncio.wait_for(self.commands.get(), 0.2)
+                # Leadership first: an order that arrives as the lease is won is the leader's.
                 if changed.is_set():
                     changed.clear()
                     if lease.is_leader and self.controller is None:
@@ -360,8 +365,7 @@ class RealSidecar:
                     elif not lease.is_leader and self.controller is not None:
                         log.warning("sidecar_lost_lease", job_id=self.job_id, holder=self.holder)
                         await self._resign(checkpoint=False)
-                with contextlib.suppress(TimeoutError):
-                    order = await asyncio.wait_for(self.commands.get(), 0.2)
+                if order is not None:
                     await self._on_order(order)
                 if self.controller is not None and self.controller.done.is_set():
                     await self._complete()
@@ -378,7 +382,7 @@ class RealSidecar:
         trace; the controller's events (and the reconfiguration task it starts, which
         inherits the context) carry it on."""
         parent = extract(self.order_context.pop(order.epoch, None))
-        attributes = {
+        attributes: dict[str, AnyValue] = {
             "shoal.job_id": self.job_id,
             "shoal.epoch": order.epoch,
             "shoal.node_id": self.node_id,

@@ -218,9 +218,17 @@ async def test_a_follower_that_dies_takes_its_workers_and_the_leader_recovers(
         await wait_leader(bus, job_id, s0)
         s1 = start_node_sidecar(bus, nats_url, job_id, "n1", tmp_path)
         sides.append(s1)
+        # GPUs of another node are checked against what the node registered.
+        send(s0, order_line(job_id, 1, (N0, ev.GpuRef("n1", 5))))
+        send(s0, order_line(job_id, 2, (N0, ev.GpuRef("n9", 0))))
+        rejected = await wait_event(bus, ev.ReconfigurationFailed, lambda e: e.epoch in (1, 2), count=2)
+        assert sorted(r.reason for r in rejected) == [
+            "unknown GPU n1/5: node n1 registered [0]",
+            "unknown GPU n9/0: node n9 is not registered",
+        ]
         with Parents(job_id) as parents:
             for s in (s0, s1):
-                send(s, order_line(job_id, 1, (N0, N1)))
+                send(s, order_line(job_id, 3, (N0, N1)))
             await wait_event(bus, ev.ProgressReported, lambda e: e.num_gpus == 2 and e.iteration >= 30)
         remote_workers = [pid for pid, parent in parents.of.items() if parent == s1.pid]
         assert len(remote_workers) == 1
@@ -232,18 +240,18 @@ async def test_a_follower_that_dies_takes_its_workers_and_the_leader_recovers(
         # The job shrinks by the lost node's GPU, not by the healthy worker whose
         # all-reduce broke when its peer died.
         recovered = await wait_event(
-            bus, ev.ReconfigurationCompleted, lambda e: e.epoch == 1 and e.world_size == 1
+            bus, ev.ReconfigurationCompleted, lambda e: e.epoch == 3 and e.world_size == 1
         )
         assert recovered[-1].gpus == (N0,)
         await wait_event(bus, ev.ProgressReported, lambda e: e.num_gpus == 1 and e.iteration > killed_at)
         # The allocator's next order (n1 is gone) keeps it there; training goes on.
-        send(s0, order_line(job_id, 2, (N0,)))
+        send(s0, order_line(job_id, 4, (N0,)))
         await wait_event(
             bus,
             ev.ProgressReported,
-            lambda e: e.epoch == 2 and e.num_gpus == 1 and e.iteration > killed_at + 10,
+            lambda e: e.epoch == 4 and e.num_gpus == 1 and e.iteration > killed_at + 10,
         )
-        assert not await events_of(bus, ev.ReconfigurationFailed)
+        assert [f.epoch for f in await events_of(bus, ev.ReconfigurationFailed)] == [1, 2]
     finally:
         assert stop_all(sides) == [0 if s is s0 else s.returncode for s in sides]
     recover = [s for s in await events_of(bus, ev.ReconfigurationStarted) if s.kind == "recover"]
