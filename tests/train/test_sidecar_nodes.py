@@ -261,3 +261,97 @@ async def test_a_follower_that_dies_takes_its_workers_and_the_leader_recovers(
     restarted = min(r["step"] for r in rows if r["gen"] > min(r2["gen"] for r2 in rows))
     assert restarted >= 20
     assert not processes_of(job_id)
+
+
+async def test_node_daemons_run_a_job_across_two_nodes_under_the_allocator(
+    bus: Bus, nats_url: str, job_id: str, tmp_path: Path
+) -> None:
+    """Real mode end to end on two nodes, as two ``shoal run node-daemon`` with
+    ``SHOAL_SIDECAR_MODE=real`` run it: allocator (max-min) -> placer -> node daemons ->
+    one real sidecar per node -> workers on both nodes.
+
+    A second job takes one of the two GPUs (the first job shrinks to one node), then
+    completes and gives it back (the first job spans both nodes again). Which node the
+    first job keeps is the placer's choice: when it is not the leader's, the leader's
+    node daemon stops it and the other sidecar takes over from the checkpoint.
+    """
+    from shoal.clock import ScaledClock
+    from shoal.policies.maxmin import MaxMin
+    from shoal.settings import Settings
+    from shoal_services.allocator.service import AllocatorService
+    from shoal_services.node_daemon.main import sidecar_argv
+    from shoal_services.node_daemon.service import NodeDaemon
+    from shoal_services.placer.service import PlacerService
+
+    from tests.services.test_allocator_placer import wait_until
+
+    settings = Settings.load(
+        env={"SHOAL_SIDECAR_MODE": "real"},
+        state_dir=str(tmp_path),
+        prefix=bus.names.prefix,
+        report_every_s=0.2,
+    )
+    clock = ScaledClock(1.0)
+    stop_services = asyncio.Event()
+    daemons = [
+        NodeDaemon(
+            bus,
+            node,
+            fake_gpus(1),
+            clock=clock,
+            sidecar_argv=sidecar_argv(node, settings, fake_gpus(1), True, nats_url),
+            heartbeat_s=0.2,
+        )
+        for node in ("n0", "n1")
+    ]
+    services = [
+        AllocatorService(bus, MaxMin(), holder="a", clock=clock, node_timeout_s=None),
+        PlacerService(bus, holder="p", clock=clock),
+        *daemons,
+    ]
+    os.environ["SHOAL_TRAIN_JOB"] = job_id  # the sidecars and their workers carry the job id
+    other = f"{job_id}-b"
+    tasks = [asyncio.create_task(s.run(stop_services)) for s in services]
+
+    def spec(steps: int, max_gpus: int) -> ev.JobSpec:
+        return ev.JobSpec(
+            user="u",
+            max_gpus=max_gpus,
+            requested_gpus=max_gpus,
+            total_iterations=steps,
+            entrypoint=(sys.executable, str(CNN), "--max-steps", str(steps)),
+        )
+
+    def status(jid: str) -> str:
+        job = daemons[0].projection.state.jobs.get(jid)
+        return job.status if job else ""
+
+    try:
+        await wait_until(lambda: {"n0", "n1"} <= set(daemons[0].projection.state.nodes))
+        await bus.publish(codec.wrap(ev.JobSubmitted(job_id=job_id, spec=spec(1_000_000, 2)), at=clock.now()))
+        spanning = await wait_event(
+            bus, ev.ReconfigurationCompleted, lambda c: c.job_id == job_id and c.world_size == 2
+        )
+        assert {g.node_id for g in spanning[0].gpus} == {"n0", "n1"}
+        await wait_event(bus, ev.ProgressReported, lambda p: p.job_id == job_id and p.num_gpus == 2)
+        await bus.publish(codec.wrap(ev.JobSubmitted(job_id=other, spec=spec(60, 1)), at=clock.now()))
+        await wait_until(lambda: status(other) == "completed", timeout=120)
+        # Back on both nodes once the GPU is free, and training there.
+        await wait_event(
+            bus, ev.ReconfigurationCompleted, lambda c: c.job_id == job_id and c.world_size == 2, count=2
+        )
+        back = max(p.epoch for p in await events_of(bus, ev.ProgressReported) if p.job_id == job_id)
+        await wait_event(
+            bus, ev.ProgressReported, lambda p: p.job_id == job_id and p.num_gpus == 2 and p.epoch >= back
+        )
+        await bus.publish(codec.wrap(ev.JobCancelled(job_id=job_id, reason="test over"), at=clock.now()))
+        await wait_until(lambda: not any(d.sidecars for d in daemons), timeout=60)
+    finally:
+        del os.environ["SHOAL_TRAIN_JOB"]
+        stop_services.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    done = await events_of(bus, ev.JobCompleted)
+    assert [(d.job_id, d.iterations) for d in done] == [(other, 60)]
+    worlds = [c.world_size for c in await events_of(bus, ev.ReconfigurationCompleted) if c.job_id == job_id]
+    assert worlds[0] == 2 and 1 in worlds and worlds[worlds.index(1) :].count(2) >= 1, worlds
+    assert not await events_of(bus, ev.ReconfigurationFailed)
