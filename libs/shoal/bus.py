@@ -825,6 +825,57 @@ class LeaderLease:
         return entry.value.decode() if entry.value else None
 
 
+class Campaign:
+    """A service's side of a :class:`LeaderLease`: try to acquire or renew it every
+    ``ttl_s / 3`` of event-loop time, and say when leadership flipped.
+
+    The leader-elected services (allocator, placer, profiler, trader) share this loop::
+
+        campaign = Campaign(await bus.lease(name, holder, ttl_s=ttl))
+        while not stop.is_set():
+            flip = await campaign.poll()   # renews when due; None, "elected" or "lost"
+            ...                            # service-specific take-over work on "elected"
+            wait = campaign.until_due()    # sleep no longer than this
+    """
+
+    def __init__(self, lease: LeaderLease) -> None:
+        self.lease = lease
+        self.renew_every_s = lease.ttl_s / 3
+        self.next_due = 0.0
+        """Event-loop time at which the lease is due for renewal."""
+        self.is_leader = False
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def due(self) -> bool:
+        """Renewal is due (a long run of work must yield to it)."""
+        return self._now() >= self.next_due
+
+    def until_due(self) -> float:
+        """Seconds until the next renewal is due (0 when it is)."""
+        return max(0.0, self.next_due - self._now())
+
+    async def poll(self) -> str | None:
+        """Renew or try to acquire when due; ``"elected"``/``"lost"`` on a flip, else None."""
+        if not self.due():
+            return None
+        was = self.is_leader
+        self.is_leader = await self.lease.try_acquire()
+        self.next_due = self._now() + self.renew_every_s
+        if self.is_leader and not was:
+            log.info("leader_elected", lease=self.lease.name, holder=self.lease.holder)
+            return "elected"
+        if was and not self.is_leader:
+            log.warning("leadership_lost", lease=self.lease.name, holder=self.lease.holder)
+            return "lost"
+        return None
+
+    async def release(self) -> None:
+        self.is_leader = False
+        await self.lease.release()
+
+
 async def fold_log(
     bus: Bus,
     state: Any,

@@ -50,7 +50,7 @@ from opentelemetry.context import Context
 from shoal import codec
 from shoal import events as ev
 from shoal.allocation import decide_shares, next_tick, policy_tick
-from shoal.bus import Bus, ConcurrencyConflict
+from shoal.bus import Bus, Campaign, ConcurrencyConflict
 from shoal.clock import Clock
 from shoal.cluster import gpus_per_node, stale_nodes
 from shoal.events import Envelope
@@ -129,8 +129,8 @@ class AllocatorService:
         self.decided = 0
         self.is_leader = False
         self._since_snapshot = 0
-        self._next_renew = 0.0
-        """Event-loop time at which the leader lease is due for renewal."""
+        self._campaign: Campaign | None = None
+        """The leader lease campaign (set by :meth:`run`)."""
 
     # -- consuming --------------------------------------------------------------
 
@@ -273,9 +273,8 @@ class AllocatorService:
         second"). With a wall clock this is what keeps a burst of a thousand
         submissions from becoming a thousand decisions.
         """
-        loop = asyncio.get_running_loop()
         while True:
-            if loop.time() >= self._next_renew:
+            if self._campaign is not None and self._campaign.due():
                 # A long run of decisions must not let the lease lapse: renew first.
                 self.dirty.set()
                 return
@@ -329,27 +328,21 @@ class AllocatorService:
         await self.projection.start()
         await self.projection.wait_ready()
         await self._restore_decision_cursor()
-        lease = await self.bus.lease("allocator", self.holder, ttl_s=self.lease_ttl_s)
-        renew_every = self.lease_ttl_s / 3
-        loop = asyncio.get_running_loop()
-        self._next_renew = 0.0
+        campaign = self._campaign = Campaign(
+            await self.bus.lease("allocator", self.holder, ttl_s=self.lease_ttl_s)
+        )
         try:
             while not stop.is_set():
-                if loop.time() >= self._next_renew:
-                    was = self.is_leader
-                    self.is_leader = await lease.try_acquire()
-                    self._next_renew = loop.time() + renew_every
-                    if self.is_leader and not was:
-                        log.info("leader_elected", holder=self.holder)
-                        # A new leader re-reads the log to its end before deciding.
-                        await self.projection.wait_for(await self.bus.last_seq())
-                        self.asof = copy_state(self.projection.state)
-                        self.buffer.clear()
-                        self.pending = [(max(self.clock.now(), self.last_decision_at), "takeover", None)]
-                        self.dirty.set()
-                    elif was and not self.is_leader:
-                        log.warning("leadership_lost", holder=self.holder)
-                wait = max(0.0, self._next_renew - loop.time())
+                flip = await campaign.poll()
+                self.is_leader = campaign.is_leader
+                if flip == "elected":
+                    # A new leader re-reads the log to its end before deciding.
+                    await self.projection.wait_for(await self.bus.last_seq())
+                    self.asof = copy_state(self.projection.state)
+                    self.buffer.clear()
+                    self.pending = [(max(self.clock.now(), self.last_decision_at), "takeover", None)]
+                    self.dirty.set()
+                wait = campaign.until_due()
                 wake = self._wakeup_at() if self.is_leader else None
                 scale = getattr(self.clock, "scale", 1.0)
                 if wake is not None:
@@ -368,7 +361,7 @@ class AllocatorService:
                     self._since_snapshot = 0
                     await self.projection.save_snapshot()
         finally:
-            await lease.release()
+            await campaign.release()
             await self.projection.stop()
 
 

@@ -34,7 +34,7 @@ from opentelemetry.context import Context
 from shoal import codec
 from shoal import events as ev
 from shoal.allocation import place
-from shoal.bus import Bus, ConcurrencyConflict
+from shoal.bus import Bus, Campaign, ConcurrencyConflict
 from shoal.clock import Clock
 from shoal.cluster import topology_from_state
 from shoal.events import Envelope
@@ -176,21 +176,19 @@ class PlacerService:
     async def run(self, stop: asyncio.Event) -> None:
         await self.projection.start()
         await self.projection.wait_ready()
-        lease = await self.bus.lease("placer", self.holder, ttl_s=self.lease_ttl_s)
-        loop = asyncio.get_running_loop()
-        next_renew = 0.0
+        campaign = Campaign(await self.bus.lease("placer", self.holder, ttl_s=self.lease_ttl_s))
         try:
             while not stop.is_set():
-                if loop.time() >= next_renew:
-                    self.is_leader = await lease.try_acquire()
-                    next_renew = loop.time() + self.lease_ttl_s / 3
-                    if self.is_leader:
-                        self.dirty.set()
+                renewed = campaign.due()
+                await campaign.poll()
+                self.is_leader = campaign.is_leader
+                if renewed and self.is_leader:
+                    self.dirty.set()  # re-check on every renewal (a lost node, a takeover)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.dirty.wait(), max(0.0, next_renew - loop.time()))
+                    await asyncio.wait_for(self.dirty.wait(), campaign.until_due())
                 if self.is_leader and self.dirty.is_set():
                     self.dirty.clear()
                     await self.place_once()
         finally:
-            await lease.release()
+            await campaign.release()
             await self.projection.stop()

@@ -38,7 +38,7 @@ import re
 import structlog
 from shoal import codec
 from shoal import events as ev
-from shoal.bus import Bus, ConcurrencyConflict
+from shoal.bus import Bus, Campaign, ConcurrencyConflict
 from shoal.clock import Clock
 from shoal.events import Envelope
 from shoal.profiling import ProfileBook, ProfileParams, Reason, convergence_update, throughput_update
@@ -248,24 +248,16 @@ class ProfilerService:
         """Follow the log; while holding the lease, publish due updates. Returns when ``stop`` is set."""
         await self.projection.start()
         await self.projection.wait_ready()
-        lease = await self.bus.lease("profiler", self.holder, ttl_s=self.lease_ttl_s)
-        renew_every = self.lease_ttl_s / 3
-        loop = asyncio.get_running_loop()
-        next_renew = 0.0
+        campaign = Campaign(await self.bus.lease("profiler", self.holder, ttl_s=self.lease_ttl_s))
         scale = float(getattr(self.clock, "scale", 1.0))
         try:
             while not stop.is_set():
-                if loop.time() >= next_renew:
-                    was = self.is_leader
-                    self.is_leader = await lease.try_acquire()
-                    next_renew = loop.time() + renew_every
-                    if self.is_leader and not was:
-                        log.info("leader_elected", holder=self.holder)
-                        await self.projection.wait_for(await self.bus.last_seq())
-                        self.dirty.set()
-                    elif was and not self.is_leader:
-                        log.warning("leadership_lost", holder=self.holder)
-                wait = max(0.0, next_renew - loop.time())
+                flip = await campaign.poll()
+                self.is_leader = campaign.is_leader
+                if flip == "elected":
+                    await self.projection.wait_for(await self.bus.last_seq())
+                    self.dirty.set()
+                wait = campaign.until_due()
                 if self.held_back:
                     due = min(self.held_back.values())
                     wait = min(wait, max(0.0, (due - self.clock.now()) / scale))
@@ -280,5 +272,5 @@ class ProfilerService:
                     self.dirty.clear()
                     await self.decide_once()
         finally:
-            await lease.release()
+            await campaign.release()
             await self.projection.stop()

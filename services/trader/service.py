@@ -48,7 +48,7 @@ import structlog
 from msgspec import Struct
 from shoal import codec
 from shoal import events as ev
-from shoal.bus import Bus, ConcurrencyConflict
+from shoal.bus import Bus, Campaign, ConcurrencyConflict
 from shoal.clock import Clock
 from shoal.events import Envelope
 from shoal.fairness.hetero import generation_order
@@ -334,26 +334,18 @@ class TraderService:
         """Follow the log; while holding the lease, trade every quantum. Returns when ``stop`` is set."""
         await self.projection.start()
         await self.projection.wait_ready()
-        lease = await self.bus.lease("trader", self.holder, ttl_s=self.lease_ttl_s)
-        renew_every = self.lease_ttl_s / 3
-        loop = asyncio.get_running_loop()
+        campaign = Campaign(await self.bus.lease("trader", self.holder, ttl_s=self.lease_ttl_s))
         scale = float(getattr(self.clock, "scale", 1.0))
-        next_renew = 0.0
         try:
             while not stop.is_set():
-                if loop.time() >= next_renew:
-                    was = self.is_leader
-                    self.is_leader = await lease.try_acquire()
-                    next_renew = loop.time() + renew_every
-                    if self.is_leader and not was:
-                        log.info("leader_elected", holder=self.holder)
-                        await self.projection.wait_for(await self.bus.last_seq())
-                        # The next round is one quantum after the last trade in the log.
-                        self.last_round = self.last_trade_at
-                        self.dirty.set()
-                    elif was and not self.is_leader:
-                        log.warning("leadership_lost", holder=self.holder)
-                wait = max(0.0, next_renew - loop.time())
+                flip = await campaign.poll()
+                self.is_leader = campaign.is_leader
+                if flip == "elected":
+                    await self.projection.wait_for(await self.bus.last_seq())
+                    # The next round is one quantum after the last trade in the log.
+                    self.last_round = self.last_trade_at
+                    self.dirty.set()
+                wait = campaign.until_due()
                 if self.is_leader and self.last_round is not None:
                     due_in = (self.last_round + self.quantum_s - self.clock.now()) / scale
                     wait = min(wait, max(0.0, due_in))
@@ -372,5 +364,5 @@ class TraderService:
                         self.last_round = now
                     await self.decide_once(full_round=quantum_due)
         finally:
-            await lease.release()
+            await campaign.release()
             await self.projection.stop()
