@@ -119,6 +119,7 @@ _VIEW_NEUTRAL = (
     ev.TradeUndone,
 )
 """Events without a ``job_id`` that change nothing a job's view reads."""
+
 PROFILING_MODES: tuple[str, ...] = ("oracle", "overestimate")
 
 
@@ -757,7 +758,7 @@ class Simulator:
         """What :func:`shoal.view.build_view` returns for the active jobs, with each
         job's exact progress and published curves, built job by job with
         :func:`shoal.view.job_view`. A job that holds no GPUs keeps its view until an
-        event about it is folded (:meth:`_emit` drops it then): in a long queue most
+        event about it is folded (:meth:`_emit` marks it stale then): in a long queue most
         jobs wait, and rebuilding their views was most of a decision's cost.
         ``tests/sim/test_engine.py`` checks the result equals ``build_view`` at every
         decision."""
