@@ -3,8 +3,7 @@
     python benchmarks/conformance.py                      # writes benchmarks/reports/conformance.md
     python benchmarks/conformance.py --case philly:0e4a51:50,afs-p,2000 --output -
 
-Each case is ``trace,policy,time_scale[,settle_s]`` (``settle_s``: the allocator's
-settling window in wall seconds, default 0; see ``services/allocator/service.py``). Both runs of a case use the same jobs
+Each case is ``trace,policy,time_scale``. Both runs of a case use the same jobs
 (calibrated curves, seed), policy, cluster and cost model; see
 ``services/conformance.py`` for what is compared and why the two can differ. The
 report lists, per case, the average JCT of each run and their relative difference
@@ -35,12 +34,8 @@ REPORT = Path(__file__).resolve().parent / "reports" / "conformance.md"
 
 
 def parse_case(text: str) -> ConformanceConfig:
-    """``trace,policy,time_scale[,settle_s]``."""
-    trace, policy, scale, *rest = text.split(",")
-    if len(rest) > 1:
-        raise ValueError(f"a case is trace,policy,time_scale[,settle_s]; got {text!r}")
-    settle = float(rest[0]) if rest else 0.0
-    return ConformanceConfig(trace=trace, policy=policy, time_scale=float(scale), settle_s=settle)
+    trace, policy, scale = text.split(",")
+    return ConformanceConfig(trace=trace, policy=policy, time_scale=float(scale))
 
 
 def render(rows: Sequence[dict[str, Any]], command: str) -> str:
@@ -61,14 +56,13 @@ def render(rows: Sequence[dict[str, Any]], command: str) -> str:
         "only the last); `agreement` is their longest common subsequence over the longer length; "
         "`arrivals agree`: the decisions triggered by arrivals are the simulator's, one for one.",
         "",
-        "| trace | policy | time scale | settle | jobs | completed sim / emu | avg JCT sim (h) | avg JCT emu (h) "
+        "| trace | policy | time scale | jobs | completed sim / emu | avg JCT sim (h) | avg JCT emu (h) "
         "| JCT difference | decisions sim / emu | agreement | arrivals agree | wall (s) | within 5 % |",
-        "|---|---|---:|---:|---:|---|---:|---:|---:|---|---:|---|---:|---|",
+        "|---|---|---:|---:|---|---:|---:|---:|---|---:|---|---:|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['trace']} | {r['policy']} | {r['time_scale']:.0f}× | {1000 * r.get('settle_s', 0.0):.0f} ms "
-            f"| {r['jobs']} "
+            f"| {r['trace']} | {r['policy']} | {r['time_scale']:.0f}× | {r['jobs']} "
             f"| {r['sim_completed']:.0f} / {r['emu_completed']:.0f} "
             f"| {r['sim_avg_jct_s'] / 3600:.2f} | {r['emu_avg_jct_s'] / 3600:.2f} "
             f"| {100 * r['jct_rel_diff']:.2f} % | {r['sim_decisions']} / {r['emu_decisions']} "
@@ -89,7 +83,7 @@ def render(rows: Sequence[dict[str, Any]], command: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--case", action="append", help="trace,policy,time_scale[,settle_s] (repeatable)")
+    p.add_argument("--case", action="append", help="trace,policy,time_scale (repeatable)")
     p.add_argument("--output", default=str(REPORT), help="report path, or - for stdout only")
     p.add_argument("--nats-url", default=None)
     args = p.parse_args(argv)

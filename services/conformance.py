@@ -57,8 +57,6 @@ class ConformanceConfig(msgspec.Struct, frozen=True, kw_only=True):
     costs: str = "coddl"
     time_scale: float = 1000.0
     report_every_s: float = 0.5
-    settle_s: float = 0.0
-    """The allocator's settling window (wall seconds); 0 decides on every trigger at once."""
 
 
 def share_sequence(envs: Sequence[ev.Envelope], trigger: str | None = None) -> list[dict[str, int]]:
@@ -146,7 +144,6 @@ async def run_emulated(
                         time_scale=cfg.time_scale,
                         costs=cfg.costs,
                         report_every_s=cfg.report_every_s,
-                        settle_s=cfg.settle_s,
                     ),
                 )
                 await stack.start()
@@ -179,7 +176,6 @@ def compare(cfg: ConformanceConfig, nats_url: str | None = None) -> dict[str, An
         "trace": cfg.trace,
         "policy": cfg.policy,
         "time_scale": cfg.time_scale,
-        "settle_s": cfg.settle_s,
         "jobs": len(jobs),
         "sim_completed": sim_summary["completed"],
         "emu_completed": emu_summary["completed"],

@@ -44,8 +44,6 @@ class StackConfig(Struct, frozen=True, kw_only=True):
     network_packing: bool = True
     heartbeat_s: float = 1.0
     report_every_s: float = 0.25
-    settle_s: float = 0.0
-    """The allocator's settling window in wall seconds (see ``AllocatorService``)."""
 
 
 class EmulatedStack:
@@ -112,7 +110,6 @@ class EmulatedStack:
             catalog=self.catalog,
             network_packing=c.network_packing,
             node_timeout_s=max(10.0, 5 * c.heartbeat_s),
-            settle_s=c.settle_s,
         )
         self.allocator = allocator
         placer = PlacerService(self.bus, holder="stack-placer", clock=self.clock, placer=c.placer)

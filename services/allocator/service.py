@@ -24,17 +24,6 @@ wake the allocator on the grid ``tick_origin + k·tick`` of virtual time, as the
 simulator does. In emulation at 1000× this is what keeps a 20 ms coalescing window
 from becoming 20 virtual seconds of delay.
 
-Settling (``settle_s``, default 0). Deciding as of an instant is exact only if every
-event stamped before it has arrived. At a high time scale a report can be late by more
-virtual time than separates two events (10 ms of a busy machine is 30 virtual seconds
-at 3000×), and a completion stamped before an arrival then reaches the allocator after
-it has decided on the arrival. With ``settle_s > 0`` the allocator decides for a
-virtual second (a burst's second, or a periodic wake-up) only once its clock is
-``settle_s`` wall seconds past that second's end: a conservative synchronisation
-window, as in parallel discrete-event simulation, so late events still fall into the
-right decision. It costs ``settle_s`` of latency per decision and is meant for
-emulation and conformance runs; on a real cluster (1×) it stays 0.
-
 Publishes: ``SharesDecided`` with a strictly increasing epoch, appended with
 ``Nats-Expected-Last-Subject-Sequence`` on ``<prefix>.alloc.shares_decided``: a
 deposed leader that still believes it leads cannot append a decision made on a
@@ -110,12 +99,8 @@ class AllocatorService:
         snapshot_every: int = 10_000,
         tick_origin: float = 0.0,
         tracer: trace.Tracer | None = None,
-        settle_s: float = 0.0,
     ) -> None:
         self.bus = bus
-        self.settle_s = settle_s
-        """Conservative settling (emulation): decide for a virtual second only once the
-        clock is ``settle_s`` wall seconds past its end (see the module docstring)."""
         self.tracer = tracer or trace.get_tracer("shoal.allocator")
         """Each published decision is the root span of one trace (see :meth:`_traced_decision`)."""
         self.policy = policy
@@ -181,10 +166,6 @@ class AllocatorService:
         return self.asof
 
     # -- deciding ---------------------------------------------------------------
-
-    def _settle_virtual(self) -> float:
-        """``settle_s`` in virtual seconds (0: decide as soon as a trigger is seen)."""
-        return self.settle_s * float(getattr(self.clock, "scale", 1.0)) if self.settle_s > 0 else 0.0
 
     def _wakeup_at(self) -> float | None:
         """Virtual instant of the next periodic decision, or ``None``."""
@@ -292,7 +273,6 @@ class AllocatorService:
         second"). With a wall clock this is what keeps a burst of a thousand
         submissions from becoming a thousand decisions.
         """
-        settle = self._settle_virtual()
         while True:
             if self._campaign is not None and self._campaign.due():
                 # A long run of decisions must not let the lease lapse: renew first.
@@ -301,16 +281,13 @@ class AllocatorService:
             self.pending.sort(key=lambda p: p[0])
             t_trig = self.pending[0][0] if self.pending else None
             wake = self._wakeup_at()
-            horizon = self.clock.now() - settle
-            if wake is not None and wake <= horizon and (t_trig is None or wake < t_trig - 1e-9):
+            if wake is not None and wake <= self.clock.now() and (t_trig is None or wake < t_trig - 1e-9):
                 await self.decide_once("tick", at=wake)
                 self.last_decision_at = max(self.last_decision_at, wake)
                 continue
             if t_trig is None:
                 return
             second_ends = math.floor(t_trig + 1e-9) + 1.0
-            if settle > 0 and second_ends > horizon:
-                return  # not settled yet: the run loop wakes at second_ends + settle
             batch = [p for p in self.pending if p[0] < second_ends]
             self.pending = self.pending[len(batch) :]
             kinds = {p[1] for p in batch}
@@ -368,13 +345,8 @@ class AllocatorService:
                 wait = campaign.until_due()
                 wake = self._wakeup_at() if self.is_leader else None
                 scale = getattr(self.clock, "scale", 1.0)
-                settle = self._settle_virtual()
                 if wake is not None:
-                    wait = min(wait, max(0.0, (wake + settle - self.clock.now()) / scale))
-                if settle > 0 and self.is_leader and self.pending:
-                    first = min(p[0] for p in self.pending)
-                    ready = math.floor(first + 1e-9) + 1.0 + settle
-                    wait = min(wait, max(0.0, (ready - self.clock.now()) / scale))
+                    wait = min(wait, max(0.0, (wake - self.clock.now()) / scale))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.dirty.wait(), wait)
                 if not self.is_leader:

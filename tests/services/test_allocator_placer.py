@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -185,44 +184,3 @@ async def test_placer_places_only_the_newest_epoch_of_a_backlog(bus: Bus) -> Non
     placed = await events_of(bus, ev.PlacementDecided)
     assert [p.epoch for p in placed] == [3]
     assert {j: len(g) for j, g in placed[0].placements.items()} == {"b": 2}
-
-
-@pytest.mark.parametrize("settle_s", [0.0, 1.5])
-async def test_settling_puts_a_late_completion_before_a_later_arrival(bus: Bus, settle_s: float) -> None:
-    """A completion stamped before an arrival but published after the allocator could
-    have decided on the arrival: with a settling window it still comes first (the
-    simulator's order); without one the arrival is decided first. Both cases are
-    asserted, so the test shows what the window changes."""
-    from shoal import codec
-    from shoal.clock import ScaledClock
-
-    clock = ScaledClock(1000.0)
-    stop = asyncio.Event()
-    alloc = AllocatorService(
-        bus, GreedyRequested(), holder="a1", clock=clock, node_timeout_s=None, settle_s=settle_s
-    )
-    task = asyncio.create_task(alloc.run(stop))
-    try:
-        await bus.publish(codec.wrap(node("n0"), at=clock.now()))
-        await bus.publish(codec.wrap(job("a", 4), at=clock.now()))
-        await wait_until(lambda: alloc.projection.state.shares == {"a": 4}, timeout=10 + 2 * settle_s)
-        t_c = math.floor(clock.now()) + 300.0  # 0.3 wall seconds ahead
-        t_b = t_c + 50.0
-        await bus.publish(codec.wrap(job("b", 4), at=t_b))
-        # Long enough for an allocator without a window to decide on b's arrival alone.
-        await asyncio.sleep(0.4)
-        await bus.publish(codec.wrap(ev.JobCompleted(job_id="a", iterations=100), at=t_c))
-        await wait_until(lambda: alloc.projection.state.shares == {"b": 4}, timeout=10 + 2 * settle_s)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 15)
-    envs = [e async for _, e in bus.replay() if isinstance(e.event, ev.SharesDecided)]
-    after = [(e.at, e.event.trigger, dict(e.event.shares)) for e in envs if e.at > t_c - 1]
-    if settle_s:
-        # The completion is folded first (nothing runs as of t_c, so nothing to publish),
-        # and b gets a's GPUs in the decision on its arrival, as in the simulator.
-        assert after == [(t_b, "arrival", {"b": 4})], after
-    else:
-        # b's arrival was decided while a still held every GPU; the completion came late.
-        assert after[0][:2] == (t_b, "arrival") and after[0][2] == {"a": 4}, after
-        assert after[-1][2] == {"b": 4}
