@@ -135,6 +135,17 @@ async def make_controller(tmp_path: Path, job_id: str) -> AsyncIterator[Callable
         await ctl.close(checkpoint=False)
 
 
+def cnn_spec(steps: int, max_gpus: int) -> ev.JobSpec:
+    """A job that trains the example CNN for ``steps`` steps on up to ``max_gpus`` workers."""
+    return ev.JobSpec(
+        user="u",
+        max_gpus=max_gpus,
+        requested_gpus=max_gpus,
+        total_iterations=steps,
+        entrypoint=(sys.executable, str(CNN), "--max-steps", str(steps)),
+    )
+
+
 def order(job_id: str, epoch: int, n: int) -> ev.Reconfigure:
     return ev.Reconfigure(job_id=job_id, epoch=epoch, gpus=gpus(n))
 

@@ -19,7 +19,7 @@ from shoal import events as ev
 from shoal.bus import Bus
 
 from tests.services.test_allocator_placer import events_of
-from tests.train.conftest import CNN, gpus, processes_of
+from tests.train.conftest import CNN, cnn_spec, gpus, processes_of
 
 # Each test starts sidecars, workers and torch imports: 15-35 s each on two cores.
 pytestmark = pytest.mark.integration
@@ -184,15 +184,6 @@ async def test_node_daemon_runs_a_real_job_under_the_allocator(
     other = f"{job_id}-b"
     tasks = [asyncio.create_task(s.run(stop_services)) for s in services]
 
-    def spec(steps: int, max_gpus: int) -> ev.JobSpec:
-        return ev.JobSpec(
-            user="u",
-            max_gpus=max_gpus,
-            requested_gpus=max_gpus,
-            total_iterations=steps,
-            entrypoint=(sys.executable, str(CNN), "--max-steps", str(steps)),
-        )
-
     def status(jid: str) -> str:
         job = daemon.projection.state.jobs.get(jid)
         return job.status if job else ""
@@ -206,9 +197,11 @@ async def test_node_daemon_runs_a_real_job_under_the_allocator(
 
     try:
         await wait_until(lambda: "n0" in daemon.projection.state.nodes)
-        await bus.publish(codec.wrap(ev.JobSubmitted(job_id=job_id, spec=spec(1_000_000, 2)), at=clock.now()))
+        await bus.publish(
+            codec.wrap(ev.JobSubmitted(job_id=job_id, spec=cnn_spec(1_000_000, 2)), at=clock.now())
+        )
         await wait_event(bus, ev.ProgressReported, lambda p: p.job_id == job_id and p.num_gpus == 2)
-        await bus.publish(codec.wrap(ev.JobSubmitted(job_id=other, spec=spec(60, 1)), at=clock.now()))
+        await bus.publish(codec.wrap(ev.JobSubmitted(job_id=other, spec=cnn_spec(60, 1)), at=clock.now()))
         await wait_until(lambda: status(other) == "completed", timeout=120)
         # The start at two workers, then the scale-out back to two once the GPU is free.
         await wait_event(

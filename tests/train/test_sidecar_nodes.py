@@ -26,7 +26,7 @@ from shoal.bus import Bus
 from shoal.gpus import fake_gpus
 
 from tests.services.test_allocator_placer import events_of
-from tests.train.conftest import CNN, processes_of
+from tests.train.conftest import CNN, cnn_spec, processes_of
 from tests.train.test_sidecar import order_line, send, stop, wait_event
 
 # Two sidecars, their workers and the torch imports of all of them: 30-50 s each on two cores.
@@ -314,28 +314,21 @@ async def test_node_daemons_run_a_job_across_two_nodes_under_the_allocator(
     other = f"{job_id}-b"
     tasks = [asyncio.create_task(s.run(stop_services)) for s in services]
 
-    def spec(steps: int, max_gpus: int) -> ev.JobSpec:
-        return ev.JobSpec(
-            user="u",
-            max_gpus=max_gpus,
-            requested_gpus=max_gpus,
-            total_iterations=steps,
-            entrypoint=(sys.executable, str(CNN), "--max-steps", str(steps)),
-        )
-
     def status(jid: str) -> str:
         job = daemons[0].projection.state.jobs.get(jid)
         return job.status if job else ""
 
     try:
         await wait_until(lambda: {"n0", "n1"} <= set(daemons[0].projection.state.nodes))
-        await bus.publish(codec.wrap(ev.JobSubmitted(job_id=job_id, spec=spec(1_000_000, 2)), at=clock.now()))
+        await bus.publish(
+            codec.wrap(ev.JobSubmitted(job_id=job_id, spec=cnn_spec(1_000_000, 2)), at=clock.now())
+        )
         spanning = await wait_event(
             bus, ev.ReconfigurationCompleted, lambda c: c.job_id == job_id and c.world_size == 2
         )
         assert {g.node_id for g in spanning[0].gpus} == {"n0", "n1"}
         await wait_event(bus, ev.ProgressReported, lambda p: p.job_id == job_id and p.num_gpus == 2)
-        await bus.publish(codec.wrap(ev.JobSubmitted(job_id=other, spec=spec(60, 1)), at=clock.now()))
+        await bus.publish(codec.wrap(ev.JobSubmitted(job_id=other, spec=cnn_spec(60, 1)), at=clock.now()))
         await wait_until(lambda: status(other) == "completed", timeout=120)
         # Back on both nodes once the GPU is free, and training there.
         await wait_event(
