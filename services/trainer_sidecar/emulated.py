@@ -24,6 +24,13 @@ it. The job completes at its exact virtual finish instant, rounded up to a whole
 second as in the simulator, and ``JobCompleted`` carries that instant. This is what
 makes emulate-mode runs agree with ``shoal simulate`` (the conformance test).
 
+Orders at one instant. An order applied at the same virtual instant as the one
+before it replaces it: the earlier shape was in force for no time, so the stop time
+and the kind of change (start, scale-out, move …) are those from the shape before
+that instant. Without this, an allocator that decided on the first arrivals of a
+same-second burst and then on all of them charged jobs two reconfigurations where
+the simulator charges one.
+
 Leadership (emulated mode): of the job's sidecars, the one on the node that holds
 the job's lowest ``GpuRef`` drives it: it advances, reports and completes; the
 others only hold the GPUs. A new leader resumes from the newest
@@ -111,6 +118,9 @@ class EmulatedTrainer:
         """(epoch, started at, stop time) of the reconfiguration under way."""
         self.completed = False
         self._last_report_wall = 0.0
+        self._prior: tuple[float, int, tuple[ev.GpuRef, ...]] | None = None
+        """(instant, world, GPUs) of the newest change: the shape the job had just
+        before the order applied at that instant."""
 
     @property
     def world(self) -> int:
@@ -276,6 +286,13 @@ class EmulatedTrainer:
             return
         done = self.iteration_at(t)
         old_world, old_gpus = self.world, self.gpus
+        same_instant = self._prior is not None and abs(self._prior[0] - t) < _EPS
+        if same_instant:
+            # The shape of the previous order was in force for no virtual time (an
+            # allocator that decided on part of a same-instant burst, then on all of
+            # it): this change is counted from the shape before that one, as the
+            # simulator, which decides once per instant, counts it.
+            _, old_world, old_gpus = self._prior  # type: ignore[misc]
         with self.tracer.start_as_current_span("sidecar.stop", attributes={"shoal.from_world": old_world}):
             if self.in_flight is not None and was_leader:
                 await self._publish(
@@ -302,6 +319,8 @@ class EmulatedTrainer:
                 previous = await self._resume_progress(at=t)
                 if previous and not old_world:
                     old_world, old_gpus = previous, ()
+            if not same_instant:
+                self._prior = (t, old_world, old_gpus)
             kind = classify(old_world, self.world, set(old_gpus) != set(self.gpus))
             switch.set_attributes({"shoal.to_world": self.world, "shoal.leader": self.is_leader})
         if not self.is_leader or kind is None:
@@ -414,8 +433,12 @@ class EmulatedTrainer:
             now = self.clock.now()
             # When something is already overdue (this process started late, or is
             # behind), first take the orders already sent: one of them may change the
-            # job before that instant.
-            wait = min(max(self._seconds_to_next_wake(now), _DRAIN_S), 0.5)
+            # job before that instant. Otherwise wake exactly when it is due: a floor
+            # here would make every completion late by up to that floor (10 ms is 10
+            # virtual seconds at 1000×), and a late completion can reach the allocator
+            # after a later event.
+            due = self._seconds_to_next_wake(now)
+            wait = min(due if due > 0 else _DRAIN_S, 0.5)
             with contextlib.suppress(TimeoutError):
                 cmd = await asyncio.wait_for(self.commands.get(), wait)
                 await self.apply(cmd)
