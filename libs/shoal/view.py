@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import msgspec
+
 from shoal.models import Catalog, interpolate
 from shoal.policies.base import ClusterView, JobView
 from shoal.state import FINISHED_STATUSES, NODE_UP, ClusterState, JobState
@@ -183,3 +185,24 @@ def build_view(
         gpus_per_node=gpus_per_node,
         user_tickets=tickets,
     )
+
+
+def with_current_shares(
+    view: ClusterView, shares: Mapping[str, int], gpu_types: Mapping[str, str]
+) -> ClusterView:
+    """``view`` with every job's current share (``current_gpus``/``current_gpu_type``)
+    taken from ``shares``/``gpu_types`` (absent: 0 GPUs) instead of the state's.
+
+    The allocator uses it to decide again at an instant it already decided at: the
+    decision made at that instant was in force for no time, so the new one starts
+    from the shares before it, as the simulator's single decision per instant does.
+    """
+    jobs = tuple(
+        j
+        if j.current_gpus == shares.get(j.job_id, 0) and j.current_gpu_type == gpu_types.get(j.job_id, "")
+        else msgspec.structs.replace(
+            j, current_gpus=shares.get(j.job_id, 0), current_gpu_type=gpu_types.get(j.job_id, "")
+        )
+        for j in view.jobs
+    )
+    return msgspec.structs.replace(view, jobs=jobs)

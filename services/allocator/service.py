@@ -63,6 +63,8 @@ from shoal.telemetry import producer_span
 
 log = structlog.get_logger("shoal.allocator")
 
+_Shares = tuple[dict[str, int], dict[str, str], dict[str, Any]]
+
 _TRIGGERS: dict[type, str] = {
     ev.JobSubmitted: "arrival",
     ev.JobCompleted: "completion",
@@ -131,6 +133,12 @@ class AllocatorService:
         self._since_snapshot = 0
         self._campaign: Campaign | None = None
         """The leader lease campaign (set by :meth:`run`)."""
+        self._instant = -math.inf
+        """Instant of the newest decision."""
+        self._in_force: _Shares = ({}, {}, {})
+        """(shares, GPU types, policy memory) of the newest decision."""
+        self._before: _Shares = ({}, {}, {})
+        """The same, of the decision in force before ``_instant`` (see :meth:`decide_once`)."""
 
     # -- consuming --------------------------------------------------------------
 
@@ -141,6 +149,10 @@ class AllocatorService:
         if isinstance(env.event, ev.SharesDecided):
             self.decisions_seq = seq
             self.last_decision_at = max(self.last_decision_at, env.at)
+            if env.at > self._instant + 1e-9:
+                self._before, self._instant = self._in_force, env.at
+            e = env.event
+            self._in_force = (dict(e.shares), dict(e.gpu_types), dict(e.policy_memory))
             return
         trigger = _TRIGGERS.get(type(env.event))
         if trigger is not None:
@@ -188,14 +200,22 @@ class AllocatorService:
         t0 = time.time_ns()
         now = max(self.clock.now() if at is None else at, self.last_decision_at)
         state = self._state_as_of(now)
-        from shoal.view import build_view
+        from shoal.view import build_view, with_current_shares
 
         view = build_view(state, now=now, gpus_per_node=gpus_per_node(state), catalog=self.catalog)
+        memory = state.policy_memory
+        if abs(now - self._instant) <= 1e-9:
+            # Deciding again at the instant of the newest decision (the rest of a burst
+            # reached this allocator after it decided on the first part): that decision
+            # was in force for no time, so this one starts from the shares and policy
+            # memory before it, as the simulator's one decision per instant does.
+            shares_before, types_before, memory = self._before
+            view = with_current_shares(view, shares_before, types_before)
         t1 = time.time_ns()
         decision = decide_shares(
             self.policy,
             view,
-            state.policy_memory,
+            memory,
             epoch=state.shares_epoch + 1,
             trigger=trigger,
             network_packing=self.network_packing,
@@ -328,6 +348,16 @@ class AllocatorService:
         await self.projection.start()
         await self.projection.wait_ready()
         await self._restore_decision_cursor()
+        if self._instant < self.last_decision_at:
+            # Restored from a snapshot: the decisions before it were not seen one by
+            # one; the newest one's inputs are the best known "before" for its instant.
+            state = self.projection.state
+            current = (
+                dict(state.shares),
+                {j: state.jobs[j].gpu_type for j in state.shares},
+                dict(state.policy_memory),
+            )
+            self._instant, self._in_force, self._before = self.last_decision_at, current, current
         campaign = self._campaign = Campaign(
             await self.bus.lease("allocator", self.holder, ttl_s=self.lease_ttl_s)
         )

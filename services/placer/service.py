@@ -40,7 +40,7 @@ from shoal.cluster import topology_from_state
 from shoal.events import Envelope
 from shoal.log import bound_job
 from shoal.projection import Projection
-from shoal.state import ClusterState
+from shoal.state import FINISHED_STATUSES, ClusterState
 from shoal.telemetry import producer_span, stored_context, tracing_enabled
 
 log = structlog.get_logger("shoal.placer")
@@ -56,6 +56,7 @@ class PlacerService:
         placer: str = "min-migration",
         lease_ttl_s: float = 3.0,
         tracer: trace.Tracer | None = None,
+        projection: Projection | None = None,
     ) -> None:
         self.bus = bus
         self.tracer = tracer or trace.get_tracer("shoal.placer")
@@ -63,12 +64,22 @@ class PlacerService:
         self.clock = clock
         self.placer = placer
         self.lease_ttl_s = lease_ttl_s
-        self.projection = Projection(bus, listeners=[self._on_event])
+        if projection is None:
+            projection = Projection(bus)
+        projection.add_listener(self._on_event)
+        self.projection = projection
+        """The log as this service sees it; may be shared with services of the same
+        process (see :mod:`shoal.projection`)."""
         self.latest: ev.SharesDecided | None = None
         self.latest_at = 0.0
         self.latest_seq = 0
         """Stream sequence of ``latest`` (its stored headers carry the decision's trace)."""
         self.placements_seq = 0
+        self._instant = -float("inf")
+        """Instant (``decided_at``) of the newest placement."""
+        self._placed_now: dict[str, tuple[ev.GpuRef, ...]] = {}
+        self._placed_before: dict[str, tuple[ev.GpuRef, ...]] = {}
+        """The placement in force before ``_instant`` (see :meth:`_anchor`)."""
         self.dirty = asyncio.Event()
         self.is_leader = False
 
@@ -82,6 +93,9 @@ class PlacerService:
                 self.dirty.set()
         elif isinstance(e, ev.PlacementDecided):
             self.placements_seq = seq
+            if e.decided_at > self._instant + 1e-9:
+                self._placed_before, self._instant = self._placed_now, e.decided_at
+            self._placed_now = dict(e.placements)
         elif isinstance(e, ev.NodeLost | ev.NodeDrained | ev.NodeRegistered):
             self.dirty.set()
 
@@ -114,7 +128,9 @@ class PlacerService:
     ) -> ev.PlacementDecided | None:
         t0 = time.time_ns()
         previous = {j: state.jobs[j].placement for j in state.placed}
-        decided, result = place(topology_from_state(state), shares, previous, placer=self.placer)
+        decided, result = place(
+            topology_from_state(state), shares, self._anchor(shares_at, previous, state), placer=self.placer
+        )
         decided = msgspec.structs.replace(decided, decided_at=shares_at)
         self.tracer.start_span("placer.compute", start_time=t0).end()
         span.set_attributes(
@@ -166,6 +182,22 @@ class PlacerService:
             stream_seq=res.seq,
         )
         return decided
+
+    def _anchor(
+        self, at: float, current: dict[str, tuple[ev.GpuRef, ...]], state: ClusterState
+    ) -> dict[str, tuple[ev.GpuRef, ...]]:
+        """The placement min-migration keeps jobs on: the current one, except that a
+        placement made at this same instant ``at`` was in force for no time, and the
+        one before it counts instead (for jobs still active). An allocator that decided on
+        part of a same-instant burst first would otherwise pin the jobs of that partial
+        decision to GPUs the simulator, deciding once per instant, never gave them."""
+        if abs(at - self._instant) > 1e-9:
+            return current
+        return {
+            j: g
+            for j, g in self._placed_before.items()
+            if j in state.jobs and state.jobs[j].status not in FINISHED_STATUSES
+        }
 
     @staticmethod
     def _placement_broken(state: ClusterState) -> bool:
