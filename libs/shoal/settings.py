@@ -114,6 +114,9 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Address of this node that real sidecars bind their control server and rendezvous
     store to and advertise to the job's workers on other nodes; the default only reaches
     workers on the same machine."""
+    sidecar_spares: NonNegInt = 1
+    """Sidecars each node daemon keeps started ahead of need, so that a job placed on
+    its node starts without a process start (0 turns them off)."""
     heartbeat_s: PositiveFloat = 1.0
     lease_ttl_s: PositiveFloat = 3.0
     """Leader lease TTL of the allocator and the placer."""

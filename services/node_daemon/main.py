@@ -14,6 +14,8 @@ default) and get this daemon's settings (URL, prefix, clock, cost model …) as
 ``shoal.train`` entrypoint as real worker processes: on NVML GPUs one CUDA worker per
 GPU index, on fake GPUs one CPU (gloo) worker slot per fake GPU (choice: a machine
 without GPUs can still run real training end to end, which is how CI tests it).
+The daemon keeps ``SHOAL_SIDECAR_SPARES`` (default 1) sidecars started ahead of need;
+a job placed here takes one instead of waiting for a process start.
 A job placed on several nodes has one sidecar on each; its workers run on the nodes
 the placement names, and reach the leading sidecar at that node's
 ``SHOAL_SIDECAR_HOST`` (default ``127.0.0.1``: set it to the node's address when the
@@ -112,7 +114,7 @@ def sidecar_env(settings: Settings, nats_url: str) -> dict[str, str]:
     would otherwise win over ``SHOAL_NATS_URL``)."""
     env = settings.to_env()
     env["SHOAL_NATS_URL"] = env["NATS_URL"] = nats_url
-    for name in ("SHOAL_NODE_ID", "SHOAL_FAKE_GPUS"):  # daemon-only settings
+    for name in ("SHOAL_NODE_ID", "SHOAL_FAKE_GPUS", "SHOAL_SIDECAR_SPARES"):  # daemon-only settings
         env.pop(name, None)
     return env
 
@@ -138,5 +140,6 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             emulated=emulated,
             heartbeat_s=settings.heartbeat_s,
             hostname=node_id,
+            spares=settings.sidecar_spares,
         )
         await daemon.run(stop)

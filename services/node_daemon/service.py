@@ -14,8 +14,20 @@ Publishes: ``NodeRegistered`` at start, ``NodeHeartbeat`` every ``heartbeat_s``,
 utilisation 1.0 while a job holds the GPU).
 
 Sidecars are supervised subprocesses: orders go to their stdin (closing it stops
-them), they die with the daemon (``PR_SET_PDEATHSIG``), and a sidecar that exits
+them), they stop with the daemon (end of stdin), and a sidecar that exits
 while its job still needs it is restarted and re-sent its order.
+
+Spare sidecars (``spares``, default 1): the daemon keeps that many sidecars started
+for no job yet (``--job -``; see ``shoal_services.trainer_sidecar.__main__``). A job
+placed on this node takes a spare, which learns its job id from one stdin line and
+is running within milliseconds, and a new spare is started in the background once
+no job has been placed here for a second. A
+cold start costs the interpreter, imports and NATS connection: 0.3–1 s on an idle
+2-core machine, and far more when a decision moves many jobs at once. In real mode
+that is time-to-first-step after a placement; in emulation at 1000× it is hundreds
+of virtual seconds during which the job's new leading sidecar cannot report or
+complete (what made emulate-mode decision sequences drift from the simulator's).
+A spare that dies is replaced at the next heartbeat; spares stop with the daemon.
 
 Tracing: a reconciliation that acts continues the trace of the placement it carries
 out, taken from the stored headers of that ``PlacementDecided`` (the daemon reads the
@@ -30,8 +42,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import signal
+import math
+import os
 from collections.abc import Callable, Sequence
 
 import structlog
@@ -48,15 +60,11 @@ from shoal.log import bound_job
 from shoal.projection import Projection
 from shoal.state import FINISHED_STATUSES, ClusterState
 from shoal.telemetry import stored_context, tracing_enabled, with_trace_fields
+from shoal_services.trainer_sidecar import SPARE_JOB, adoption_line
 
 log = structlog.get_logger("shoal.node_daemon")
 
 SidecarArgv = Callable[[str], Sequence[str]]
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
 
 
 class Sidecar:
@@ -111,8 +119,12 @@ class NodeDaemon:
         heartbeat_s: float = 1.0,
         health_every: int = 5,
         hostname: str = "",
+        spares: int = 1,
         tracer: trace.Tracer | None = None,
+        projection: Projection | None = None,
     ) -> None:
+        if spares < 0:
+            raise ValueError(f"spares must be >= 0, got {spares}")
         self.bus = bus
         self.tracer = tracer or trace.get_tracer("shoal.node_daemon")
         self.node_id = node_id
@@ -123,8 +135,23 @@ class NodeDaemon:
         self.heartbeat_s = heartbeat_s
         self.health_every = health_every
         self.hostname = hostname
-        self.projection = Projection(bus, listeners=[self._on_event])
+        if projection is None:
+            projection = Projection(bus)
+        projection.add_listener(self._on_event)
+        self.projection = projection
+        """The log as this service sees it; may be shared with services of the same
+        process (see :mod:`shoal.projection`)."""
         self.sidecars: dict[str, Sidecar] = {}
+        self.spares = spares
+        self._spares: list[asyncio.subprocess.Process] = []
+        """Started sidecars waiting for a job (oldest first)."""
+        self._warm: set[int] = set()
+        """Pids of the spares that said they are ready."""
+        self._refill: asyncio.Task[None] | None = None
+        self.refill_after_s = 1.0
+        """Wall seconds without an adoption before spares are started again."""
+        self._adopted_at = -math.inf
+        self._closing = False
         self._stopping: set[asyncio.Task[None]] = set()
         """Sidecars on their way out: stopped in the background, so that a sidecar
         finishing its last orders never holds up the orders of the others."""
@@ -183,15 +210,98 @@ class NodeDaemon:
             await side.send(order)
             log.info("order_sent", gpus=len(order.gpus))
 
+    async def _start(self, job_id: str) -> asyncio.subprocess.Process:
+        if job_id != SPARE_JOB:
+            return await asyncio.create_subprocess_exec(
+                *self.sidecar_argv(job_id),
+                stdin=asyncio.subprocess.PIPE,
+                # No preexec_fn: it forces a slow fork that blocks this event loop for
+                # a quarter of a second per sidecar. A sidecar needs no death signal:
+                # when this process dies its stdin reaches end-of-file and it stops.
+            )
+        # A spare tells it is ready (imports done, connected) by writing to a pipe.
+        r, w = os.pipe()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self.sidecar_argv(job_id), "--ready-fd", str(w), stdin=asyncio.subprocess.PIPE, pass_fds=(w,)
+            )
+        except BaseException:
+            os.close(r)
+            raise
+        finally:
+            os.close(w)
+        loop = asyncio.get_running_loop()
+
+        def readable() -> None:
+            loop.remove_reader(r)
+            with contextlib.suppress(OSError):
+                if os.read(r, 1):
+                    self._warm.add(proc.pid)
+            os.close(r)
+
+        loop.add_reader(r, readable)
+        return proc
+
+    def spares_ready(self) -> int:
+        """Spares that are started and waiting for a job."""
+        return sum(p.returncode is None and p.pid in self._warm for p in self._spares)
+
+    async def _adopt(self, job_id: str) -> asyncio.subprocess.Process | None:
+        """Hand ``job_id`` to a live spare, a ready one first; ``None`` when there is none."""
+        self._spares.sort(key=lambda p: p.pid not in self._warm)  # stable: oldest ready first
+        while self._spares:
+            proc = self._spares.pop(0)
+            self._warm.discard(proc.pid)
+            if proc.returncode is not None or proc.stdin is None:
+                continue
+            try:
+                proc.stdin.write(adoption_line(job_id))
+                await proc.stdin.drain()
+            except (BrokenPipeError, ConnectionResetError):
+                continue  # it died just now; the next one, or a cold start
+            self._adopted_at = asyncio.get_running_loop().time()
+            return proc
+        return None
+
+    def _refill_spares(self) -> None:
+        """Top the spares up to ``spares`` in the background (one refill at a time)."""
+        if self._closing or (self._refill is not None and not self._refill.done()):
+            return
+
+        async def refill() -> None:
+            loop = asyncio.get_running_loop()
+            while not self._closing:
+                # Not while jobs are being placed here: a process start is half a second
+                # of CPU that the services placing them need more.
+                quiet = self._adopted_at + self.refill_after_s - loop.time()
+                if quiet <= 0:
+                    break
+                await asyncio.sleep(quiet)
+            self._spares = [p for p in self._spares if p.returncode is None]
+            while not self._closing and len(self._spares) < self.spares:
+                proc = await self._start(SPARE_JOB)
+                if self._closing:
+                    await Sidecar(SPARE_JOB, proc).stop()
+                    return
+                self._spares.append(proc)
+                log.info("spare_sidecar_started", pid=proc.pid)
+
+        self._refill = asyncio.create_task(refill())
+
+    async def _stop_spares(self) -> None:
+        self._closing = True
+        if self._refill is not None:
+            await asyncio.gather(self._refill, return_exceptions=True)
+        spares, self._spares = self._spares, []
+        await asyncio.gather(*(Sidecar(SPARE_JOB, p).stop() for p in spares), return_exceptions=True)
+
     async def _spawn_process(self, job_id: str) -> Sidecar:
-        proc = await asyncio.create_subprocess_exec(
-            *self.sidecar_argv(job_id),
-            stdin=asyncio.subprocess.PIPE,
-            # No preexec_fn: it forces a slow fork that blocks this event loop for a
-            # quarter of a second per sidecar. A sidecar needs no death signal: when
-            # this process dies its stdin reaches end-of-file and it stops.
-        )
-        log.info("sidecar_started", job_id=job_id, pid=proc.pid)
+        proc = await self._adopt(job_id)
+        how = "spare"
+        if proc is None:
+            proc, how = await self._start(job_id), "cold"
+        self._refill_spares()
+        log.info("sidecar_started", job_id=job_id, pid=proc.pid, start=how)
         return Sidecar(job_id, proc)
 
     @staticmethod
@@ -290,9 +400,12 @@ class NodeDaemon:
                         )
                     )
                 await self.bus.publish_many(healths)
-            # Sidecars that died get restarted at the next reconciliation.
+            # Sidecars that died get restarted at the next reconciliation; spares that
+            # died are replaced.
             if any(s.proc.returncode is not None for s in self.sidecars.values()):
                 self.dirty.set()
+            if sum(p.returncode is None for p in self._spares) < self.spares:
+                self._refill_spares()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.heartbeat_s)
 
@@ -305,6 +418,7 @@ class NodeDaemon:
         await self.projection.start()
         await self.projection.wait_ready()
         beats = asyncio.create_task(self._heartbeats(stop))
+        self._refill_spares()
         try:
             self.dirty.set()
             while not stop.is_set():
@@ -317,7 +431,10 @@ class NodeDaemon:
             beats.cancel()
             await asyncio.gather(beats, return_exceptions=True)
             await asyncio.gather(
-                *(s.stop() for s in self.sidecars.values()), *self._stopping, return_exceptions=True
+                *(s.stop() for s in self.sidecars.values()),
+                *self._stopping,
+                self._stop_spares(),
+                return_exceptions=True,
             )
             self.sidecars.clear()
             await self.projection.stop()

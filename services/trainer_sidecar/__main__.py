@@ -7,6 +7,14 @@ End of stdin means the node daemon is gone: the sidecar stops.
 A malformed order is reported on stderr and skipped; it never kills the job.
 An order line may carry the W3C ``traceparent``/``tracestate`` of the node daemon's
 span as extra fields: the sidecar's span for that order continues the trace.
+
+Spare sidecars: ``--job -`` starts a sidecar for no job yet. It does the slow part
+of starting (the interpreter, imports, catalog, the NATS connection) and then waits
+for its job on the first stdin line, ``{"job_id": "<id>"}`` (:data:`SPARE_JOB`,
+:func:`adopt_job`). The node daemon keeps one spare ready so that a job placed on
+its node starts at once instead of half a second later (a process start that, at
+the time scales of emulation, is hundreds of virtual seconds). End of stdin before
+that line: the spare exits 0 without having done anything.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 from typing import TYPE_CHECKING
@@ -24,6 +33,7 @@ from shoal.bus import Bus
 from shoal.clock import make_clock
 from shoal.models import get_catalog
 from shoal.sim.costs import get_costs
+from shoal_services.trainer_sidecar import SPARE_JOB, Adoption
 from shoal_services.trainer_sidecar.emulated import EmulatedTrainer, parse_traced_order
 
 if TYPE_CHECKING:
@@ -32,10 +42,50 @@ if TYPE_CHECKING:
 log = structlog.get_logger("shoal.sidecar")
 
 
-async def _read_orders(trainer: EmulatedTrainer | RealSidecar, stop: asyncio.Event) -> None:
+async def open_stdin() -> asyncio.StreamReader:
+    """An asyncio reader over this process's stdin (the node daemon's pipe)."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    return reader
+
+
+def signal_ready(fd: int | None) -> None:
+    """Tell the node daemon this (spare) sidecar is started: one byte on ``fd``."""
+    if fd is None:
+        return
+    with contextlib.suppress(OSError):
+        os.write(fd, b"1")
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+async def adopt_job(reader: asyncio.StreamReader) -> str | None:
+    """Wait for a spare's job (see the module docstring); ``None`` at end of stdin.
+
+    Raises:
+        ValueError: the first line is not ``{"job_id": "<non-empty id>"}``.
+    """
+    while True:
+        line = await reader.readline()
+        if not line:
+            return None
+        if line.strip():
+            break
+    try:
+        job_id = msgspec.json.decode(line, type=Adoption).job_id
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(f'a spare sidecar\'s first line must be {{"job_id": ...}}: {exc}') from None
+    if not job_id or job_id == SPARE_JOB:
+        raise ValueError(f"a spare sidecar cannot adopt job id {job_id!r}")
+    return job_id
+
+
+async def _read_orders(
+    trainer: EmulatedTrainer | RealSidecar, stop: asyncio.Event, reader: asyncio.StreamReader | None = None
+) -> None:
+    if reader is None:
+        reader = await open_stdin()
     while True:
         line = await reader.readline()
         if not line:
@@ -58,16 +108,32 @@ async def _read_orders(trainer: EmulatedTrainer | RealSidecar, stop: asyncio.Eve
 
 
 async def main_async(args: argparse.Namespace) -> int:
+    label = "spare" if args.job == SPARE_JOB else args.job
     bus = await Bus.connect(
-        args.nats_url, prefix=args.prefix, name=f"sidecar-{args.job}-{args.node}", declare=False
+        args.nats_url, prefix=args.prefix, name=f"sidecar-{label}-{args.node}", declare=False
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    catalog = get_catalog(args.catalog) if args.catalog and args.mode == "emulated" else None
     if args.mode == "real":
-        return await _run_real(args, bus, stop)
-    catalog = get_catalog(args.catalog) if args.catalog else None
+        import shoal_services.trainer_sidecar.real  # noqa: F401  (loaded before "ready")
+    stdin = await open_stdin()
+    signal_ready(args.ready_fd)
+    if args.job == SPARE_JOB:
+        try:
+            job_id = await adopt_job(stdin)
+        except ValueError as exc:
+            print(f"shoal-sidecar: {exc}", file=sys.stderr, flush=True)
+            await bus.close()
+            return 2
+        if job_id is None:
+            await bus.close()
+            return 0
+        args.job = job_id
+    if args.mode == "real":
+        return await _run_real(args, bus, stop, stdin)
     trainer = EmulatedTrainer(
         bus,
         args.job,
@@ -77,7 +143,7 @@ async def main_async(args: argparse.Namespace) -> int:
         catalog=catalog,
         report_every_s=args.report_every,
     )
-    reader = asyncio.create_task(_read_orders(trainer, stop))
+    reader = asyncio.create_task(_read_orders(trainer, stop, stdin))
     runner = asyncio.create_task(trainer.run(stop))
     stopper = asyncio.create_task(stop.wait())
     try:
@@ -98,7 +164,9 @@ async def main_async(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _run_real(args: argparse.Namespace, bus: Bus, stop: asyncio.Event) -> int:
+async def _run_real(
+    args: argparse.Namespace, bus: Bus, stop: asyncio.Event, stdin: asyncio.StreamReader
+) -> int:
     """``--mode real``: see :mod:`shoal_services.trainer_sidecar.real`."""
     import tempfile
     from pathlib import Path
@@ -125,7 +193,7 @@ async def _run_real(args: argparse.Namespace, bus: Bus, stop: asyncio.Event) -> 
         advertise_host=args.advertise_host,
     )
     try:
-        await run_with_stdin_orders(sidecar, stop)
+        await run_with_stdin_orders(sidecar, stop, stdin)
     finally:
         await bus.close()
     return 0
@@ -133,8 +201,9 @@ async def _run_real(args: argparse.Namespace, bus: Bus, stop: asyncio.Event) -> 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="shoal-sidecar")
-    p.add_argument("--job", required=True)
+    p.add_argument("--job", required=True, help=f"job id, or {SPARE_JOB} for a spare (job on stdin)")
     p.add_argument("--node", required=True)
+    p.add_argument("--ready-fd", type=int, default=None, help="write one byte to this fd once started")
     p.add_argument("--nats-url", required=True)
     p.add_argument("--prefix", default="shoal")
     p.add_argument("--emulate", action="store_true", default=True)

@@ -6,7 +6,8 @@ It runs the emulated trainer of ``shoal_services.trainer_sidecar`` under
 :func:`shoal.runtime.run_service`: settings from ``SHOAL_*`` (the node daemon exports
 its own), structured logs on stderr, tracing, SIGTERM draining. Orders
 (``Reconfigure``, one JSON object per line) are read from stdin; end of stdin (the
-node daemon is gone or closed it) stops the sidecar.
+node daemon is gone or closed it) stops the sidecar. ``--job -`` starts a spare that
+takes its job from its first stdin line (see ``shoal_services.trainer_sidecar.__main__``).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ def configure(argv: Sequence[str]) -> Serve:
         StartupError: missing or invalid arguments.
     """
     parser = argparse.ArgumentParser(prog="shoal run trainer-sidecar", add_help=False, exit_on_error=False)
-    parser.add_argument("--job", required=True)
+    parser.add_argument("--job", required=True)  # "-": a spare, its job comes on stdin
     parser.add_argument("--node", required=True)
+    parser.add_argument("--ready-fd", type=int, default=None)  # spares: one byte here once started
     try:
         args = parser.parse_args(list(argv))
     except (argparse.ArgumentError, SystemExit) as exc:
@@ -41,7 +43,8 @@ def configure(argv: Sequence[str]) -> Serve:
     async def serve(settings: Settings, stop: asyncio.Event) -> None:
         from shoal.models import get_catalog
         from shoal.sim.costs import get_costs
-        from shoal_services.trainer_sidecar.__main__ import _read_orders
+        from shoal_services.trainer_sidecar import SPARE_JOB
+        from shoal_services.trainer_sidecar.__main__ import _read_orders, adopt_job, open_stdin, signal_ready
         from shoal_services.trainer_sidecar.emulated import EmulatedTrainer
 
         try:
@@ -51,18 +54,28 @@ def configure(argv: Sequence[str]) -> Serve:
             raise StartupError(str(exc)) from None
         clock = make_clock(settings)
         async with contextlib.AsyncExitStack() as resources:
-            bus = await connect_bus(settings, f"sidecar-{args.job}-{args.node}", declare=False)
+            spare = args.job == SPARE_JOB
+            label = "spare" if spare else args.job
+            bus = await connect_bus(settings, f"sidecar-{label}-{args.node}", declare=False)
             resources.push_async_callback(bus.close)
+            stdin = await open_stdin()
+            signal_ready(args.ready_fd)
+            try:
+                job_id = await adopt_job(stdin) if spare else args.job
+            except ValueError as exc:
+                raise StartupError(str(exc)) from None
+            if job_id is None:
+                return  # a spare the node daemon never needed
             trainer = EmulatedTrainer(
                 bus,
-                args.job,
+                job_id,
                 args.node,
                 clock=clock,
                 costs=costs,
                 catalog=catalog,
                 report_every_s=settings.report_every_s,
             )
-            reader = asyncio.create_task(_read_orders(trainer, stop))
+            reader = asyncio.create_task(_read_orders(trainer, stop, stdin))
             runner = asyncio.create_task(trainer.run(stop))
             stopper = asyncio.create_task(stop.wait())
             try:

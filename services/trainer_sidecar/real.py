@@ -435,7 +435,9 @@ def parse_devices(spec: str) -> tuple[int, ...]:
     return out
 
 
-async def run_with_stdin_orders(sidecar: RealSidecar, stop: asyncio.Event) -> None:
+async def run_with_stdin_orders(
+    sidecar: RealSidecar, stop: asyncio.Event, stdin: asyncio.StreamReader | None = None
+) -> None:
     """Run ``sidecar`` on the node daemon's order stream (stdin) until ``stop`` or end of stdin.
 
     The one call an entry point needs for ``--mode real`` (``__main__`` and any other).
@@ -449,7 +451,7 @@ async def run_with_stdin_orders(sidecar: RealSidecar, stop: asyncio.Event) -> No
     tracing = None
     if not tracing_enabled():
         tracing = setup_tracing("trainer-sidecar", trace_jsonl=os.environ.get("SHOAL_TRACE_JSONL") or None)
-    reader = asyncio.create_task(_read_orders(sidecar, stop))
+    reader = asyncio.create_task(_read_orders(sidecar, stop, stdin))
     try:
         await sidecar.run(stop)
     finally:
