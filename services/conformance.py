@@ -66,19 +66,27 @@ def share_sequence(envs: Sequence[ev.Envelope], trigger: str | None = None) -> l
     Of several decisions stamped with the same virtual instant only the last counts:
     the others were in force for no virtual time (the emulated allocator decided on
     part of a same-instant burst, then on all of it) and cannot change any job's
-    progress.
+    progress. A decision that only drops jobs that finished since the one before
+    (the others keep their shares) is not counted either: the completion already
+    said so, and the allocator does not publish a decision that changes nothing it
+    holds (the simulator records every one).
     """
-    decisions: list[tuple[float, ev.SharesDecided]] = []
+    decisions: list[tuple[float, ev.SharesDecided, frozenset[str]]] = []
+    finished: set[str] = set()
     for env in envs:
-        if isinstance(env.event, ev.SharesDecided):
+        e = env.event
+        if isinstance(e, ev.JobCompleted | ev.JobFailed | ev.JobCancelled):
+            finished.add(e.job_id)
+        elif isinstance(e, ev.SharesDecided):
             if decisions and abs(decisions[-1][0] - env.at) < 1e-6:
                 decisions.pop()
-            decisions.append((env.at, env.event))
+            decisions.append((env.at, e, frozenset(finished)))
     out: list[dict[str, int]] = []
-    last: dict[str, int] | None = None
-    for _, event in decisions:
+    last: dict[str, int] = {}
+    for _, event, done in decisions:
         shares = dict(event.shares)
-        if shares != last and (trigger is None or event.trigger == trigger):
+        implied = {j: s for j, s in last.items() if j not in done}
+        if shares != implied and (trigger is None or event.trigger == trigger):
             out.append(shares)
         last = shares
     return out
@@ -144,6 +152,9 @@ async def run_emulated(
                         time_scale=cfg.time_scale,
                         costs=cfg.costs,
                         report_every_s=cfg.report_every_s,
+                        # A node hosts at most one job per GPU: with that many spares
+                        # no job placed there waits for a sidecar's cold start.
+                        spares=cfg.gpus_per_node,
                     ),
                 )
                 await stack.start()

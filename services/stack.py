@@ -44,6 +44,8 @@ class StackConfig(Struct, frozen=True, kw_only=True):
     network_packing: bool = True
     heartbeat_s: float = 1.0
     report_every_s: float = 0.25
+    spares: int = 1
+    """Spare sidecars each node daemon keeps started (see the node daemon)."""
 
 
 class EmulatedStack:
@@ -96,6 +98,26 @@ class EmulatedStack:
     async def start(self) -> None:
         c = self.config
         stop = self.stop_event
+        # The placer and the node daemons share the stack's projection (one decode of
+        # each event instead of one per service); they attach before it starts.
+        placer = PlacerService(
+            self.bus, holder="stack-placer", clock=self.clock, placer=c.placer, projection=self.projection
+        )
+        for i in range(c.nodes):
+            node_id = f"node{i}"
+            self.daemons.append(
+                NodeDaemon(
+                    self.bus,
+                    node_id,
+                    fake_gpus(c.gpus_per_node, c.gpu_type),
+                    clock=self.clock,
+                    sidecar_argv=self._sidecar_argv(node_id),
+                    heartbeat_s=c.heartbeat_s,
+                    hostname=node_id,
+                    spares=c.spares,
+                    projection=self.projection,
+                )
+            )
         await self.projection.start()
         await self.projection.wait_ready()
         self.admission = AdmissionService(
@@ -112,22 +134,14 @@ class EmulatedStack:
             node_timeout_s=max(10.0, 5 * c.heartbeat_s),
         )
         self.allocator = allocator
-        placer = PlacerService(self.bus, holder="stack-placer", clock=self.clock, placer=c.placer)
         self.tasks += [asyncio.create_task(allocator.run(stop)), asyncio.create_task(placer.run(stop))]
-        for i in range(c.nodes):
-            node_id = f"node{i}"
-            daemon = NodeDaemon(
-                self.bus,
-                node_id,
-                fake_gpus(c.gpus_per_node, c.gpu_type),
-                clock=self.clock,
-                sidecar_argv=self._sidecar_argv(node_id),
-                heartbeat_s=c.heartbeat_s,
-                hostname=node_id,
-            )
-            self.daemons.append(daemon)
-            self.tasks.append(asyncio.create_task(daemon.run(stop)))
+        self.tasks += [asyncio.create_task(daemon.run(stop)) for daemon in self.daemons]
         await self.wait(lambda s: len(s.nodes) >= c.nodes, timeout_s=30)
+        # Jobs placed before the spares are up would pay a sidecar's cold start.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while any(d.spares_ready() < c.spares for d in self.daemons) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
         # A trace replayed before the allocator leads would see its first arrivals
         # decided together at the takeover instant instead of at their own.
         await self.wait(lambda s: allocator.is_leader and allocator.asof is not None, timeout_s=30)
@@ -195,6 +209,11 @@ async def replay_trace(
             on_tick(state, now - origin)
             next_tick = loop.time() + tick_s
         if not pending and all(j in state.jobs and state.jobs[j].status in FINISHED_STATUSES for j in ids):
+            # The allocator's decision on the last completion (freeing its GPUs) is
+            # part of the run, as in the simulator's log.
+            deadline = loop.time() + 2.0
+            while stack.projection.state.shares and loop.time() < deadline:
+                await asyncio.sleep(0.01)
             return
         wait = stack.clock.to_wall(origin + pending[0].submit_time_s - t0 - now) if pending else 0.05
         await asyncio.sleep(min(max(wait, 0.0), 0.05))

@@ -5,6 +5,14 @@ newest snapshot (if a name is given and one exists), replays the rest of the log
 and keeps following the live tail on the same consumer, so there is never a gap or
 a duplicate. ``ready`` is set once the projection has caught up with the log as it
 was at start; ``wait_for(seq)`` gives read-your-writes after a publish.
+
+Services of one process may share a projection (``shoal demo``'s emulated stack
+runs admission, placer and node daemons in one event loop): each adds its listener
+(:meth:`Projection.add_listener`, before the projection starts, so that none misses
+an event) and calls ``start``/``stop`` as if it were its own; the log is followed
+once while any of them runs. Every event then costs one message and one decode
+instead of one per service, which is most of what the event loop does in a busy
+emulation. Sharers only read the state.
 """
 
 from __future__ import annotations
@@ -46,10 +54,19 @@ class Projection:
         self._advanced = asyncio.Condition()
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._users = 0
         self.restored_from_snapshot = False
 
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener`` after each event from now on (add it before :meth:`start`)."""
+        self.listeners.append(listener)
+
     async def start(self) -> None:
-        """Restore the snapshot (if any) and start following the log."""
+        """Restore the snapshot (if any) and start following the log. Further calls
+        (another service sharing this projection) only count one more user."""
+        self._users += 1
+        if self._users > 1:
+            return
         if self.snapshot_name:
             snap = await self.bus.load_snapshot(self.snapshot_name)
             if snap is not None:
@@ -106,6 +123,10 @@ class Projection:
         return seq
 
     async def stop(self) -> None:
+        """Stop following the log once its last user stops."""
+        self._users = max(0, self._users - 1)
+        if self._users:
+            return
         self._stop.set()
         if self._task is not None:
             self._task.cancel()

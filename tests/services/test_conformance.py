@@ -30,6 +30,17 @@ def test_share_sequence_drops_repeats_and_filters_by_trigger() -> None:
     ]
     assert share_sequence(log) == [{"a": 2}, {"a": 1, "b": 1}, {"b": 2}]
     assert share_sequence(log, "arrival") == [{"a": 2}, {"a": 1, "b": 1}]
+    # A decision that only drops a job that finished meanwhile says nothing new (the
+    # allocator does not publish it, the simulator does); one that also moves another
+    # job's share does.
+    done = codec.wrap(ev.JobCompleted(job_id="a", iterations=1), at=7.0)
+    assert share_sequence([*log[:4], done, decided(7.0, "completion", b=1)]) == [{"a": 2}, {"a": 1, "b": 1}]
+    assert share_sequence([*log[:4], done, decided(7.0, "completion", b=2)])[-1] == {"b": 2}
+    assert share_sequence([*log[:4], done, decided(7.0, "completion", b=1), decided(8.0, "tick")]) == [
+        {"a": 2},
+        {"a": 1, "b": 1},
+        {},
+    ]
     assert sequence_agreement([{"a": 1}, {"b": 1}], [{"a": 1}, {"c": 1}, {"b": 1}]) == pytest.approx(2 / 3)
     assert sequence_agreement([], []) == 1.0
 
