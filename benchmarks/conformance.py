@@ -25,6 +25,7 @@ from shoal_services.conformance import ConformanceConfig, compare
 
 DEFAULT_CASES = (
     "philly:0e4a51:12,afs-p,1000",
+    "philly:0e4a51:50,afs-p,750",
     "philly:0e4a51:50,afs-p,1500",
     "philly:0e4a51:50,afs-p,3000",
     "philly:0e4a51:50,max-min,3000",

@@ -184,3 +184,72 @@ async def test_placer_places_only_the_newest_epoch_of_a_backlog(bus: Bus) -> Non
     placed = await events_of(bus, ev.PlacementDecided)
     assert [p.epoch for p in placed] == [3]
     assert {j: len(g) for j, g in placed[0].placements.items()} == {"b": 2}
+
+
+class Recorder(GreedyRequested):
+    """GreedyRequested that also records what it was given: the shares it saw jobs
+    holding and how many decisions its memory had counted."""
+
+    def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        base = super().decide(view, memory)
+        seen = {j.job_id: j.current_gpus for j in view.jobs}
+        return Decision(shares=base.shares, memory={**base.memory, "seen": seen})
+
+
+async def test_a_second_decision_at_one_instant_starts_from_before_that_instant(bus: Bus) -> None:
+    """The rest of a same-instant burst arrives after the allocator decided on its first
+    part: the new decision is made as if the first had not been (it was in force for no
+    time), from the policy memory and shares before the instant; and the placer keeps
+    jobs on the GPUs they held before the instant, not on the partial placement."""
+    from shoal import codec
+
+    from tests.services.test_emulated_trainer import ManualClock
+
+    clock = ManualClock()  # virtual time 0 throughout: the events carry their instants
+    stop = asyncio.Event()
+    allocator = AllocatorService(bus, Recorder(), holder="a", clock=clock, node_timeout_s=None)
+    placer = PlacerService(bus, holder="p", clock=clock)
+    await bus.publish(codec.wrap(node("n0", 4), at=0.0))
+    await bus.publish(codec.wrap(job("old", 1), at=0.0))
+    tasks = [asyncio.create_task(allocator.run(stop)), asyncio.create_task(placer.run(stop))]
+    try:
+        state = allocator.projection.state
+        await wait_until(lambda: state.placement_epoch >= 1 and "old" in state.placed)
+        before = state.jobs["old"].placement
+        # First part of the burst at t=5: "a" alone ...
+        await bus.publish(codec.wrap(job("a", 2), at=5.0))
+        await wait_until(lambda: state.placement_epoch >= 2 and "a" in state.placed)
+        # ... then the rest, stamped with the same instant.
+        await bus.publish(codec.wrap(job("b", 1), at=5.0))
+        await wait_until(lambda: state.placement_epoch >= 3 and "b" in state.placed)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+    decided = [e async for _, e in bus.replay() if isinstance(e.event, ev.SharesDecided)]
+    assert [(d.at, d.event.epoch) for d in decided] == [(0.0, 1), (5.0, 2), (5.0, 3)]
+    last = decided[-1].event
+    assert last.shares == {"a": 2, "b": 1, "old": 1}
+    # Memory and current shares from before t=5 (one decision counted, "a" held nothing).
+    assert last.policy_memory["decisions"] == 2
+    assert last.policy_memory["seen"] == {"old": 1, "a": 0, "b": 0}
+    assert state.jobs["old"].placement == before
+
+
+def test_placer_anchors_a_same_instant_placement_on_the_one_before_that_instant(bus: Bus) -> None:
+    from shoal import codec
+
+    placer = PlacerService(bus, holder="p", clock=WallClock())
+    state = st.fold([codec.wrap(job("old", 1), at=0.0), codec.wrap(job("a", 1), at=0.0)])
+
+    def placed(at: float, **gpus: int) -> None:
+        refs = {j: (ev.GpuRef(node_id="n0", index=i),) for j, i in gpus.items()}
+        env = codec.wrap(ev.PlacementDecided(epoch=int(at), placements=refs, decided_at=at), at=at)
+        placer._on_event(0, env, state)
+
+    placed(1.0, old=0)
+    placed(5.0, old=1, a=0)  # a partial decision at t=5 moved "old"
+    current = {"old": (ev.GpuRef(node_id="n0", index=1),), "a": (ev.GpuRef(node_id="n0", index=0),)}
+    # Placing again at t=5: "old" is kept where it was before t=5; "a" held nothing then.
+    assert placer._anchor(5.0, current, state) == {"old": (ev.GpuRef(node_id="n0", index=0),)}
+    # At a later instant the current placement is the anchor.
+    assert placer._anchor(6.0, current, state) == current

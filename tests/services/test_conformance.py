@@ -54,8 +54,9 @@ def test_reduced_slice_agrees_with_the_simulator(nats_url: str) -> None:
     assert out["arrivals_agree"], out
     # Completion-triggered decisions can merge or swap when a process runs late by more
     # than the gap between two completions (a loaded CI machine at 1000×); the report
-    # (benchmarks/conformance.py) gives the agreement measured on an idle machine.
-    assert out["decision_agreement"] >= 0.6, out
+    # (benchmarks/conformance.py) gives the agreement measured on an idle machine
+    # (21 of 22 decisions).
+    assert out["decision_agreement"] >= 0.8, out
 
 
 @pytest.mark.slow

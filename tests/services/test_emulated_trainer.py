@@ -75,3 +75,26 @@ async def test_an_order_after_the_finish_instant_completes_the_job_first(bus: Bu
     assert t.completed
     done = [e async for _, e in bus.replay() if isinstance(e.event, ev.JobCompleted)]
     assert [(e.at, e.event.iterations) for e in done] == [(500.0, 1000)]
+
+
+async def test_an_order_at_the_instant_of_the_previous_one_replaces_it(bus: Bus) -> None:
+    """Two orders stamped with one instant (a partial decision, then the full one): the
+    job is charged one change, from the shape before that instant."""
+    clock = ManualClock()
+    t = await trainer(bus, clock)
+    await t.apply(ev.Reconfigure(job_id="j", epoch=2, gpus=refs(2), effective_at=0.0))
+    clock.advance(100.0)  # 200 iterations at 2 it/s
+    await t.apply(ev.Reconfigure(job_id="j", epoch=3, gpus=refs(4), effective_at=100.0))  # scale-out
+    clock.advance(101.0)
+    # Replaced at the same instant: 2 GPUs as before it, so no change at all ...
+    await t.apply(ev.Reconfigure(job_id="j", epoch=4, gpus=refs(2), effective_at=100.0))
+    assert t.world == 2 and t.in_flight is None
+    assert t.iteration_at(110.0) == pytest.approx(200.0 + 2 * 10.0)
+    # ... and at the next instant a change counts from the shape then (2 -> 1).
+    await t.apply(ev.Reconfigure(job_id="j", epoch=5, gpus=refs(1), effective_at=101.0))
+    started = await events_of(bus, ev.ReconfigurationStarted)
+    assert [(s.epoch, s.kind, s.from_world) for s in started] == [
+        (2, "start", 0),
+        (3, "scale_out", 2),
+        (5, "scale_in", 2),
+    ]
