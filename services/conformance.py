@@ -18,12 +18,18 @@ What is compared:
 Why the two can differ at all: arrivals are stamped with their trace instant and
 orders apply as of their decision instant (see ``services/trainer_sidecar/emulated.py``
 and the allocator's docstring), so control-plane latency does not move a job's
-progress. What remains is a process that is late by more than the gap to the next
-event at this time scale: at 1000×, 10 ms of scheduling delay is 10 virtual seconds,
-and two completions a few virtual seconds apart can then reach the allocator as one
-burst (one decision instead of two) or in the other order. The JCT is robust to
-that; the decision sequence less so. Lower time scales make the runs agree more
-closely, at the cost of wall time.
+progress; a decision made again at the same instant (the rest of a burst arrived
+late) starts from the state before that instant in the allocator, the placer and the
+trainer alike; and jobs start in spare sidecars (one per GPU of a node here), not in
+processes started on demand. What remains is the pipeline's latency — completion →
+allocator → placer → node daemon → sidecar, 10–20 ms on two cores, more during a
+burst — against the gap to the next event at this time scale: at 1500× 15 ms is 22
+virtual seconds. A job that completes within that time of the decision that changed
+its share completes under the old one; two completions closer than that reach the
+allocator as one burst; and the placer, which places only the newest decision,
+skips one that was superseded before it got to it. The JCT is robust to that; the
+decision sequence less so. Lower time scales make the runs agree more closely, at
+the cost of wall time.
 """
 
 from __future__ import annotations
