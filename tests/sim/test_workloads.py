@@ -103,3 +103,32 @@ def test_poisson_gavel_jobs_carry_every_generation() -> None:
 def test_bad_workload_specs(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         load_workload(spec)
+
+
+@pytest.mark.parametrize("vc", PHILLY_VCS)
+def test_every_philly_vc_simulates_to_completion(vc: str) -> None:
+    """Every VC runs through the simulator with AFS-P on the paper's cluster (64 GPUs,
+    16 servers, network packing, min-migration placement): its first 50 jobs here;
+    the whole VC in the slow test below and in ``benchmarks/afs_reproduction.py``.
+    (Long traces get expensive early: 7f04ca's first 100 jobs keep 64 GPUs contended
+    for 95 days, and AFS-P re-decides at every lease end: 17,649 decisions.)"""
+    from shoal.sim.engine import make_policy
+
+    jobs = load_workload(f"philly:{vc}:50", seed=0)
+    result = Simulator(jobs, make_policy("afs-p"), SimConfig()).run()
+    assert result.summary["completed"] == len(jobs) == 50
+    assert result.summary["avg_jct_s"] > 0
+    assert result.summary["makespan_s"] >= jobs[-1].submit_time_s - jobs[0].submit_time_s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vc", PHILLY_VCS)
+def test_every_whole_philly_vc_simulates_to_completion(vc: str) -> None:
+    """Whole VCs with AFS-P in the AFS simulator's setting (a flat pool of 64 GPUs,
+    free reconfigurations): 6214e9's 51,258 jobs take about ten minutes on one core
+    (``benchmarks/reports/simulation_speed.md``)."""
+    from shoal.sim.engine import make_policy
+
+    jobs = load_workload(f"philly:{vc}", seed=0)
+    result = Simulator(jobs, make_policy("afs-p"), SimConfig(flat=True, retain_log=False)).run()
+    assert result.summary["completed"] == len(jobs) == int(philly_summary()[vc]["jobs_afs_pcs"])
