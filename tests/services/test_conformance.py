@@ -66,4 +66,4 @@ def test_fifty_jobs_agree_with_the_simulator(nats_url: str) -> None:
     out = compare(ConformanceConfig(trace="philly:0e4a51:50", policy="afs-p", time_scale=1500.0), nats_url)
     assert out["emu_completed"] == out["sim_completed"] == 50
     assert out["jct_rel_diff"] < 0.05, out
-    assert out["decision_agreement"] >= 0.5, out
+    assert out["decision_agreement"] >= 0.65, out  # 0.77 in the report
