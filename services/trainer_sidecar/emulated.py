@@ -73,9 +73,9 @@ log = structlog.get_logger("shoal.sidecar")
 
 _EPS = 1e-6
 _DRAIN_S = 0.01
+"""Wall seconds to wait for orders already in the pipe before acting on an overdue instant."""
 _HANDOVER_WAIT_S = 0.5
 """Wall seconds a new leader waits for the previous leader's handover report."""
-"""Wall seconds to wait for orders already in the pipe before acting on an overdue instant."""
 
 
 class EmulatedTrainer:

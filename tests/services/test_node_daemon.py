@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from typing import Any
 
 import pytest
 from shoal import codec
@@ -61,9 +62,10 @@ def _alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
-async def test_jobs_run_to_completion_on_emulated_gpus(bus: Bus, nats_url: str) -> None:
-    clock = ScaledClock(SCALE)
-    stop = asyncio.Event()
+def one_node_cluster(
+    bus: Bus, nats_url: str, clock: ScaledClock, **daemon_kw: Any
+) -> tuple[NodeDaemon, list[AllocatorService | PlacerService | NodeDaemon]]:
+    """A 4-GPU node daemon ``n0`` under an allocator (GreedyRequested) and a placer."""
     daemon = NodeDaemon(
         bus,
         "n0",
@@ -71,12 +73,16 @@ async def test_jobs_run_to_completion_on_emulated_gpus(bus: Bus, nats_url: str) 
         clock=clock,
         sidecar_argv=sidecar_argv(bus, nats_url, "n0", clock),
         heartbeat_s=0.2,
+        **daemon_kw,
     )
-    services = [
-        AllocatorService(bus, GreedyRequested(), holder="a", clock=clock, node_timeout_s=None),
-        PlacerService(bus, holder="p", clock=clock),
-        daemon,
-    ]
+    allocator = AllocatorService(bus, GreedyRequested(), holder="a", clock=clock, node_timeout_s=None)
+    return daemon, [allocator, PlacerService(bus, holder="p", clock=clock), daemon]
+
+
+async def test_jobs_run_to_completion_on_emulated_gpus(bus: Bus, nats_url: str) -> None:
+    clock = ScaledClock(SCALE)
+    stop = asyncio.Event()
+    daemon, services = one_node_cluster(bus, nats_url, clock)
     tasks = [asyncio.create_task(s.run(stop)) for s in services]
     try:
         await wait_until(lambda: "n0" in daemon.projection.state.nodes)

@@ -14,14 +14,12 @@ from shoal import events as ev
 from shoal.bus import Bus
 from shoal.clock import ScaledClock
 from shoal.gpus import fake_gpus
-from shoal_services.allocator.service import AllocatorService
 from shoal_services.node_daemon.service import NodeDaemon
-from shoal_services.placer.service import PlacerService
 from shoal_services.trainer_sidecar import SPARE_JOB, adoption_line
 from shoal_services.trainer_sidecar.__main__ import adopt_job
 
-from tests.services.test_allocator_placer import GreedyRequested, wait_until
-from tests.services.test_node_daemon import _alive, sidecar_argv
+from tests.services.test_allocator_placer import wait_until
+from tests.services.test_node_daemon import _alive, one_node_cluster, sidecar_argv
 
 pytestmark = pytest.mark.integration
 
@@ -64,21 +62,8 @@ async def test_a_spare_that_is_never_used_exits_cleanly_and_a_bad_adoption_is_an
 async def test_placed_jobs_take_ready_spares_which_are_replaced_and_stopped(bus: Bus, nats_url: str) -> None:
     clock = ScaledClock(100.0)
     stop = asyncio.Event()
-    daemon = NodeDaemon(
-        bus,
-        "n0",
-        fake_gpus(4),
-        clock=clock,
-        sidecar_argv=sidecar_argv(bus, nats_url, "n0", clock),
-        heartbeat_s=0.2,
-        spares=2,
-    )
+    daemon, services = one_node_cluster(bus, nats_url, clock, spares=2)
     daemon.refill_after_s = 0.3
-    services = [
-        AllocatorService(bus, GreedyRequested(), holder="a", clock=clock, node_timeout_s=None),
-        PlacerService(bus, holder="p", clock=clock),
-        daemon,
-    ]
     tasks = [asyncio.create_task(s.run(stop)) for s in services]
     seen: set[int] = set()
     try:
