@@ -122,6 +122,7 @@ def test_every_philly_vc_simulates_to_completion(vc: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("vc", PHILLY_VCS)
 def test_every_whole_philly_vc_simulates_to_completion(vc: str) -> None:
     """Whole VCs with AFS-P in the AFS simulator's setting (a flat pool of 64 GPUs,
