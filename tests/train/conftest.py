@@ -22,6 +22,7 @@ pytest.importorskip("sklearn")
 
 from shoal import events as ev  # noqa: E402
 from shoal.events import GpuRef  # noqa: E402
+from shoal.settings import Settings  # noqa: E402
 from shoal.train.config import TrainConfig  # noqa: E402
 from shoal.train.controller import Controller, OrderError  # noqa: E402
 
@@ -155,3 +156,11 @@ def read_trace(trace: Path) -> list[dict]:
     for f in sorted(trace.glob("steps-*.jsonl")):
         rows += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
     return rows
+
+
+def real_sidecar_settings(prefix: str, state_dir: Path) -> Settings:
+    """Settings of a node daemon whose sidecars run real ``shoal.train`` workers (one CPU
+    slot per fake GPU), reporting progress every 0.2 s."""
+    return Settings.load(
+        env={"SHOAL_SIDECAR_MODE": "real"}, state_dir=str(state_dir), prefix=prefix, report_every_s=0.2
+    )

@@ -19,7 +19,7 @@ from shoal import events as ev
 from shoal.bus import Bus
 
 from tests.services.test_allocator_placer import events_of
-from tests.train.conftest import CNN, cnn_spec, gpus, processes_of
+from tests.train.conftest import CNN, cnn_spec, gpus, processes_of, real_sidecar_settings
 
 # Each test starts sidecars, workers and torch imports: 15-35 s each on two cores.
 pytestmark = pytest.mark.integration
@@ -150,7 +150,6 @@ async def test_node_daemon_runs_a_real_job_under_the_allocator(
     from shoal.clock import ScaledClock
     from shoal.gpus import fake_gpus
     from shoal.policies.maxmin import MaxMin
-    from shoal.settings import Settings
     from shoal_services.allocator.service import AllocatorService
     from shoal_services.node_daemon.main import sidecar_argv
     from shoal_services.node_daemon.service import NodeDaemon
@@ -158,12 +157,7 @@ async def test_node_daemon_runs_a_real_job_under_the_allocator(
 
     from tests.services.test_allocator_placer import wait_until
 
-    settings = Settings.load(
-        env={"SHOAL_SIDECAR_MODE": "real"},
-        state_dir=str(tmp_path),
-        prefix=bus.names.prefix,
-        report_every_s=0.2,
-    )
+    settings = real_sidecar_settings(bus.names.prefix, tmp_path)
     gpus = fake_gpus(2)
     clock = ScaledClock(1.0)
     stop_services = asyncio.Event()

@@ -26,7 +26,7 @@ from shoal.bus import Bus
 from shoal.gpus import fake_gpus
 
 from tests.services.test_allocator_placer import events_of
-from tests.train.conftest import CNN, cnn_spec, processes_of
+from tests.train.conftest import CNN, cnn_spec, processes_of, real_sidecar_settings
 from tests.train.test_sidecar import order_line, send, stop, wait_event
 
 # Two sidecars, their workers and the torch imports of all of them: 30-50 s each on two cores.
@@ -76,6 +76,19 @@ async def wait_leader(bus: Bus, job_id: str, side: subprocess.Popen, timeout: fl
         assert side.poll() is None, "the sidecar exited"
         assert time.monotonic() < deadline, "the first sidecar did not take the lease"
         await asyncio.sleep(0.1)
+
+
+async def leader_and_follower(
+    bus: Bus, nats_url: str, job_id: str, workdir: Path, sides: list[subprocess.Popen]
+) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """The job's sidecar on n0, once it leads, then one on n1; both are added to
+    ``sides`` as they start (the caller stops them)."""
+    s0 = start_node_sidecar(bus, nats_url, job_id, "n0", workdir)
+    sides.append(s0)
+    await wait_leader(bus, job_id, s0)
+    s1 = start_node_sidecar(bus, nats_url, job_id, "n1", workdir)
+    sides.append(s1)
+    return s0, s1
 
 
 def stop_all(sides: list[subprocess.Popen]) -> list[int]:
@@ -150,12 +163,9 @@ async def test_a_job_on_two_nodes_is_resized_across_them(
     that gets it back starts a fresh sidecar."""
     trace = tmp_path / "trace"
     await setup_job(bus, job_id, trace)
-    s0 = start_node_sidecar(bus, nats_url, job_id, "n0", tmp_path)
-    sides = [s0]
+    sides: list[subprocess.Popen] = []
     try:
-        await wait_leader(bus, job_id, s0)
-        s1 = start_node_sidecar(bus, nats_url, job_id, "n1", tmp_path)
-        sides.append(s1)
+        s0, s1 = await leader_and_follower(bus, nats_url, job_id, tmp_path, sides)
         with Parents(job_id) as parents:
             for s in (s0, s1):
                 send(s, order_line(job_id, 1, (N0, N1)))
@@ -213,12 +223,9 @@ async def test_a_follower_that_dies_takes_its_workers_and_the_leader_recovers(
     node is gone) leaves the job on the leader's node, where it keeps training."""
     trace = tmp_path / "trace"
     await setup_job(bus, job_id, trace)
-    s0 = start_node_sidecar(bus, nats_url, job_id, "n0", tmp_path)
-    sides = [s0]
+    sides: list[subprocess.Popen] = []
     try:
-        await wait_leader(bus, job_id, s0)
-        s1 = start_node_sidecar(bus, nats_url, job_id, "n1", tmp_path)
-        sides.append(s1)
+        s0, s1 = await leader_and_follower(bus, nats_url, job_id, tmp_path, sides)
         # GPUs of another node are checked against what the node registered.
         send(s0, order_line(job_id, 1, (N0, ev.GpuRef("n1", 5))))
         send(s0, order_line(job_id, 2, (N0, ev.GpuRef("n9", 0))))
@@ -278,7 +285,6 @@ async def test_node_daemons_run_a_job_across_two_nodes_under_the_allocator(
     """
     from shoal.clock import ScaledClock
     from shoal.policies.maxmin import MaxMin
-    from shoal.settings import Settings
     from shoal_services.allocator.service import AllocatorService
     from shoal_services.node_daemon.main import sidecar_argv
     from shoal_services.node_daemon.service import NodeDaemon
@@ -286,12 +292,7 @@ async def test_node_daemons_run_a_job_across_two_nodes_under_the_allocator(
 
     from tests.services.test_allocator_placer import wait_until
 
-    settings = Settings.load(
-        env={"SHOAL_SIDECAR_MODE": "real"},
-        state_dir=str(tmp_path),
-        prefix=bus.names.prefix,
-        report_every_s=0.2,
-    )
+    settings = real_sidecar_settings(bus.names.prefix, tmp_path)
     clock = ScaledClock(1.0)
     stop_services = asyncio.Event()
     daemons = [
