@@ -152,7 +152,7 @@ class AllocatorService:
             if env.at > self._instant + 1e-9:
                 self._before, self._instant = self._in_force, env.at
             e = env.event
-            self._in_force = (dict(e.shares), dict(e.gpu_types), dict(e.policy_memory))
+            self._in_force = (e.shares, e.gpu_types, e.policy_memory)  # events are never mutated
             return
         trigger = _TRIGGERS.get(type(env.event))
         if trigger is not None:
