@@ -603,7 +603,7 @@ async def main_async(args: argparse.Namespace) -> str:
         f"at the end: {load_after}. The machine is shared with other work, so these are not quiet-machine "
         "figures.",
         "All services run as asyncio tasks in the benchmark's process (one event loop, as in "
-        "`EmulatedStack`/`shoal demo`), talking to the server over loopback; info-level logs are off.",
+        "`EmulatedStack`), talking to the server over loopback; info-level logs are off.",
         "",
         "## 1. Submission → PlacementDecided",
         "",

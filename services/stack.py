@@ -1,8 +1,9 @@
 """The whole emulated stack in one event loop: admission, allocator, placer and node daemons.
 
-Used by ``shoal demo`` and by the emulate-vs-simulate conformance test. Node
+Used by the emulate-vs-simulate conformance test and the service benchmark. Node
 daemons still run every sidecar as a real subprocess; the services themselves are
-asyncio tasks here (``shoal up`` runs each as its own supervised process instead).
+asyncio tasks here (``shoal up``, and ``shoal demo`` on top of it, run each as its own
+supervised process instead).
 All parts share one :class:`~shoal.clock.ScaledClock`, so the log is stamped in
 virtual seconds, like the simulator's.
 """

@@ -6,8 +6,8 @@ and keeps following the live tail on the same consumer, so there is never a gap 
 a duplicate. ``ready`` is set once the projection has caught up with the log as it
 was at start; ``wait_for(seq)`` gives read-your-writes after a publish.
 
-Services of one process may share a projection (``shoal demo``'s emulated stack
-runs admission, placer and node daemons in one event loop): each adds its listener
+Services of one process may share a projection (the emulated stack of the
+conformance test runs admission, placer and node daemons in one event loop): each adds its listener
 (:meth:`Projection.add_listener`, before the projection starts, so that none misses
 an event) and calls ``start``/``stop`` as if it were its own; the log is followed
 once while any of them runs. Every event then costs one message and one decode
