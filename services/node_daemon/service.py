@@ -145,8 +145,8 @@ class NodeDaemon:
         self.spares = spares
         self._spares: list[asyncio.subprocess.Process] = []
         """Started sidecars waiting for a job (oldest first)."""
-        self._warm: set[int] = set()
-        """Pids of the spares that said they are ready."""
+        self._warm: set[asyncio.subprocess.Process] = set()
+        """The spares that said they are ready (by process, not pid: pids are reused)."""
         self._refill: asyncio.Task[None] | None = None
         self.refill_after_s = 1.0
         """Wall seconds without an adoption before spares are started again."""
@@ -236,7 +236,7 @@ class NodeDaemon:
             loop.remove_reader(r)
             with contextlib.suppress(OSError):
                 if os.read(r, 1):
-                    self._warm.add(proc.pid)
+                    self._warm.add(proc)
             os.close(r)
 
         loop.add_reader(r, readable)
@@ -244,14 +244,14 @@ class NodeDaemon:
 
     def spares_ready(self) -> int:
         """Spares that are started and waiting for a job."""
-        return sum(p.returncode is None and p.pid in self._warm for p in self._spares)
+        return sum(p.returncode is None and p in self._warm for p in self._spares)
 
     async def _adopt(self, job_id: str) -> asyncio.subprocess.Process | None:
         """Hand ``job_id`` to a live spare, a ready one first; ``None`` when there is none."""
-        self._spares.sort(key=lambda p: p.pid not in self._warm)  # stable: oldest ready first
+        self._spares.sort(key=lambda p: p not in self._warm)  # stable: oldest ready first
         while self._spares:
             proc = self._spares.pop(0)
-            self._warm.discard(proc.pid)
+            self._warm.discard(proc)
             if proc.returncode is not None or proc.stdin is None:
                 continue
             try:
@@ -278,6 +278,7 @@ class NodeDaemon:
                     break
                 await asyncio.sleep(quiet)
             self._spares = [p for p in self._spares if p.returncode is None]
+            self._warm.intersection_update(self._spares)
             while not self._closing and len(self._spares) < self.spares:
                 proc = await self._start(SPARE_JOB)
                 if self._closing:
