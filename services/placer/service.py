@@ -95,7 +95,7 @@ class PlacerService:
             self.placements_seq = seq
             if e.decided_at > self._instant + 1e-9:
                 self._placed_before, self._instant = self._placed_now, e.decided_at
-            self._placed_now = dict(e.placements)
+            self._placed_now = e.placements  # events are never mutated
         elif isinstance(e, ev.NodeLost | ev.NodeDrained | ev.NodeRegistered):
             self.dirty.set()
 
