@@ -287,6 +287,56 @@ def test_afs_p_counts_units_lazily_while_every_job_fits() -> None:
     assert d2.memory["counters"] == {"old": 3}
 
 
+def test_afs_p_wakes_at_the_first_lease_end_that_evicts() -> None:
+    unit = 100.0
+    a, b, c = (job(x, (0.0, 1.0, 1.5), None) for x in "abc")
+    # a and b hold staggered leases; c waits with five units behind it.
+    memory = {"counters": {"c": 5}, "leases": {"a": 0.0, "b": 50.0}}
+    d0 = AFSP(unit_s=unit).decide(cluster(2, a, b, c, now=60.0), memory)
+    assert d0.shares == {"a": 1, "b": 1}
+    # a's and b's lease ends up to 550 s keep their keys (counter, rank) ahead of c's
+    # (5, 2); at 600 s a's key becomes (6, 0) and c takes its GPU.
+    assert d0.memory["next_decision_at_s"] == 600.0
+    every = AFSP(unit_s=unit, wake_at_every_lease_end=True)
+    assert every.decide(cluster(2, a, b, c, now=60.0), memory).memory["next_decision_at_s"] == 100.0
+    d1 = AFSP(unit_s=unit).decide(cluster(2, a, b, c, now=600.0), d0.memory)
+    assert d1.shares == {"b": 1, "c": 1}
+    assert d1.memory["counters"] == {"a": 6, "b": 5, "c": 5}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    view=views(max_jobs=12, max_gpus=10),
+    data=hs.data(),
+)
+def test_afs_p_skips_only_lease_ends_that_change_nothing(view: ClusterView, data: hs.DataObject) -> None:
+    """Deciding at every lease end until the exact wake-up changes no share, and arrives
+    at the same decision as jumping there (AFS-P's wake-up is exact, not a guess)."""
+    unit = 100.0
+    ids = [j.job_id for j in view.jobs]
+    counters = {j: data.draw(hs.integers(0, 4)) for j in ids}
+    holders = data.draw(hs.lists(hs.sampled_from(ids), unique=True)) if ids else []
+    leases = {j: view.now_s - data.draw(hs.integers(0, 99)) for j in holders}
+    memory = {"counters": {j: c for j, c in counters.items() if c}, "leases": leases}
+    exact, every = AFSP(unit_s=unit), AFSP(unit_s=unit, wake_at_every_lease_end=True)
+    d0 = exact.decide(view, memory)
+    step = every.decide(view, memory)
+    assert step.shares == d0.shares
+    wake = d0.memory.get("next_decision_at_s")
+    if wake is None:
+        assert "next_decision_at_s" not in step.memory
+        return
+    assert wake >= step.memory["next_decision_at_s"] > view.now_s
+    while step.memory["next_decision_at_s"] < wake:
+        step = every.decide(later(view, d0, step.memory["next_decision_at_s"] - view.now_s), step.memory)
+        assert step.shares == d0.shares
+    at_wake = later(view, d0, wake - view.now_s)
+    jumped = exact.decide(at_wake, d0.memory)
+    stepped = exact.decide(at_wake, step.memory)
+    assert jumped.shares == stepped.shares
+    assert jumped.memory == stepped.memory
+
+
 # -- in the simulator -------------------------------------------------------------------
 
 

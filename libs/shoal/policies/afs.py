@@ -65,13 +65,16 @@ Choices where the paper is silent or inexact (documented, deterministic):
   days does not outrank a newcomer when contention starts; a job in the middle of a
   unit when contention starts keeps its GPU until the unit ends. Units are counted
   lazily from the lease start at the next decision, so the policy asks for a wake-up
-  (``next_decision_at_s``) only while some job waits, i.e. only when a lease end
-  evicts. A job that loses its share before its unit ends (the cluster shrank) loses
+  (``next_decision_at_s``) only while some job waits, and then for the first lease end
+  that evicts (:func:`first_evicting_lease_end`): a lease end where the job would start
+  again at once changes no share and nothing the next decision reads, so deciding
+  there is skipped. A job that loses its share before its unit ends (the cluster shrank) loses
   the partial unit. ``unit_s`` defaults to the paper's 2 h, which
   REPRODUCTION.md keeps for the full-scale Philly traces.
 * **Memory** (AFS-P only; msgpack-able): ``counters`` (job id -> units executed),
   ``leases`` (job id -> lease start, virtual seconds) and ``next_decision_at_s``
-  (the earliest lease end). Finished jobs are dropped from it.
+  (the first lease end that evicts; every lease end with
+  ``wake_at_every_lease_end``). Finished jobs are dropped from it.
 """
 
 from __future__ import annotations
@@ -397,21 +400,101 @@ def afs_p_stage_two_fast(entries: Sequence[_Entry], free: int) -> int:
     return free
 
 
+class _WaitingOrder:
+    """The waiting jobs of an AFS-P decision in stage one's order ``(counter, rank)``,
+    taken lazily: the jobs the pass looked at and did not start (``passed``, already in
+    that order), then the rest of its heap (``inf`` keys mark lease holders)."""
+
+    __slots__ = ("_heap", "_jobs", "_keys", "_min_first", "_passed")
+
+    def __init__(self, jobs: Sequence[JobView], passed: Sequence[int], heap: list[tuple[float, int]]) -> None:
+        self._jobs = jobs
+        self._passed = iter(passed)
+        self._heap = heap
+        self._keys: list[tuple[float, int]] = []
+        self._min_first: list[float] = []
+        """Prefix minimum of the smallest shares over ``_keys`` (0: can never start)."""
+
+    def _take(self, counters: Sequence[int]) -> bool:
+        r = next(self._passed, None)
+        if r is None:
+            heap = self._heap
+            while heap and math.isinf(heap[0][0]):
+                heapq.heappop(heap)
+            if not heap:
+                return False
+            r = heapq.heappop(heap)[1]
+        first = _ladder(self._jobs[r])[1] or math.inf
+        prev = self._min_first[-1] if self._min_first else math.inf
+        self._keys.append((counters[r], r))
+        self._min_first.append(min(prev, first))
+        return True
+
+    def any_starts_before(self, key: tuple[int, int], free: int, counters: Sequence[int]) -> bool:
+        """Is there a waiting job ahead of ``key`` whose smallest share fits in ``free``?"""
+        keys = self._keys
+        while (not keys or keys[-1] < key) and self._take(counters):
+            if keys[-1] < key and self._min_first[-1] <= free:
+                return True
+        i = bisect.bisect_left(keys, key)
+        return i > 0 and self._min_first[i - 1] <= free
+
+
+def first_evicting_lease_end(
+    running: Sequence[_Entry],
+    counters: Sequence[int],
+    leases: Mapping[str, float],
+    waiting: _WaitingOrder,
+    total: int,
+    unit: float,
+) -> float:
+    """The first lease end at which AFS-P would change shares, if nothing else happens.
+
+    At the end of job ``j``'s lease (and no other), the decision there sees the same
+    jobs, GPUs and curves: the other lease holders keep their smallest shares, ``j``
+    waits with its counter one higher, and stage one offers the waiting jobs, in
+    ``(counter, rank)`` order, ``F = L + first(j)`` GPUs (``L``: what stage one leaves
+    now). If no waiting job ahead of ``j`` has a smallest share that fits in ``F``,
+    ``j`` starts again at once (a new lease, in phase), the GPUs left are ``L`` again,
+    which no waiting job fits (stage one just found so), and stage two repeats itself:
+    the shares do not change, and neither does what the policy would remember at the
+    next decision (units are counted from the lease start). So that lease end is
+    skipped and the next one checked, with ``j``'s counter one higher. Two leases
+    ending at one instant, or more steps than a few rounds of units, stop the search
+    early: waking at a lease end is always correct, only slower.
+    """
+    free = total - sum(e.first for e in running)
+    ends = [(leases[e.job.job_id] + unit, e.rank, e.first, counters[e.rank]) for e in running]
+    heapq.heapify(ends)
+    for _ in range(4 * len(ends) + 16):
+        end, rank, first, counter = heapq.heappop(ends)
+        if ends and ends[0][0] - end <= _LEASE_EPS:
+            return end
+        if waiting.any_starts_before((counter + 1, rank), free + first, counters):
+            return end
+        heapq.heappush(ends, (end + unit, rank, first, counter + 1))
+    return ends[0][0]
+
+
 class AFSP:
     """AFS-P: length-unaware AFS with processor sharing in time units (AFS §3.3); fast form.
 
     Args:
         unit_s: processor-sharing unit (lease length) in seconds; the paper uses 2 h on
             the full-scale traces and says to scale it with the workload (fn. 11).
+        wake_at_every_lease_end: ask to decide again at the earliest lease end even
+            when it would change nothing (same shares, more decisions); for callers
+            that change AFS-P's picks afterwards (:mod:`shoal.policies.afs_hetero`).
     """
 
     name = "afs-p"
     _naive = False
 
-    def __init__(self, unit_s: float = DEFAULT_UNIT_S) -> None:
+    def __init__(self, unit_s: float = DEFAULT_UNIT_S, *, wake_at_every_lease_end: bool = False) -> None:
         if not unit_s > 0 or math.isinf(unit_s):
             raise ValueError(f"unit_s must be a positive number of seconds, got {unit_s!r}")
         self.unit_s = float(unit_s)
+        self.wake_at_every_lease_end = wake_at_every_lease_end
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Processor sharing by counters when jobs exceed GPUs, then eq. (3) by ``f``.
@@ -457,6 +540,9 @@ class AFSP:
         total = view.total_gpus
         need = 0
         contended = False
+        dropped = False
+        passed: list[int] = []  # waiting jobs the pass looked at and did not start, in order
+        heap: list[tuple[float, int]] = []
         for job in jobs:
             need += _ladder(job)[1]
             if need > total:
@@ -470,10 +556,13 @@ class AFSP:
             # (non-preemptive); the rest by increasing counter (ties: arrival).
             held_ranks = sorted((counters[rank_of[j]], rank_of[j]) for j in leases)
             free = _fill_smallest_shares([entry(r) for _, r in held_ranks], total)
+            # A lease holder that no longer fits (the cluster shrank) waits now: the
+            # exact wake-up below does not model that, so it falls back to every lease end.
+            dropped = any(not made[r].count for _, r in held_ranks)
             # The same pass over the waiting jobs in (counter, rank) order, popped from a
             # heap only until the GPUs run out (keys are unique: the same order as a sort,
             # without sorting a long queue that mostly gets nothing).
-            heap: list[tuple[float, int]] = list(zip(counters, range(len(counters)), strict=True))
+            heap = list(zip(counters, range(len(counters)), strict=True))
             skip = {r for _, r in held_ranks}
             for r in skip:
                 heap[r] = (math.inf, r)  # not a waiting job: skipped if ever popped
@@ -486,6 +575,8 @@ class AFSP:
                 if not e.count and e.first and e.first <= free:
                     e.set_count(e.first)
                     free -= e.first
+                else:
+                    passed.append(r)
         entries = [made[r] for r in sorted(made)]
         if free > 0:
             stage_two = afs_p_stage_two_naive if self._naive else afs_p_stage_two_fast
@@ -501,9 +592,20 @@ class AFSP:
             "leases": new_leases,
         }
         if contended and new_leases:
-            # Only an eviction changes shares: wake at the earliest lease end. While
-            # every job fits, units are counted at the next decision instead.
-            memory_out["next_decision_at_s"] = min(new_leases.values()) + unit
+            # Only an eviction changes shares. While every job fits, units are counted at
+            # the next decision instead.
+            earliest = min(new_leases.values()) + unit
+            if self.wake_at_every_lease_end or dropped:
+                memory_out["next_decision_at_s"] = earliest
+            else:
+                memory_out["next_decision_at_s"] = first_evicting_lease_end(
+                    [e for e in entries if e.count],
+                    counters,
+                    new_leases,
+                    _WaitingOrder(jobs, passed, heap),
+                    total,
+                    unit,
+                )
         return Decision(shares=_shares(entries), memory=memory_out)
 
 

@@ -159,7 +159,8 @@ class HeteroAFS:
 
         # 1. Who runs: AFS-P itself decides, generation-blind, on the same memory
         # (its counters and leases), so both share one processor-sharing rule.
-        base = AFSP(self.unit_s).decide(view, memory)
+        # Generations can undo a pick, so wake at every lease end (see AFSP).
+        base = AFSP(self.unit_s, wake_at_every_lease_end=True).decide(view, memory)
         counters: Mapping[str, Any] = base.memory.get("counters") or {}
         order = sorted(
             (e for e in jobs if base.shares.get(e.job.job_id, 0) > 0),
