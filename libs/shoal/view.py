@@ -122,6 +122,22 @@ def job_view(
     )
 
 
+def job_view_at(view: JobView, job: JobState, *, now: float, iterations_done: float) -> JobView:
+    """:func:`job_view` of the same job later, when only time has passed since ``view``
+    was built (no event about the job was folded in between): the fields that move
+    with time are recomputed with the same arithmetic, the rest are kept."""
+    total = view.total_iterations
+    service = job.attained_service_gpu_s
+    if job.gpus and job.status not in FINISHED_STATUSES:
+        service += job.gpus * max(0.0, now - job.since)
+    return msgspec.structs.replace(
+        view,
+        remaining_iterations=None if total is None else max(0.0, total - iterations_done),
+        iterations_done=iterations_done,
+        attained_service_gpu_s=service,
+    )
+
+
 def build_view(
     state: ClusterState,
     *,

@@ -252,19 +252,27 @@ class _CheckView:
 
 
 @pytest.mark.parametrize(
-    ("trace", "cfg"),
+    ("trace", "cfg", "policy"),
     [
-        ("philly:2869ce:120", SimConfig(total_gpus=16)),
-        ("philly:2869ce:120", SimConfig(total_gpus=16, flat=True, profiling="overestimate")),
+        ("philly:2869ce:120", SimConfig(total_gpus=16), "toy"),
+        ("philly:2869ce:120", SimConfig(total_gpus=16, flat=True, profiling="overestimate"), "toy"),
         (
             "poisson:n=40,rate=60,users=2,catalog=gavel,mean_duration_s=1800",
             SimConfig(cluster={"k80": 8, "v100": 8}, users={"user-0": 100, "user-1": 50}),
+            "toy",
         ),
+        # Contended processor sharing: most decisions move running jobs only in time.
+        ("philly:2869ce:50", SimConfig(total_gpus=8), "afs-p"),
     ],
 )
-def test_engine_view_equals_build_view(trace: str, cfg: SimConfig) -> None:
-    policy = ToyTyped() if cfg.cluster else ToyEqual(tick_s=600.0)
-    checked = _CheckView(policy)
+def test_engine_view_equals_build_view(trace: str, cfg: SimConfig, policy: str) -> None:
+    if policy == "afs-p":
+        from shoal.policies.afs import AFSP
+
+        policy_obj: Any = AFSP(unit_s=900.0)
+    else:
+        policy_obj = ToyTyped() if cfg.cluster else ToyEqual(tick_s=600.0)
+    checked = _CheckView(policy_obj)
     sim = Simulator(load_workload(trace, seed=0), checked, cfg)
     checked.sim = sim
     sim.run()

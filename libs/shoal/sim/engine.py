@@ -105,7 +105,7 @@ from shoal.sim.costs import PRESETS, ReconfigCosts, classify
 from shoal.sim.log import InMemoryLog, VirtualClock
 from shoal.sim.metrics import Series, UserShares, jct_summary
 from shoal.state import digest
-from shoal.view import cluster_gpus, job_curve, job_view
+from shoal.view import cluster_gpus, job_curve, job_view, job_view_at
 from shoal.workloads import TraceJob
 
 _EPS = 1e-6
@@ -420,13 +420,19 @@ class Simulator:
         # A kept view stays right while no event about its job is folded: what job_view
         # reads of a job without GPUs (spec, progress, service, curves, convergence)
         # changes only with such an event, and its exact progress only when it gets a
-        # share (SharesDecided names it).
+        # share (SharesDecided names it). A running job's view only moves in time (see
+        # _view) until then.
         job_id = getattr(event, "job_id", None)
         if job_id is not None:
             self._stale.add(job_id)
         elif isinstance(event, ev.SharesDecided):
-            self._stale.update(event.shares)
-            self._stale.update(self.log.state.shares)
+            # The fold touches only the jobs whose share or GPU type changes.
+            state = self.log.state
+            old, new, types = state.shares, event.shares, event.gpu_types
+            for j in old.keys() | new.keys():
+                js = state.jobs.get(j)
+                if js is None or old.get(j, 0) != new.get(j, 0) or js.gpu_type != types.get(j, ""):
+                    self._stale.add(j)
         elif not isinstance(event, _VIEW_NEUTRAL):
             self._stale.update(self._views)
         self.log.append(event, self.clock.now if at is None else at)
@@ -768,8 +774,17 @@ class Simulator:
         curves = self.curves
         by_type_all = self.curves_by_type if self.hetero else None
         stale = self._stale
+        active = self.active
+        # A running job about which nothing was folded since its view was built has
+        # only moved in time (job_view_at); the others are built afresh.
+        for job_id in state.shares:
+            if job_id not in stale:
+                old = views.get(job_id)
+                if old is not None:
+                    views[job_id] = job_view_at(
+                        old, jobs[job_id], now=now, iterations_done=active[job_id].progress(now)
+                    )
         rebuild = [j for j in stale if j in views]
-        rebuild += [j for j in state.shares if j not in stale and j in views]
         stale.clear()
         for job_id in rebuild:
             js = jobs[job_id]
@@ -783,7 +798,7 @@ class Simulator:
                 now=now,
                 curve=curve,
                 curves_by_type=by_type,
-                iterations_done=self.active[job_id].progress(now),
+                iterations_done=active[job_id].progress(now),
             )
         jobs_view = tuple(views.values())
         _, by_gen = cluster_gpus(state)
