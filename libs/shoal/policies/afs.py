@@ -68,8 +68,8 @@ Choices where the paper is silent or inexact (documented, deterministic):
   (``next_decision_at_s``) only while some job waits, and then for the first lease end
   that evicts (:func:`first_evicting_lease_end`): a lease end where the job would start
   again at once changes no share and nothing the next decision reads, so deciding
-  there is skipped. A job that loses its share before its unit ends (the cluster shrank) loses
-  the partial unit. ``unit_s`` defaults to the paper's 2 h, which
+  there is skipped. A job that loses its share before its unit ends (the cluster
+  shrank) loses the partial unit. ``unit_s`` defaults to the paper's 2 h, which
   REPRODUCTION.md keeps for the full-scale Philly traces.
 * **Memory** (AFS-P only; msgpack-able): ``counters`` (job id -> units executed),
   ``leases`` (job id -> lease start, virtual seconds) and ``next_decision_at_s``
@@ -413,7 +413,8 @@ class _WaitingOrder:
         self._heap = heap
         self._keys: list[tuple[float, int]] = []
         self._min_first: list[float] = []
-        """Prefix minimum of the smallest shares over ``_keys`` (0: can never start)."""
+        """Prefix minimum of the smallest shares over ``_keys`` (``inf`` for a job that
+        can never start)."""
 
     def _take(self, counters: Sequence[int]) -> bool:
         r = next(self._passed, None)
