@@ -186,6 +186,25 @@ def _fill_smallest_shares(order: Sequence[_Entry], free: int) -> int:
     return free
 
 
+def _take_smallest_shares(order: Sequence[_Entry], free: int) -> int:
+    """:func:`_fill_smallest_shares` setting only the counts (AFS-P's stage one, which
+    reads no throughput; :func:`_ready_for_stage_two` fills in the rest when GPUs are
+    left). Returns the GPUs left."""
+    for e in order:
+        first = e.first
+        if not e.count and first and first <= free:
+            e.count = first
+            free -= first
+    return free
+
+
+def _ready_for_stage_two(entries: Sequence[_Entry]) -> None:
+    """Throughput now and at the next step of every job stage one started."""
+    for e in entries:
+        if e.count:
+            e.set_count(e.count)
+
+
 def _shares(entries: Sequence[_Entry]) -> dict[str, int]:
     return {e.job.job_id: e.count for e in entries if e.count}
 
@@ -477,6 +496,33 @@ def first_evicting_lease_end(
     return ends[0][0]
 
 
+def _counters_out(
+    old: Mapping[str, Any],
+    bumped: Mapping[str, int],
+    rank_of: Mapping[str, int],
+    ids: Sequence[str],
+    counters: Sequence[int],
+) -> dict[str, Any]:
+    """AFS-P's counters to remember: the positive ones of the active jobs.
+
+    The same mapping as ``{j: c for j, c in zip(ids, counters) if c}``; while no
+    counted job finished (the usual case in a long queue) it is the previous one, or a
+    copy with the lease holders' new counts, instead of a pass over every job.
+    """
+    if isinstance(old, dict) and rank_of.keys() >= old.keys() and 0 not in old.values():
+        changed = {j: c for j, c in bumped.items() if c != old.get(j, 0)}
+        if not changed:
+            return old
+        out = dict(old)
+        for j, c in changed.items():
+            if c:
+                out[j] = c
+            else:
+                out.pop(j, None)
+        return out
+    return {j: c for j, c in zip(ids, counters, strict=True) if c}
+
+
 class AFSP:
     """AFS-P: length-unaware AFS with processor sharing in time units (AFS §3.3); fast form.
 
@@ -551,12 +597,12 @@ class AFSP:
                 break
         if not contended:
             # Every job fits at its smallest share: counters are ignored (§3.3).
-            free = _fill_smallest_shares([entry(r) for r in range(len(jobs))], total)
+            free = _take_smallest_shares([entry(r) for r in range(len(jobs))], total)
         else:
             # Stage one, processor sharing: jobs holding a lease keep running
             # (non-preemptive); the rest by increasing counter (ties: arrival).
             held_ranks = sorted((counters[rank_of[j]], rank_of[j]) for j in leases)
-            free = _fill_smallest_shares([entry(r) for _, r in held_ranks], total)
+            free = _take_smallest_shares([entry(r) for _, r in held_ranks], total)
             # A lease holder that no longer fits (the cluster shrank) waits now: the
             # exact wake-up below does not model that, so it falls back to every lease end.
             dropped = any(not made[r].count for _, r in held_ranks)
@@ -574,12 +620,13 @@ class AFSP:
                     continue
                 e = entry(r)
                 if not e.count and e.first and e.first <= free:
-                    e.set_count(e.first)
+                    e.count = e.first
                     free -= e.first
                 else:
                     passed.append(r)
         entries = [made[r] for r in sorted(made)]
         if free > 0:
+            _ready_for_stage_two(entries)
             stage_two = afs_p_stage_two_naive if self._naive else afs_p_stage_two_fast
             stage_two(entries, free)
 
@@ -589,7 +636,7 @@ class AFSP:
                 job_id = e.job.job_id
                 new_leases[job_id] = leases.get(job_id, float(now))
         memory_out: dict[str, Any] = {
-            "counters": {j: c for j, c in zip(ids, counters, strict=True) if c},
+            "counters": _counters_out(old_counters, bumped, rank_of, ids, counters),
             "leases": new_leases,
         }
         if contended and new_leases:
