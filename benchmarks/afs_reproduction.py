@@ -131,6 +131,17 @@ class Cell(msgspec.Struct, kw_only=True):
     fingerprint: str
     finished_at: str
     outcome: RunOutcome
+    replaced: Replaced | None = None
+    """The stored cell of an earlier code version this one was recomputed over."""
+
+
+class Replaced(msgspec.Struct, kw_only=True):
+    """What a recomputed cell replaced: enough to say whether the result moved."""
+
+    fingerprint: str
+    finished_at: str
+    ok: bool
+    avg_jct_s: float
 
 
 def cell_path(cache: Path, setting: str, vc: str, policy: str, seed: int) -> Path:
@@ -172,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--figs", type=Path, default=ROOT / "benchmarks/reports/afs_reproduction")
     parser.add_argument("--no-run", action="store_true", help="only build the report from stored cells")
     parser.add_argument(
+        "--stale",
+        action="store_true",
+        help="report stored cells of an earlier code version too (listed as such) instead of leaving them out",
+    )
+    parser.add_argument(
         "--produced-by",
         action="append",
         default=[],
@@ -190,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     prints = {p: fingerprint(p) for p in policies}
 
     cells: dict[tuple[str, str, str], Cell] = {}
+    stale: dict[tuple[str, str, str], Cell] = {}
+    """Stored cells whose fingerprint no longer matches (kept to record what a rerun replaced)."""
     todo: list[RunSpec] = []
     keys: list[tuple[str, str, str]] = []
     # Cheap policies before the costly ones (Optimus, Themis), small VCs first, so a
@@ -205,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 if stored.fingerprint == prints[policy]:
                     cells[(setting, vc, policy)] = stored
                     continue
+                stale[(setting, vc, policy)] = stored
             if not args.no_run:
                 todo.append(spec_for(setting, vc, policy, args.seed, args.cpu_limit, args.limit))
                 keys.append((setting, vc, policy))
@@ -218,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         done += 1
         setting = setting_of[(o.spec.trace, o.spec.policy, o.spec.config.flat)]
         vc = o.spec.trace.split(":")[1]
+        old = stale.pop((setting, vc, o.spec.policy), None)
         cell = Cell(
             setting=setting,
             vc=vc,
@@ -226,6 +246,14 @@ def main(argv: list[str] | None = None) -> int:
             fingerprint=prints[o.spec.policy],
             finished_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             outcome=thin(o),
+            replaced=None
+            if old is None
+            else Replaced(
+                fingerprint=old.fingerprint,
+                finished_at=old.finished_at,
+                ok=old.outcome.ok,
+                avg_jct_s=old.outcome.summary.get("avg_jct_s", math.nan),
+            ),
         )
         cell_path(cache, setting, vc, o.spec.policy, o.spec.seed).write_bytes(msgspec.json.encode(cell))
         cells[(setting, vc, o.spec.policy)] = cell
@@ -241,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         run_matrix(todo, workers=args.workers, on_done=store)
     cmd = "python benchmarks/afs_reproduction.py " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(cells, settings, vcs, policies, args, cmd.strip()))
+    older = sorted(k for k in stale if k not in cells) if args.stale else []
+    for k in older:
+        cells[k] = stale[k]
+    args.out.write_text(render(cells, settings, vcs, policies, args, cmd.strip(), older=older))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
@@ -249,6 +280,36 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------------------
 # The report
 # ---------------------------------------------------------------------------
+
+
+def _provenance_section(
+    cells: dict[tuple[str, str, str], Cell], older: Sequence[tuple[str, str, str]]
+) -> list[str]:
+    """Which cells come from an earlier code version, and what recomputing cells changed."""
+    lines: list[str] = []
+    redone = [c for c in cells.values() if c.replaced is not None and c.replaced.ok and c.outcome.ok]
+    if redone:
+        diffs = []
+        for c in redone:
+            assert c.replaced is not None
+            new, old = c.outcome.summary["avg_jct_s"], c.replaced.avg_jct_s
+            diffs.append(abs(new - old) / old if old else abs(new - old))
+        same = sum(1 for d in diffs if d == 0.0)
+        lines += [
+            f"Recomputed over a stored cell of an earlier code version: {len(redone)} cells; the average JCT is "
+            f"identical in {same} of them (largest relative difference {max(diffs):.2e}).",
+            "",
+        ]
+    if older:
+        lines += [
+            f"**{len(older)} of the {len(cells)} cells below come from an earlier version of the code** (their "
+            "fingerprint no longer matches; the report was built with `--stale`). Rerunning the command "
+            "recomputes them. They are:",
+            "",
+            "; ".join(f"{s} {vc} {p} ({cells[(s, vc, p)].finished_at})" for s, vc, p in older) + ".",
+            "",
+        ]
+    return lines
 
 
 def _h(x: float) -> str:
@@ -273,6 +334,8 @@ def render(
     policies: list[str],
     args: argparse.Namespace,
     cmd: str,
+    *,
+    older: Sequence[tuple[str, str, str]] = (),
 ) -> str:
     ids = {vc: i + 1 for i, vc in enumerate(PHILLY_VCS)}
     order = [vc for vc in PHILLY_VCS if vc in vcs]
@@ -298,6 +361,7 @@ def render(
             *[f"- `{c}`" for c in args.produced_by],
             "",
         ]
+    lines += _provenance_section(cells, older)
     lines += [
         "## Setup",
         "",
@@ -502,8 +566,8 @@ def _seed_section(args: argparse.Namespace, order: list[str], ids: dict[str, int
     found: dict[tuple[str, str, str], dict[int, float]] = {}
     for path in sorted(cache.glob("*.json")):
         cell = msgspec.json.decode(path.read_bytes(), type=Cell)
-        if cell.fingerprint != fingerprint(cell.policy) or not cell.outcome.ok:
-            continue
+        if (cell.fingerprint != fingerprint(cell.policy) and not args.stale) or not cell.outcome.ok:
+            continue  # with --stale, cells of earlier code versions count too
         found.setdefault((cell.setting, cell.vc, cell.policy), {})[cell.seed] = cell.outcome.summary[
             "avg_jct_s"
         ]

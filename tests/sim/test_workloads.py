@@ -111,7 +111,7 @@ def test_every_philly_vc_simulates_to_completion(vc: str) -> None:
     16 servers, network packing, min-migration placement): its first 50 jobs here;
     the whole VC in the slow test below and in ``benchmarks/afs_reproduction.py``.
     (Long traces get expensive early: 7f04ca's first 100 jobs keep 64 GPUs contended
-    for 95 days, and AFS-P re-decides at every lease end: 17,649 decisions.)"""
+    for 95 days, and AFS-P re-decides at every lease end that evicts: 12,761 decisions.)"""
     from shoal.sim.engine import make_policy
 
     jobs = load_workload(f"philly:{vc}:50", seed=0)
@@ -126,7 +126,7 @@ def test_every_philly_vc_simulates_to_completion(vc: str) -> None:
 @pytest.mark.parametrize("vc", PHILLY_VCS)
 def test_every_whole_philly_vc_simulates_to_completion(vc: str) -> None:
     """Whole VCs with AFS-P in the AFS simulator's setting (a flat pool of 64 GPUs,
-    free reconfigurations): 6214e9's 51,258 jobs take about ten minutes on one core
+    free reconfigurations): 6214e9's 51,258 jobs take about eight minutes on one core
     (``benchmarks/reports/simulation_speed.md``)."""
     from shoal.sim.engine import make_policy
 

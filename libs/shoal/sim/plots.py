@@ -65,7 +65,8 @@ def plot_jct_reduction(
     ax.set_xticklabels([f"{i + 1}\n{t.split(':')[-1]}" for i, t in enumerate(traces)], fontsize=8)
     ax.set_ylabel(f"avg JCT reduction vs {baseline}")
     ax.set_title(title or f"Average JCT of {baseline} / average JCT of the policy")
-    ax.legend(fontsize=8, ncol=min(4, len(policies)))
+    if policies:  # only the baseline: bars of nothing, and no legend to draw
+        ax.legend(fontsize=8, ncol=min(4, len(policies)))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
