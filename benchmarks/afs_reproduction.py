@@ -141,7 +141,8 @@ class Replaced(msgspec.Struct, kw_only=True):
     fingerprint: str
     finished_at: str
     ok: bool
-    avg_jct_s: float
+    avg_jct_s: float | None = None
+    """``None`` when the replaced cell had none (it stopped at its CPU limit)."""
 
 
 def cell_path(cache: Path, setting: str, vc: str, policy: str, seed: int) -> Path:
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 fingerprint=old.fingerprint,
                 finished_at=old.finished_at,
                 ok=old.outcome.ok,
-                avg_jct_s=old.outcome.summary.get("avg_jct_s", math.nan),
+                avg_jct_s=_finite(old.outcome.summary.get("avg_jct_s")),
             ),
         )
         cell_path(cache, setting, vc, o.spec.policy, o.spec.seed).write_bytes(msgspec.json.encode(cell))
@@ -282,16 +283,24 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------------------
 
 
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
 def _provenance_section(
     cells: dict[tuple[str, str, str], Cell], older: Sequence[tuple[str, str, str]]
 ) -> list[str]:
     """Which cells come from an earlier code version, and what recomputing cells changed."""
     lines: list[str] = []
-    redone = [c for c in cells.values() if c.replaced is not None and c.replaced.ok and c.outcome.ok]
+    redone = [
+        c
+        for c in cells.values()
+        if c.replaced is not None and c.replaced.ok and c.replaced.avg_jct_s is not None and c.outcome.ok
+    ]
     if redone:
         diffs = []
         for c in redone:
-            assert c.replaced is not None
+            assert c.replaced is not None and c.replaced.avg_jct_s is not None
             new, old = c.outcome.summary["avg_jct_s"], c.replaced.avg_jct_s
             diffs.append(abs(new - old) / old if old else abs(new - old))
         same = sum(1 for d in diffs if d == 0.0)
