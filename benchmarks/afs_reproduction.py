@@ -363,8 +363,9 @@ def render(
     ]
     if args.produced_by:
         lines += [
-            "The stored cells were produced by these runs of the same script (same code fingerprints; "
-            "the small-VC and cheap-policy runs were split off so that a 2-core shared machine could cover "
+            "The stored cells were produced by these runs of the same script ("
+            + ("same code fingerprints" if not older else "the current code, except where marked")
+            + "; the small-VC and cheap-policy runs were split off so that a 2-core shared machine could cover "
             "more of the matrix in the time available):",
             "",
             *[f"- `{c}`" for c in args.produced_by],
