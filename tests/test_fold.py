@@ -56,6 +56,21 @@ def test_attained_service_and_shares() -> None:
     assert state.service_at("b", 40.0) == pytest.approx(2 * 20)
 
 
+def test_digest_and_snapshot_of_jobs_with_known_profiles() -> None:
+    """A profile is keyed by GPU count (ints), which msgpack cannot key-sort: the
+    digest must still work (the allocator's snapshot computes it), stay independent of
+    insertion order and see a changed profile."""
+
+    def state_with(profile: dict[str, dict[int, float]]) -> st.ClusterState:
+        spec = ev.JobSpec(user="alice", max_gpus=4, total_iterations=100, profile=profile)
+        return st.fold([codec.wrap(ev.JobSubmitted(job_id="a", spec=spec), at=0.0)])
+
+    one = state_with({"": {1: 1.0, 2: 1.9}, "V100": {1: 2.0}})
+    reordered = state_with({"V100": {1: 2.0}, "": {2: 1.9, 1: 1.0}})
+    assert st.digest(one) == st.digest(reordered) == st.digest(st.copy_state(one))
+    assert st.digest(one) != st.digest(state_with({"": {1: 1.0, 2: 1.8}, "V100": {1: 2.0}}))
+
+
 def test_unknown_event_objects_are_ignored() -> None:
     class Future(ev.Event, tag="job.future"):
         job_id: str

@@ -481,7 +481,12 @@ _STATE_DEC = msgspec.msgpack.Decoder(ClusterState)
 
 def digest(state: ClusterState) -> str:
     """A stable SHA-256 of the state (dict keys sorted, so insertion order never matters)."""
-    return hashlib.sha256(_DIGEST_ENC.encode(state)).hexdigest()
+    try:
+        data = _DIGEST_ENC.encode(state)
+    except TypeError:
+        # msgpack sorts only str keys; a job spec's profile is keyed by GPU count.
+        data = _DIGEST_ENC.encode(msgspec.to_builtins(state, str_keys=True))
+    return hashlib.sha256(data).hexdigest()
 
 
 def encode_state(state: ClusterState) -> bytes:
