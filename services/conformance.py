@@ -15,21 +15,28 @@ What is compared:
   (``decision_agreement``), and whether the decisions triggered by arrivals agree
   one for one (``arrivals_agree``).
 
-Why the two can differ at all: arrivals are stamped with their trace instant and
-orders apply as of their decision instant (see ``services/trainer_sidecar/emulated.py``
-and the allocator's docstring), so control-plane latency does not move a job's
-progress; a decision made again at the same instant (the rest of a burst arrived
-late) starts from the state before that instant in the allocator, the placer and the
-trainer alike; and jobs start in spare sidecars (one per GPU of a node here), not in
-processes started on demand. What remains is the pipeline's latency — completion →
-allocator → placer → node daemon → sidecar, 10–20 ms on two cores, more during a
-burst — against the gap to the next event at this time scale: at 1500× 15 ms is 22
-virtual seconds. A job that completes within that time of the decision that changed
-its share completes under the old one; two completions closer than that reach the
-allocator as one burst; and the placer, which places only the newest decision,
-skips one that was superseded before it got to it. The JCT is robust to that; the
-decision sequence less so. Lower time scales make the runs agree more closely, at
-the cost of wall time.
+Why the two can differ at all. On a free-running clock (``synchronized=False``),
+control-plane latency is virtual time: arrivals are stamped with their trace instant
+and orders apply as of their decision instant (see
+``services/trainer_sidecar/emulated.py`` and the allocator's docstring), so latency
+does not move a job's progress, but the pipeline — completion → allocator → placer
+→ node daemon → sidecar, 10–20 ms on two cores, more during a burst — still races
+the next event: at 1500× 15 ms is 22 virtual seconds. A job that completes within
+that time of the decision that changed its share completes under the old one; two
+completions closer than that reach the allocator as one burst; and the placer,
+which places only the newest decision, skips one that was superseded before it got
+to it. The JCT is robust to that; the decision sequence less so.
+
+The synchronized clock (``synchronized=True``, the default here;
+:class:`shoal.clock.SharedClock`) removes that race: virtual time stands still from
+an event until every order it caused has been applied, and cannot pass the next
+known event (arrival, completion, periodic decision) before it has happened. The
+emulated run then makes the simulator's decisions one for one at any time scale.
+What is left is rounding: a job's progress is handed from one leading sidecar to
+the next in whole iterations (``ProgressReported.iteration``), so a job whose
+leading sidecar moves can finish a second later than in the simulator (completions
+are rounded up to whole seconds), and the decision its completion triggers — the
+same share map — comes a second later too.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ class ConformanceConfig(msgspec.Struct, frozen=True, kw_only=True):
     costs: str = "coddl"
     time_scale: float = 1000.0
     report_every_s: float = 0.5
+    synchronized: bool = True
+    """Run the emulated stack on a synchronized clock (see :class:`shoal.clock.SharedClock`)."""
 
 
 def share_sequence(envs: Sequence[ev.Envelope], trigger: str | None = None) -> list[dict[str, int]]:
@@ -161,6 +170,7 @@ async def run_emulated(
                         # A node hosts at most one job per GPU: with that many spares
                         # no job placed there waits for a sidecar's cold start.
                         spares=cfg.gpus_per_node,
+                        synchronized=cfg.synchronized,
                     ),
                 )
                 await stack.start()
@@ -193,6 +203,7 @@ def compare(cfg: ConformanceConfig, nats_url: str | None = None) -> dict[str, An
         "trace": cfg.trace,
         "policy": cfg.policy,
         "time_scale": cfg.time_scale,
+        "synchronized": cfg.synchronized,
         "jobs": len(jobs),
         "sim_completed": sim_summary["completed"],
         "emu_completed": emu_summary["completed"],

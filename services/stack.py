@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 
 import msgspec
 from msgspec import Struct
 from shoal import admission
 from shoal.bus import Bus
-from shoal.clock import ScaledClock
+from shoal.clock import ScaledClock, SharedClock, hold, release, submit_key
 from shoal.events import JobSpec
 from shoal.gpus import fake_gpus
 from shoal.models import Catalog, get_catalog
@@ -32,6 +34,10 @@ from shoal_services.admission.service import AdmissionService
 from shoal_services.allocator.service import AllocatorService
 from shoal_services.node_daemon.service import NodeDaemon
 from shoal_services.placer.service import PlacerService
+
+STALL_S = 60.0
+"""Wall seconds virtual time may stand still during a replay before it is an error
+(a synchronized clock held by a barrier nobody will release)."""
 
 
 class StackConfig(Struct, frozen=True, kw_only=True):
@@ -47,6 +53,10 @@ class StackConfig(Struct, frozen=True, kw_only=True):
     report_every_s: float = 0.25
     spares: int = 1
     """Spare sidecars each node daemon keeps started (see the node daemon)."""
+    synchronized: bool = False
+    """Share a :class:`~shoal.clock.SharedClock` that stands still while the control
+    plane works on an event (exact emulation at any time scale; see its docstring)
+    instead of a free-running :class:`~shoal.clock.ScaledClock`."""
 
 
 class EmulatedStack:
@@ -57,7 +67,16 @@ class EmulatedStack:
         self.nats_url = nats_url
         self.policy = policy
         self.config = config or StackConfig()
-        self.clock = ScaledClock(self.config.time_scale)
+        self._clock_dir: tempfile.TemporaryDirectory[str] | None = None
+        self.clock: ScaledClock | SharedClock
+        if self.config.synchronized:
+            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # no disk writes per hold
+            self._clock_dir = tempfile.TemporaryDirectory(prefix="shoal-clock-", dir=shm)
+            self.clock = SharedClock.create(
+                os.path.join(self._clock_dir.name, "clock"), self.config.time_scale
+            )
+        else:
+            self.clock = ScaledClock(self.config.time_scale)
         self.catalog: Catalog | None = get_catalog(self.config.catalog) if self.config.catalog else None
         self.stop_event = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
@@ -86,6 +105,7 @@ class EmulatedStack:
                 repr(self.clock.scale),
                 "--clock-origin",
                 repr(self.clock.origin),
+                *(["--clock-file", self.clock.path] if isinstance(self.clock, SharedClock) else []),
                 "--costs",
                 c.costs,
                 "--catalog",
@@ -147,15 +167,23 @@ class EmulatedStack:
         # decided together at the takeover instant instead of at their own.
         await self.wait(lambda s: allocator.is_leader and allocator.asof is not None, timeout_s=30)
 
+    def check_services(self) -> None:
+        """Raise if a service of the stack has failed.
+
+        Raises:
+            RuntimeError: from the service's exception.
+        """
+        for t in self.tasks:
+            if t.done() and not t.cancelled() and t.exception():
+                raise RuntimeError("a service of the emulated stack failed") from t.exception()
+
     async def wait(self, predicate: Callable[[ClusterState], bool], timeout_s: float) -> None:
         """Wait until ``predicate(state)`` holds on the stack's folded state."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while not predicate(self.projection.state):
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError("the emulated stack did not reach the expected state in time")
-            for t in self.tasks:
-                if t.done() and t.exception():
-                    raise RuntimeError("a service of the emulated stack failed") from t.exception()
+            self.check_services()
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
@@ -164,6 +192,8 @@ class EmulatedStack:
             await self.admission.stop()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.projection.stop()
+        if self._clock_dir is not None:
+            self._clock_dir.cleanup()
 
 
 async def replay_trace(
@@ -191,8 +221,20 @@ async def replay_trace(
     loop = asyncio.get_running_loop()
     next_tick = loop.time()
     ids = {j.job_id for j in jobs}
+    # A synchronized clock does not pass the next arrival before it is submitted.
+    if pending:
+        hold(stack.clock, "arrival", origin + pending[0].submit_time_s - t0, ttl_s=None)
+    stood_at, stood_since = -math.inf, loop.time()
     while True:
         now = stack.clock.now()
+        stack.check_services()
+        if now > stood_at:
+            stood_at, stood_since = now, loop.time()
+        elif loop.time() - stood_since > STALL_S:
+            held = stack.clock.barriers() if isinstance(stack.clock, SharedClock) else {}
+            raise TimeoutError(
+                f"virtual time has stood still at {now} for {STALL_S:.0f} wall seconds; held by {held}"
+            )
         due: list[ev.SubmitJob] = []
         while pending and origin + pending[0].submit_time_s - t0 <= now:
             job = pending.pop(0)
@@ -203,8 +245,21 @@ async def replay_trace(
             due.append(
                 ev.SubmitJob(spec=spec, job_id=job.job_id, submitted_at=origin + job.submit_time_s - t0)
             )
-        # Everything due is submitted at once, so a same-instant burst lands together.
-        await asyncio.gather(*(client.command(cmd) for cmd in due))
+        if due:
+            # Each arrival holds a synchronized clock until the allocator has decided on it.
+            keys = [submit_key(cmd.job_id or "") for cmd in due]
+            for key in keys:
+                hold(stack.clock, key)
+            if pending:
+                hold(stack.clock, "arrival", origin + pending[0].submit_time_s - t0, ttl_s=None)
+            else:
+                release(stack.clock, "arrival")
+            # Everything due is submitted at once, so a same-instant burst lands together.
+            try:
+                await asyncio.gather(*(client.command(cmd) for cmd in due))
+            except BaseException:
+                release(stack.clock, *keys)
+                raise
         state = stack.projection.state
         if on_tick is not None and loop.time() >= next_tick:
             on_tick(state, now - origin)

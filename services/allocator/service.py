@@ -30,6 +30,12 @@ deposed leader that still believes it leads cannot append a decision made on a
 stale view (it gets a conflict and re-reads the log). Also ``NodeLost`` for nodes
 whose heartbeats stopped.
 
+Synchronized clock (emulation, :class:`shoal.clock.SharedClock`): the allocator
+releases the hold an arrival or completion was published under once it has decided
+on it, publishes each decision under a hold of its own (``epoch:<n>``, released by
+the placer), and holds the clock at its next periodic decision, so virtual time
+cannot pass a lease end before the decision there is made.
+
 Exactly one allocator decides at a time: the leader lease lives in JetStream KV;
 standbys follow the log and take over when the lease lapses.
 """
@@ -51,7 +57,7 @@ from shoal import codec
 from shoal import events as ev
 from shoal.allocation import decide_shares, next_tick, policy_tick
 from shoal.bus import Bus, Campaign, ConcurrencyConflict
-from shoal.clock import Clock
+from shoal.clock import Clock, hold, hold_key, release
 from shoal.cluster import gpus_per_node, stale_nodes
 from shoal.events import Envelope
 from shoal.log import bound_job
@@ -121,6 +127,10 @@ class AllocatorService:
         self.trigger = ""
         self.pending: list[tuple[float, str, str | None]] = []
         """Triggering events not yet decided on: (occurred-at, trigger, event id)."""
+        self._wake_held: float | None = None
+        self.holds: list[tuple[float, str]] = []
+        """(instant, key) of the clock holds the triggering events were published under
+        (a :class:`~shoal.clock.SharedClock` only): released once decided on."""
         self.asof: ClusterState | None = None
         """The leader's decision state: the log folded up to the last decision instant."""
         self.buffer: list[Envelope] = []
@@ -157,6 +167,9 @@ class AllocatorService:
         trigger = _TRIGGERS.get(type(env.event))
         if trigger is not None:
             self.pending.append((env.at, trigger, env.id))
+            key = hold_key(env.event)
+            if key is not None:
+                self.holds.append((env.at, key))
             self.dirty.set()
 
     def _state_as_of(self, at: float) -> ClusterState:
@@ -187,9 +200,11 @@ class AllocatorService:
         due: list[float] = []
         if self.tick_s:
             due.append(next_tick(self.last_decision_at, self.tick_s, self.tick_origin))
-        wake = state.policy_memory.get("next_decision_at_s")
-        if isinstance(wake, int | float) and wake > self.last_decision_at:
-            due.append(float(wake))
+        # The newest decision's memory (``asof`` folds it only at the next decision),
+        # on whole seconds as in the simulator.
+        wake = self._in_force[2].get("next_decision_at_s")
+        if isinstance(wake, int | float) and (wake := float(math.ceil(wake - 1e-6))) > self.last_decision_at:
+            due.append(wake)
         return min(due) if due else None
 
     async def decide_once(
@@ -234,11 +249,14 @@ class AllocatorService:
             # simulator, whose first decision is the first that gives a job GPUs.
             return None
         env = codec.wrap(decision, at=now, causation_id=causation_id)
+        # The placer releases this once it has placed the decision (synchronized clock).
+        hold(self.clock, f"epoch:{decision.epoch}")
         with self._traced_decision(decision, marks):
             try:
                 with producer_span("allocator.publish", tracer=self.tracer):
                     result = await self.bus.publish(env, expected_last_subject_seq=self.decisions_seq)
             except ConcurrencyConflict:
+                release(self.clock, f"epoch:{decision.epoch}")
                 log.warning(
                     "decision_conflict", epoch=decision.epoch, note="another allocator decided; re-reading"
                 )
@@ -304,8 +322,10 @@ class AllocatorService:
             if wake is not None and wake <= self.clock.now() and (t_trig is None or wake < t_trig - 1e-9):
                 await self.decide_once("tick", at=wake)
                 self.last_decision_at = max(self.last_decision_at, wake)
+                self._release_decided(wake)
                 continue
             if t_trig is None:
+                self._release_decided(self.last_decision_at)
                 return
             second_ends = math.floor(t_trig + 1e-9) + 1.0
             batch = [p for p in self.pending if p[0] < second_ends]
@@ -315,6 +335,29 @@ class AllocatorService:
             at = batch[-1][0]
             await self.decide_once(trigger, at=at, causation_id=batch[-1][2])
             self.last_decision_at = max(self.last_decision_at, at)
+            self._release_decided(at)
+
+    def _hold_wakeup(self) -> None:
+        """With a synchronized clock, hold it at the next periodic decision (moved
+        whenever that instant moves, or the clock would wait for a decision this
+        allocator no longer plans)."""
+        wake = self._wakeup_at() if self.is_leader else None
+        if wake != self._wake_held:
+            if wake is None:
+                release(self.clock, "wake:allocator")
+            else:
+                hold(self.clock, "wake:allocator", wake, ttl_s=None)
+            self._wake_held = wake
+
+    def _release_decided(self, at: float) -> None:
+        """With a synchronized clock: hold it at the next periodic decision, then let
+        go of the holds of the events decided on as of ``at`` (the decision, if any,
+        is published under a hold of its own by now)."""
+        self._hold_wakeup()
+        done = [key for t, key in self.holds if t <= at + 1e-9]
+        if done:
+            self.holds = [(t, key) for t, key in self.holds if t > at + 1e-9]
+            release(self.clock, *done)
 
     async def _mark_lost_nodes(self) -> None:
         if self.node_timeout_s is None:
@@ -373,6 +416,7 @@ class AllocatorService:
                     self.pending = [(max(self.clock.now(), self.last_decision_at), "takeover", None)]
                     self.dirty.set()
                 wait = campaign.until_due()
+                self._hold_wakeup()
                 wake = self._wakeup_at() if self.is_leader else None
                 scale = getattr(self.clock, "scale", 1.0)
                 if wake is not None:

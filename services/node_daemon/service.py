@@ -29,6 +29,11 @@ of virtual seconds during which the job's new leading sidecar cannot report or
 complete (what made emulate-mode decision sequences drift from the simulator's).
 A spare that dies is replaced at the next heartbeat; spares stop with the daemon.
 
+Synchronized clock (emulation, :class:`shoal.clock.SharedClock`): each order is sent
+under a hold the sidecar releases once it has applied it; the placement's hold on
+this node goes once its orders are sent, and the holds of a sidecar that stopped or
+died before applying its orders go with it.
+
 Tracing: a reconciliation that acts continues the trace of the placement it carries
 out, taken from the stored headers of that ``PlacementDecided`` (the daemon reads the
 log through a projection): span ``node_daemon.reconcile`` with ``node_daemon.spawn``
@@ -53,7 +58,7 @@ from opentelemetry.util.types import AnyValue
 from shoal import codec
 from shoal import events as ev
 from shoal.bus import Bus
-from shoal.clock import Clock
+from shoal.clock import Clock, hold, release
 from shoal.events import Envelope, GpuRef
 from shoal.gpus import read_nvml
 from shoal.log import bound_job
@@ -75,6 +80,10 @@ class Sidecar:
         self.proc = proc
         self.epoch = 0
         self.gpus: tuple[GpuRef, ...] = ()
+        self.holds: list[str] = []
+        """Keys of the clock holds its orders were sent under (a synchronized clock):
+        the sidecar releases each once applied; whatever is left when the process is
+        gone (stopped before it got to them, or died) the daemon releases."""
 
     async def send(self, order: ev.Reconfigure) -> None:
         """Write ``order`` as one JSON line, with the current trace context (if any)."""
@@ -159,8 +168,13 @@ class NodeDaemon:
         self.placement_decided_at = 0.0
         self.placement_seq = 0
         """Stream sequence of the newest placement (its stored headers carry its trace)."""
+        self._held_epochs: set[int] = set()
+        """Placements whose clock hold for this node is released once reconciled (a
+        :class:`~shoal.clock.SharedClock` only)."""
 
     def _on_event(self, seq: int, env: Envelope, state: ClusterState) -> None:
+        if isinstance(env.event, ev.PlacementDecided):
+            self._held_epochs.add(env.event.epoch)
         if isinstance(env.event, ev.PlacementDecided) and env.event.epoch >= state.placement_epoch:
             self.placement_decided_at = env.event.decided_at
             self.placement_seq = seq
@@ -207,7 +221,15 @@ class NodeDaemon:
             ),
             bound_job(job_id=order.job_id, epoch=order.epoch),
         ):
-            await side.send(order)
+            # The trainer releases it once it has applied the order (synchronized clock).
+            key = f"order:{order.epoch}:{self.node_id}:{order.job_id}"
+            hold(self.clock, key)
+            side.holds.append(key)
+            try:
+                await side.send(order)
+            except BaseException:
+                release(self.clock, key)
+                raise
             log.info("order_sent", gpus=len(order.gpus))
 
     async def _start(self, job_id: str) -> asyncio.subprocess.Process:
@@ -305,12 +327,24 @@ class NodeDaemon:
         log.info("sidecar_started", job_id=job_id, pid=proc.pid, start=how)
         return Sidecar(job_id, proc)
 
-    @staticmethod
-    async def _stop(job_id: str, side: Sidecar) -> None:
+    async def _stop(self, job_id: str, side: Sidecar) -> None:
         await side.stop()
+        release(self.clock, *side.holds)
         log.info("sidecar_stopped", job_id=job_id)
 
     async def reconcile(self) -> None:
+        epoch = self.projection.state.placement_epoch
+        try:
+            await self._reconcile()
+        finally:
+            # The orders of this placement (and of any it superseded) are sent, each
+            # under a hold of its own: the placement's hold on this node goes.
+            done = [e for e in self._held_epochs if e <= epoch]
+            if done:
+                self._held_epochs.difference_update(done)
+                release(self.clock, *(f"place:{e}:{self.node_id}" for e in done))
+
+    async def _reconcile(self) -> None:
         state = self.projection.state
         # Read everything an order carries now: spawning and sending yield to the event
         # loop, and the state may move on meanwhile (the next reconciliation sends that).
@@ -367,6 +401,7 @@ class NodeDaemon:
             running = self.sidecars.get(job_id)
             if running is not None and running.proc.returncode is not None:
                 log.warning("sidecar_died", job_id=job_id, returncode=running.proc.returncode)
+                release(self.clock, *running.holds)
                 running = None
             if running is None:
                 running = self.sidecars[job_id] = await self._spawn(job_id)

@@ -14,6 +14,11 @@ whose GPU set changed — the per-node commands. Node daemons act on the placeme
 the newest epoch for their node (level-triggered, so a missed message is repaired
 by the next one).
 
+Synchronized clock (emulation, :class:`shoal.clock.SharedClock`): the placer
+releases the decision's hold once it is placed (or superseded), after holding the
+clock for each node whose jobs change (``place:<epoch>:<node>``, released by that
+node's daemon once its orders are sent).
+
 Tracing: a placement continues the trace of the decision it places. The placer reads
 the log through a projection, so it takes the context from the stored headers of
 that ``SharesDecided`` (one request, only when tracing is on): span ``placer.place``
@@ -35,7 +40,7 @@ from shoal import codec
 from shoal import events as ev
 from shoal.allocation import place
 from shoal.bus import Bus, Campaign, ConcurrencyConflict
-from shoal.clock import Clock
+from shoal.clock import Clock, hold, release
 from shoal.cluster import topology_from_state
 from shoal.events import Envelope
 from shoal.log import bound_job
@@ -82,10 +87,14 @@ class PlacerService:
         """The placement in force before ``_instant`` (see :meth:`_anchor`)."""
         self.dirty = asyncio.Event()
         self.is_leader = False
+        self._held_epochs: set[int] = set()
+        """Epochs of decisions whose clock hold this placer releases once it has placed
+        them or a newer one (a :class:`~shoal.clock.SharedClock` only)."""
 
     def _on_event(self, seq: int, env: Envelope, state: ClusterState) -> None:
         e = env.event
         if isinstance(e, ev.SharesDecided):
+            self._held_epochs.add(e.epoch)
             if self.latest is None or e.epoch > self.latest.epoch:
                 self.latest = e
                 self.latest_at = env.at
@@ -100,6 +109,18 @@ class PlacerService:
             self.dirty.set()
 
     async def place_once(self) -> ev.PlacementDecided | None:
+        newest = self.latest.epoch if self.latest is not None else 0
+        try:
+            return await self._place_latest()
+        finally:
+            # This decision and any it superseded are placed (or need no placement):
+            # their holds on a synchronized clock go; the node daemons hold it now.
+            done = [e for e in self._held_epochs if e <= newest]
+            if done:
+                self._held_epochs.difference_update(done)
+                release(self.clock, *(f"epoch:{e}" for e in done))
+
+    async def _place_latest(self) -> ev.PlacementDecided | None:
         shares, shares_at, shares_seq = self.latest, self.latest_at, self.latest_seq
         state = self.projection.state
         if shares is None or shares.epoch < state.placement_epoch:
@@ -142,10 +163,20 @@ class PlacerService:
         )
         now = self.clock.now()
         env = codec.wrap(decided, at=now)
+        new = decided.placements
+        moved = [
+            j for j in previous.keys() | new.keys() if tuple(previous.get(j, ())) != tuple(new.get(j, ()))
+        ]
+        nodes = sorted({g.node_id for j in moved for g in (*previous.get(j, ()), *new.get(j, ()))})
+        # The node daemons release these once they have sent their orders (a
+        # synchronized clock stands still until then).
+        for node_id in nodes:
+            hold(self.clock, f"place:{decided.epoch}:{node_id}")
         try:
             with producer_span("placer.publish", tracer=self.tracer):
                 res = await self.bus.publish(env, expected_last_subject_seq=self.placements_seq)
         except ConcurrencyConflict:
+            release(self.clock, *(f"place:{decided.epoch}:{n}" for n in nodes))
             span.set_attribute("shoal.conflict", True)
             await self.projection.wait_for(await self.bus.last_seq())
             return None

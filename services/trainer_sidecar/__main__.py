@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import structlog
 from shoal.bus import Bus
-from shoal.clock import make_clock
+from shoal.clock import SharedClock, make_clock
 from shoal.models import get_catalog
 from shoal.sim.costs import get_costs
 from shoal_services.trainer_sidecar import SPARE_JOB, Adoption
@@ -138,7 +138,9 @@ async def main_async(args: argparse.Namespace) -> int:
         bus,
         args.job,
         args.node,
-        clock=make_clock(args.time_scale, args.clock_origin),
+        clock=SharedClock(args.clock_file)
+        if args.clock_file
+        else make_clock(args.time_scale, args.clock_origin),
         costs=get_costs(args.costs),
         catalog=catalog,
         report_every_s=args.report_every,
@@ -209,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--emulate", action="store_true", default=True)
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--clock-origin", type=float, default=None)
+    p.add_argument(
+        "--clock-file",
+        default="",
+        help="a synchronized clock's file (shoal.clock.SharedClock); overrides --time-scale/--clock-origin",
+    )
     p.add_argument("--costs", default="coddl")
     p.add_argument("--catalog", default="afs")
     p.add_argument("--report-every", type=float, default=0.25)

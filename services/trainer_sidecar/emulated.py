@@ -24,6 +24,13 @@ it. The job completes at its exact virtual finish instant, rounded up to a whole
 second as in the simulator, and ``JobCompleted`` carries that instant. This is what
 makes emulate-mode runs agree with ``shoal simulate`` (the conformance test).
 
+On a synchronized clock (:class:`shoal.clock.SharedClock`, ``--clock-file``) the
+leading trainer also holds the clock at its finish instant, so virtual time cannot
+pass the completion before it is published; the completion goes out under a hold
+the allocator releases, and each order is released (``order:<epoch>:<node>:<job>``)
+only once it is applied and the new finish instant is held. Orders then arrive at
+their decision instant exactly, and the catch-up above has nothing to repair.
+
 Orders at one instant. An order applied at the same virtual instant as the one
 before it replaces it: the earlier shape was in force for no time, so the stop time
 and the kind of change (start, scale-out, move …) are those from the shape before
@@ -63,7 +70,7 @@ from opentelemetry.util.types import AnyValue
 from shoal import codec
 from shoal import events as ev
 from shoal.bus import Bus, ConcurrencyConflict
-from shoal.clock import Clock
+from shoal.clock import Clock, done_key, hold, release
 from shoal.log import bound_job
 from shoal.models import Catalog, interpolate
 from shoal.sim.costs import ReconfigCosts, classify
@@ -118,6 +125,8 @@ class EmulatedTrainer:
         """(epoch, started at, stop time) of the reconfiguration under way."""
         self.completed = False
         self._last_report_wall = 0.0
+        self._finish_held: float | None = None
+        """The finish instant this process holds a synchronized clock at (leader only)."""
         self._prior: tuple[float, int, tuple[ev.GpuRef, ...]] | None = None
         """(instant, world, GPUs) of the newest change: the shape the job had just
         before the order applied at that instant."""
@@ -402,6 +411,29 @@ class EmulatedTrainer:
             waits.append((finish - now) / scale)
         return max(0.0, min(waits))
 
+    def _hold_finish(self) -> None:
+        """With a synchronized clock, hold it at the job's finish instant while this
+        process leads the job, so that virtual time cannot pass the completion before
+        it is published (see :class:`~shoal.clock.SharedClock`)."""
+        finish = self.finish_at() if self.is_leader and not self.completed else None
+        if finish == self._finish_held:
+            return
+        key = f"finish:{self.job_id}:{self.node_id}"
+        if finish is None:
+            release(self.clock, key)
+        else:
+            hold(self.clock, key, finish, ttl_s=None)
+        self._finish_held = finish
+
+    async def _take(self, cmd: ev.Reconfigure) -> None:
+        """Apply one order, then hold the clock at the new finish instant and let go
+        of the hold the node daemon sent the order under."""
+        try:
+            await self.apply(cmd)
+            self._hold_finish()
+        finally:
+            release(self.clock, f"order:{cmd.epoch}:{self.node_id}:{self.job_id}")
+
     async def _complete(self, finish: float) -> None:
         """Complete the job at its finish instant (the leader does, once)."""
         total = self.total
@@ -409,6 +441,8 @@ class EmulatedTrainer:
         self.iteration = total
         self.segment_at = self.stopped_until = finish
         await self._report(finish)
+        # The allocator releases it once it has decided on the completion.
+        hold(self.clock, done_key(self.job_id))
         try:
             await self._publish(
                 ev.JobCompleted(job_id=self.job_id, iterations=int(total)),
@@ -418,6 +452,7 @@ class EmulatedTrainer:
         except ConcurrencyConflict:
             pass  # another sidecar of this job completed it first
         self.completed = True
+        self._hold_finish()
         log.info("job_completed", job_id=self.job_id, iterations=total, at=finish)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -441,7 +476,7 @@ class EmulatedTrainer:
             wait = min(due if due > 0 else _DRAIN_S, 0.5)
             with contextlib.suppress(TimeoutError):
                 cmd = await asyncio.wait_for(self.commands.get(), wait)
-                await self.apply(cmd)
+                await self._take(cmd)
                 continue
             now = self.clock.now()
             if not self.is_leader:
@@ -456,7 +491,7 @@ class EmulatedTrainer:
         # Orders sent just before the end of stdin (the node daemon's last word on a
         # job leaving this node) still hand the progress over.
         while not self.completed and not self.commands.empty():
-            await self.apply(self.commands.get_nowait())
+            await self._take(self.commands.get_nowait())
 
 
 def parse_order(line: bytes) -> ev.Reconfigure:

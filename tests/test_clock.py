@@ -1,0 +1,143 @@
+"""The synchronized clock of an emulated installation (:class:`shoal.clock.SharedClock`).
+
+Real processes share it through its file; wall time is real, so the checks compare
+virtual readings with generous margins rather than exact values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from shoal.clock import HOLD_TTL_S, ScaledClock, SharedClock, hold, release
+
+SCALE = 1000.0
+
+
+@pytest.fixture
+def clock(tmp_path: Path) -> SharedClock:
+    return SharedClock.create(tmp_path / "clock", SCALE, origin=1_000_000.0)
+
+
+def test_it_runs_scaled_and_stops_at_a_barrier(clock: SharedClock) -> None:
+    t0 = clock.now()
+    time.sleep(0.02)
+    assert clock.now() - t0 >= 0.02 * SCALE * 0.9
+    at = clock.now() + 5.0
+    clock.hold("next-arrival", at, ttl_s=None)
+    time.sleep(0.03)  # 30 virtual seconds of wall time: the clock waits at the barrier
+    assert clock.now() == pytest.approx(at)
+    assert clock.barriers() == {"next-arrival": pytest.approx(at)}
+
+
+def test_release_resumes_from_the_barrier_without_a_jump(clock: SharedClock) -> None:
+    at = clock.now() + 1.0
+    clock.hold("b", at, ttl_s=None)
+    time.sleep(0.05)  # held for 50 virtual seconds past the barrier
+    clock.release("b")
+    after = clock.now()
+    assert at <= after < at + 0.02 * SCALE  # not at + 50: the held time is not made up
+    time.sleep(0.02)
+    assert clock.now() - after >= 0.02 * SCALE * 0.9
+
+
+def test_a_hold_never_moves_time_back(clock: SharedClock) -> None:
+    now = clock.now()
+    clock.hold("late", now - 100.0)  # an instant already past: held where the clock is
+    held = clock.now()
+    assert held >= now
+    time.sleep(0.02)
+    assert clock.now() == pytest.approx(held, abs=1e-6)
+
+
+def test_the_lowest_of_several_barriers_holds_and_release_is_per_key(clock: SharedClock) -> None:
+    now = clock.now()
+    clock.hold("far", now + 10.0, ttl_s=None)
+    clock.hold("near", now + 2.0, ttl_s=None)
+    time.sleep(0.03)
+    assert clock.now() == pytest.approx(now + 2.0)
+    clock.release("near", "not-held")
+    time.sleep(0.03)
+    assert clock.now() == pytest.approx(now + 10.0)
+    clock.hold("far", now + 20.0, ttl_s=None)  # the same key moves its barrier
+    time.sleep(0.03)
+    assert clock.now() == pytest.approx(now + 20.0)
+
+
+def test_other_processes_see_the_same_clock_and_their_holds(clock: SharedClock) -> None:
+    code = (
+        "import sys; from shoal.clock import SharedClock\n"
+        "c = SharedClock(sys.argv[1])\n"
+        "c.hold('other', c.now(), ttl_s=30)\n"
+        "print(repr(c.now()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, clock.path], capture_output=True, text=True, check=True)
+    seen = float(out.stdout)
+    time.sleep(0.03)
+    # Held by a hand-over hold from a process that has exited: it stays until released.
+    assert clock.now() == pytest.approx(seen, abs=1e-6)
+    assert "other" in clock.barriers()
+    clock.release("other")
+    time.sleep(0.02)
+    assert clock.now() > seen + 0.01 * SCALE
+
+
+def test_a_barrier_of_a_dead_process_is_dropped_where_it_stood(clock: SharedClock) -> None:
+    code = (
+        "import sys; from shoal.clock import SharedClock\n"
+        "c = SharedClock(sys.argv[1])\n"
+        "c.hold('finish', c.now(), ttl_s=None)\n"  # owned by this process, which then exits
+        "print(repr(c.now()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, clock.path], capture_output=True, text=True, check=True)
+    held = float(out.stdout)
+    first = clock.now()  # drops the dead process's barrier, re-based at its instant
+    assert held <= first < held + 0.05 * SCALE
+    assert "finish" not in clock.barriers()
+    time.sleep(0.02)
+    assert clock.now() > first + 0.01 * SCALE
+
+
+def test_a_hand_over_hold_nobody_releases_lapses(clock: SharedClock) -> None:
+    assert HOLD_TTL_S >= 1.0  # a lost message costs seconds, not the run
+    clock.hold("lost", ttl_s=0.05)
+    held = clock.now()
+    time.sleep(0.03)
+    assert clock.now() == pytest.approx(held, abs=1e-6)
+    time.sleep(0.05)
+    lapsed = clock.now()
+    assert held <= lapsed < held + 0.03 * SCALE  # continues from where it stood
+    assert clock.barriers() == {}
+
+
+def test_sleep_waits_for_virtual_time_including_the_held_part(clock: SharedClock) -> None:
+    start = clock.now()
+    clock.hold("b", start + 2.0, ttl_s=None)
+
+    async def scenario() -> float:
+        sleeper = asyncio.create_task(clock.sleep(5.0))
+        await asyncio.sleep(0.03)
+        assert not sleeper.done()  # the clock waits at start + 2
+        clock.release("b")
+        await asyncio.wait_for(sleeper, 2.0)
+        return clock.now()
+
+    assert asyncio.run(scenario()) >= start + 5.0
+
+
+def test_holds_are_no_ops_on_other_clocks() -> None:
+    c = ScaledClock(SCALE)
+    hold(c, "x", c.now())
+    release(c, "x")
+    t0 = c.now()
+    time.sleep(0.01)
+    assert c.now() > t0
+
+
+def test_bad_scale_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="time scale must be positive"):
+        SharedClock.create(tmp_path / "c", 0.0)
