@@ -253,3 +253,65 @@ def test_placer_anchors_a_same_instant_placement_on_the_one_before_that_instant(
     assert placer._anchor(5.0, current, state) == {"old": (ev.GpuRef(node_id="n0", index=0),)}
     # At a later instant the current placement is the anchor.
     assert placer._anchor(6.0, current, state) == current
+
+
+class Rotator:
+    """Test policy: one GPU, handed to the next job (by id) at every decision; asks to
+    be run again 100 virtual seconds later."""
+
+    name = "rotator"
+
+    def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        ids = sorted(j.job_id for j in view.jobs)
+        if not ids:
+            return Decision(shares={})
+        holder = next((j.job_id for j in view.jobs if j.current_gpus), None)
+        pick = ids[(ids.index(holder) + 1) % len(ids)] if holder in ids else ids[0]
+        return Decision(shares={pick: 1}, memory={"next_decision_at_s": view.now_s + 100.0})
+
+
+async def test_periodic_decisions_on_a_synchronized_clock_come_at_their_exact_instants(
+    bus: Bus, tmp_path: Any
+) -> None:
+    """The allocator wakes at the instant its newest decision asked for, holds a
+    synchronized clock there until it has decided, and releases the holds of the
+    arrivals it decided on: every decision lands exactly on its instant although the
+    clock runs at 1000× (a missed wake-up would stall the clock or skip a turn)."""
+    from shoal import codec
+    from shoal.clock import SharedClock, submit_key
+
+    clock = SharedClock.create(tmp_path / "clock", 1000.0)
+    t0 = float(int(clock.now()) + 1)
+    clock.hold("setup", t0, ttl_s=None)  # time waits at t0 while the test sets up
+    await bus.publish(codec.wrap(node("n0", 1), at=t0))
+    for j in ("a", "b"):
+        clock.hold(submit_key(j))
+        await bus.publish(codec.wrap(job(j, 1), at=t0))
+    stop = asyncio.Event()
+    allocator = AllocatorService(bus, Rotator(), holder="a", clock=clock, node_timeout_s=None)
+
+    async def downstream() -> None:
+        # The placer's part of the protocol: a published decision's hold is released.
+        while not stop.is_set():
+            clock.release(*(k for k in clock.barriers() if k.startswith("epoch:")))
+            await asyncio.sleep(0.005)
+
+    tasks = [asyncio.create_task(allocator.run(stop)), asyncio.create_task(downstream())]
+    try:
+        await wait_until(lambda: allocator.is_leader)
+        clock.release("setup")
+        await wait_until(lambda: allocator.projection.state.shares_epoch >= 5, timeout=30)
+        held = clock.barriers()
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+    decided = [e async for _, e in bus.replay() if isinstance(e.event, ev.SharesDecided)]
+    assert [(d.at - t0, d.event.shares) for d in decided[:5]] == [
+        (0.0, {"a": 1}),
+        (100.0, {"b": 1}),
+        (200.0, {"a": 1}),
+        (300.0, {"b": 1}),
+        (400.0, {"a": 1}),
+    ]
+    assert submit_key("a") not in held and submit_key("b") not in held
+    assert held.get("wake:allocator", 0.0) >= t0 + 400.0
