@@ -175,21 +175,12 @@ def _entries(view: ClusterView, *, length_aware: bool) -> list[_Entry]:
 
 
 def _fill_smallest_shares(order: Sequence[_Entry], free: int) -> int:
-    """Give each job in ``order`` its smallest share while it fits (skipping misfits).
+    """Give each job in ``order`` its smallest share while it fits (skipping misfits),
+    setting only the counts: stage one reads no throughput, and
+    :func:`_ready_for_stage_two` fills it in when GPUs are left for stage two.
 
     Returns the GPUs left.
     """
-    for e in order:
-        if not e.count and e.first and e.first <= free:
-            e.set_count(e.first)
-            free -= e.first
-    return free
-
-
-def _take_smallest_shares(order: Sequence[_Entry], free: int) -> int:
-    """:func:`_fill_smallest_shares` setting only the counts (AFS-P's stage one, which
-    reads no throughput; :func:`_ready_for_stage_two` fills in the rest when GPUs are
-    left). Returns the GPUs left."""
     for e in order:
         first = e.first
         if not e.count and first and first <= free:
@@ -358,6 +349,7 @@ class AFSL:
         order = sorted(entries, key=lambda e: (e.length(e.first), e.rank))
         free = _fill_smallest_shares(order, view.total_gpus)
         if free > 0:
+            _ready_for_stage_two(entries)
             stage_two = afs_l_stage_two_naive if self._naive else afs_l_stage_two_fast
             stage_two(entries, free)
         return Decision(shares=_shares(entries))
@@ -424,10 +416,17 @@ class _WaitingOrder:
     taken lazily: the jobs the pass looked at and did not start (``passed``, already in
     that order), then the rest of its heap (``inf`` keys mark lease holders)."""
 
-    __slots__ = ("_heap", "_jobs", "_keys", "_min_first", "_passed")
+    __slots__ = ("_counters", "_heap", "_jobs", "_keys", "_min_first", "_passed")
 
-    def __init__(self, jobs: Sequence[JobView], passed: Sequence[int], heap: list[tuple[float, int]]) -> None:
+    def __init__(
+        self,
+        jobs: Sequence[JobView],
+        counters: Sequence[int],
+        passed: Sequence[int],
+        heap: list[tuple[float, int]],
+    ) -> None:
         self._jobs = jobs
+        self._counters = counters
         self._passed = iter(passed)
         self._heap = heap
         self._keys: list[tuple[float, int]] = []
@@ -435,7 +434,7 @@ class _WaitingOrder:
         """Prefix minimum of the smallest shares over ``_keys`` (``inf`` for a job that
         can never start)."""
 
-    def _take(self, counters: Sequence[int]) -> bool:
+    def _take(self) -> bool:
         r = next(self._passed, None)
         if r is None:
             heap = self._heap
@@ -446,14 +445,14 @@ class _WaitingOrder:
             r = heapq.heappop(heap)[1]
         first = _ladder(self._jobs[r])[1] or math.inf
         prev = self._min_first[-1] if self._min_first else math.inf
-        self._keys.append((counters[r], r))
+        self._keys.append((self._counters[r], r))
         self._min_first.append(min(prev, first))
         return True
 
-    def any_starts_before(self, key: tuple[int, int], free: int, counters: Sequence[int]) -> bool:
+    def any_starts_before(self, key: tuple[int, int], free: int) -> bool:
         """Is there a waiting job ahead of ``key`` whose smallest share fits in ``free``?"""
         keys = self._keys
-        while (not keys or keys[-1] < key) and self._take(counters):
+        while (not keys or keys[-1] < key) and self._take():
             if keys[-1] < key and self._min_first[-1] <= free:
                 return True
         i = bisect.bisect_left(keys, key)
@@ -490,7 +489,7 @@ def first_evicting_lease_end(
         end, rank, first, counter = heapq.heappop(ends)
         if ends and ends[0][0] - end <= _LEASE_EPS:
             return end
-        if waiting.any_starts_before((counter + 1, rank), free + first, counters):
+        if waiting.any_starts_before((counter + 1, rank), free + first):
             return end
         heapq.heappush(ends, (end + unit, rank, first, counter + 1))
     return ends[0][0]
@@ -597,12 +596,12 @@ class AFSP:
                 break
         if not contended:
             # Every job fits at its smallest share: counters are ignored (§3.3).
-            free = _take_smallest_shares([entry(r) for r in range(len(jobs))], total)
+            free = _fill_smallest_shares([entry(r) for r in range(len(jobs))], total)
         else:
             # Stage one, processor sharing: jobs holding a lease keep running
             # (non-preemptive); the rest by increasing counter (ties: arrival).
             held_ranks = sorted((counters[rank_of[j]], rank_of[j]) for j in leases)
-            free = _take_smallest_shares([entry(r) for _, r in held_ranks], total)
+            free = _fill_smallest_shares([entry(r) for _, r in held_ranks], total)
             # A lease holder that no longer fits (the cluster shrank) waits now: the
             # exact wake-up below does not model that, so it falls back to every lease end.
             dropped = any(not made[r].count for _, r in held_ranks)
@@ -650,7 +649,7 @@ class AFSP:
                     [e for e in entries if e.count],
                     counters,
                     new_leases,
-                    _WaitingOrder(jobs, passed, heap),
+                    _WaitingOrder(jobs, counters, passed, heap),
                     total,
                     unit,
                 )
