@@ -70,7 +70,7 @@ from opentelemetry.util.types import AnyValue
 from shoal import codec
 from shoal import events as ev
 from shoal.bus import Bus, ConcurrencyConflict
-from shoal.clock import Clock, done_key, hold, release
+from shoal.clock import HOLD_TTL_S, Clock, SharedClock, done_key, hold, release
 from shoal.log import bound_job
 from shoal.models import Catalog, interpolate
 from shoal.sim.costs import ReconfigCosts, classify
@@ -183,8 +183,8 @@ class EmulatedTrainer:
 
         Whoever gave up the job reports the instant it did (see :meth:`apply`): a new
         leader waits up to ``_HANDOVER_WAIT_S`` for that report, which may still be on its
-        way from the other process; the carry-over only bridges a report that never
-        comes (a killed process)."""
+        way from the other process (on a synchronized clock, as long as a clock hold
+        lives); the carry-over only bridges a report that never comes (a killed process)."""
         env = await self._last_envelope("progress")
 
         def running_before(env: ev.Envelope | None) -> bool:
@@ -197,7 +197,11 @@ class EmulatedTrainer:
             )
 
         if at is not None:
-            deadline = asyncio.get_running_loop().time() + _HANDOVER_WAIT_S
+            # On a synchronized clock the wait costs no virtual time (the order's hold
+            # keeps the clock here), and a carry-over would make the run depend on how
+            # loaded the machine is: wait as long as a hold lives.
+            wait_s = HOLD_TTL_S / 2 if isinstance(self.clock, SharedClock) else _HANDOVER_WAIT_S
+            deadline = asyncio.get_running_loop().time() + wait_s
             while running_before(env) and asyncio.get_running_loop().time() < deadline:
                 if await self._last_event("completed") is not None:
                     break
