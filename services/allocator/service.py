@@ -125,12 +125,11 @@ class AllocatorService:
         self.projection = Projection(bus, snapshot_name="allocator", listeners=[self._on_event])
         self.dirty = asyncio.Event()
         self.trigger = ""
-        self.pending: list[tuple[float, str, str | None]] = []
-        """Triggering events not yet decided on: (occurred-at, trigger, event id)."""
+        self.pending: list[tuple[float, str, str | None, str | None]] = []
+        """Triggering events not yet decided on: (occurred-at, trigger, event id, key of
+        the clock hold it was published under — a :class:`~shoal.clock.SharedClock`
+        only — released once a decision has taken it in)."""
         self._wake_held: float | None = None
-        self.holds: list[tuple[float, str]] = []
-        """(instant, key) of the clock holds the triggering events were published under
-        (a :class:`~shoal.clock.SharedClock` only): released once decided on."""
         self.asof: ClusterState | None = None
         """The leader's decision state: the log folded up to the last decision instant."""
         self.buffer: list[Envelope] = []
@@ -166,10 +165,7 @@ class AllocatorService:
             return
         trigger = _TRIGGERS.get(type(env.event))
         if trigger is not None:
-            self.pending.append((env.at, trigger, env.id))
-            key = hold_key(env.event)
-            if key is not None:
-                self.holds.append((env.at, key))
+            self.pending.append((env.at, trigger, env.id, hold_key(env.event)))
             self.dirty.set()
 
     def _state_as_of(self, at: float) -> ClusterState:
@@ -322,10 +318,10 @@ class AllocatorService:
             if wake is not None and wake <= self.clock.now() and (t_trig is None or wake < t_trig - 1e-9):
                 await self.decide_once("tick", at=wake)
                 self.last_decision_at = max(self.last_decision_at, wake)
-                self._release_decided(wake)
+                self._hold_wakeup()
                 continue
             if t_trig is None:
-                self._release_decided(self.last_decision_at)
+                self._hold_wakeup()
                 return
             second_ends = math.floor(t_trig + 1e-9) + 1.0
             batch = [p for p in self.pending if p[0] < second_ends]
@@ -335,7 +331,11 @@ class AllocatorService:
             at = batch[-1][0]
             await self.decide_once(trigger, at=at, causation_id=batch[-1][2])
             self.last_decision_at = max(self.last_decision_at, at)
-            self._release_decided(at)
+            # Hold the clock at the next periodic decision, then let go of the holds of
+            # the events this decision took in (it is published under a hold of its own
+            # by now). Not of events that arrived meanwhile: they are still pending.
+            self._hold_wakeup()
+            release(self.clock, *(p[3] for p in batch if p[3] is not None))
 
     def _hold_wakeup(self) -> None:
         """With a synchronized clock, hold it at the next periodic decision (moved
@@ -348,16 +348,6 @@ class AllocatorService:
             else:
                 hold(self.clock, "wake:allocator", wake, ttl_s=None)
             self._wake_held = wake
-
-    def _release_decided(self, at: float) -> None:
-        """With a synchronized clock: hold it at the next periodic decision, then let
-        go of the holds of the events decided on as of ``at`` (the decision, if any,
-        is published under a hold of its own by now)."""
-        self._hold_wakeup()
-        done = [key for t, key in self.holds if t <= at + 1e-9]
-        if done:
-            self.holds = [(t, key) for t, key in self.holds if t > at + 1e-9]
-            release(self.clock, *done)
 
     async def _mark_lost_nodes(self) -> None:
         if self.node_timeout_s is None:
@@ -413,7 +403,10 @@ class AllocatorService:
                     await self.projection.wait_for(await self.bus.last_seq())
                     self.asof = copy_state(self.projection.state)
                     self.buffer.clear()
-                    self.pending = [(max(self.clock.now(), self.last_decision_at), "takeover", None)]
+                    # One decision on everything; the holds of what was pending go with it.
+                    at = max(self.clock.now(), self.last_decision_at)
+                    keys = [p[3] for p in self.pending if p[3] is not None]
+                    self.pending = [(at, "takeover", None, None), *((at, "takeover", None, k) for k in keys)]
                     self.dirty.set()
                 wait = campaign.until_due()
                 self._hold_wakeup()
