@@ -490,7 +490,14 @@ class EmulatedTrainer:
             finish = self.finish_at()
             if finish is not None and now >= finish:
                 await self._complete(finish)
-            elif self.world and loop.time() - self._last_report_wall >= self.report_every_s:
+            elif (
+                self.world
+                and now > self.segment_at + _EPS
+                and loop.time() - self._last_report_wall >= self.report_every_s
+            ):
+                # Not at the instant the current shape began: such a report would tell a
+                # leader taking over at that instant that the job ran on this shape
+                # before it (a move), where it started or changed only then.
                 await self._report(now)
         # Orders sent just before the end of stdin (the node daemon's last word on a
         # job leaving this node) still hand the progress over.

@@ -4,6 +4,8 @@ the cost model, and the job completes at its exact finish instant."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from shoal import codec
 from shoal import events as ev
@@ -98,3 +100,30 @@ async def test_an_order_at_the_instant_of_the_previous_one_replaces_it(bus: Bus)
         (3, "scale_out", 2),
         (5, "scale_in", 2),
     ]
+
+
+async def test_a_job_moved_at_the_instant_it_started_starts_on_its_new_node(bus: Bus) -> None:
+    """A job started on node n0 at t=10 and, by the rest of a same-instant burst, moved
+    to n1 at t=10 was never running before t=10: its new leader starts it (no stop
+    time), as the simulator's one decision at t=10 does. The old leader's periodic
+    report must not claim otherwise: it makes none at the instant its shape began."""
+    clock = ManualClock()
+    clock.advance(10.0)
+    a = await trainer(bus, clock)
+    a.report_every_s = 0.001
+    b = EmulatedTrainer(bus, "j", "n1", clock=clock, costs=get_costs("migrate=30,scale_out=30,scale_in=30"))
+    await b.load()
+    stop = asyncio.Event()
+    running = asyncio.create_task(a.run(stop))
+    await a.commands.put(ev.Reconfigure(job_id="j", epoch=2, gpus=refs(1), effective_at=10.0))
+    await asyncio.sleep(0.1)  # a leads and would report every millisecond
+    on_n1 = (ev.GpuRef(node_id="n1", index=0),)
+    await a.commands.put(ev.Reconfigure(job_id="j", epoch=3, gpus=on_n1, effective_at=10.0))
+    await b.apply(ev.Reconfigure(job_id="j", epoch=3, gpus=on_n1, effective_at=10.0))
+    stop.set()
+    await running
+    reports = await events_of(bus, ev.ProgressReported)
+    assert all(r.num_gpus == 0 for r in reports), reports
+    started = [(s.epoch, s.kind, s.from_world) for s in await events_of(bus, ev.ReconfigurationStarted)]
+    assert started == [(2, "start", 0), (3, "start", 0)]
+    assert b.is_leader and b.finish_at() == 10.0 + 1000.0  # no stop time charged
