@@ -23,6 +23,8 @@ from typing import Protocol
 import msgspec
 import structlog
 
+from shoal.runtime import pid_alive
+
 log = structlog.get_logger("shoal.clock")
 
 
@@ -98,15 +100,8 @@ _encode = msgspec.json.Encoder().encode
 
 
 def _alive(pid: int) -> bool:
-    if pid == 0 or pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """Whether a barrier's owner lives (0: a hand-over hold, owned by no process)."""
+    return pid == 0 or pid == os.getpid() or pid_alive(pid)
 
 
 class SharedClock:
