@@ -292,3 +292,31 @@ def test_the_order_of_the_mappings_does_not_matter(case, rnd) -> None:  # type: 
     assert a.placements == b.placements
     assert a.unplaced == b.unplaced
     assert a.migrations == b.migrations
+
+
+@given(scenario(), st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_skipping_the_whole_node_costs_without_multi_node_shares_changes_nothing(
+    case, allow_split: bool
+) -> None:  # type: ignore[no-untyped-def]
+    # The placer keeps displacement costs only when some share takes whole nodes; with
+    # them kept regardless, every placement must be the same.
+    from shoal.placement.min_migration import _MinMigration, _place_all
+
+    topo, shares, previous, types = case
+    fast = _place_all(_MinMigration(topo, shares, previous, types), allow_split)
+    full = _place_all(_MinMigration(topo, shares, previous, types, always_track_costs=True), allow_split)
+    assert fast == full
+
+
+@given(packed_history(), st.data())
+@settings(max_examples=200, deadline=None)
+def test_sub_node_churn_places_the_same_with_and_without_costs(case, data: st.DataObject) -> None:  # type: ignore[no-untyped-def]
+    from shoal.placement.min_migration import _MinMigration, _place_all
+
+    topo, g, shares, previous = case
+    sizes = sub_node_sizes(g)
+    new = {job: data.draw(st.sampled_from([0, *sizes]), label=job) for job in [*shares, "x1", "x2"]}
+    fast = _place_all(_MinMigration(topo, new, previous, None), False)
+    full = _place_all(_MinMigration(topo, new, previous, None, always_track_costs=True), False)
+    assert fast == full

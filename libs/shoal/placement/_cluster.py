@@ -46,6 +46,12 @@ class _TopologyIndex:
         for f, ms in self.members.items():
             for o in ms:
                 self.free_buckets[f][self.cap[o]].append(o)  # ordinals ascending: already a heap
+        # ref[o][i]: (rank in GpuRef order, GpuRef) of usable GPU i of node o, made once.
+        refs = sorted(GpuRef(n.node_id, i) for n in nodes for i in n.gpu_indices)
+        rank = {r: k for k, r in enumerate(refs)}
+        self.ref: list[dict[int, tuple[int, GpuRef]]] = [
+            {i: (rank[GpuRef(n.node_id, i)], GpuRef(n.node_id, i)) for i in n.gpu_indices} for n in nodes
+        ]
 
 
 _last_topology: tuple[Topology, _TopologyIndex] | None = None
@@ -77,6 +83,7 @@ class Cluster:
         # Shared with other calls on the same topology, read only: node_ids, cap,
         # node_families, members, gpn.
         self.node_ids = ti.node_ids
+        self._ref = ti.ref
         self.cap = ti.cap
         self.free = list(ti.cap)
         self.free_idx: list[list[int]] = [list(idx) for idx in ti.sorted_idx]
@@ -217,10 +224,19 @@ class Cluster:
 
     def claim(self, o: int, job: str, idxs: list[int]) -> None:
         """Give GPUs ``idxs`` of node ``o`` to ``job``."""
-        taken = set(idxs)
-        self.free_idx[o] = [i for i in self.free_idx[o] if i not in taken]
-        self._set_free(o, len(self.free_idx[o]))
-        self.assigned.setdefault(job, []).extend((o, i) for i in idxs)
+        if len(idxs) == 1:
+            left = list(self.free_idx[o])
+            left.remove(idxs[0])
+        else:
+            taken = set(idxs)
+            left = [i for i in self.free_idx[o] if i not in taken]
+        self.free_idx[o] = left
+        self._set_free(o, len(left))
+        got = self.assigned.get(job)
+        if got is None:
+            self.assigned[job] = [(o, i) for i in idxs]
+        else:
+            got.extend((o, i) for i in idxs)
 
     def release(self, job: str) -> None:
         """Undo every claim of ``job`` (a rolled-back attempt)."""
@@ -263,9 +279,13 @@ class Cluster:
         """The placement built so far: placed jobs, migrations, and the rest as unplaced."""
         placements: dict[str, tuple[GpuRef, ...]] = {}
         migrations = 0
+        ref = self._ref
         for job, gpus in self.assigned.items():
-            refs = tuple(sorted(GpuRef(self.node_ids[o], i) for o, i in gpus))
-            placements[job] = refs
+            if len(gpus) == 1:
+                o, i = gpus[0]
+                placements[job] = (ref[o][i][1],)
+            else:
+                placements[job] = tuple(r for _, r in sorted([ref[o][i] for o, i in gpus]))
             if job in self.had_previous:
                 mine = self.prev.get(job, {})
                 if not any(i in mine.get(o, ()) for o, i in gpus):

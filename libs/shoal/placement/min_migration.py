@@ -56,24 +56,44 @@ class _MinMigration(Cluster):
         shares: Mapping[str, int],
         previous: Mapping[str, tuple[GpuRef, ...]],
         gpu_types: Mapping[str, str] | None,
+        *,
+        always_track_costs: bool = False,
     ) -> None:
         super().__init__(topology, shares, previous, gpu_types)
         m = len(self.cap)
+        # The displacement costs, the holders and the heaps of whole free nodes below are
+        # read only when a job takes whole nodes (step 2). Without a multi-node share
+        # (e.g. a congested cluster of 1-GPU shares, most of a long trace) they are not
+        # kept: the same placement for less work (``always_track_costs`` keeps them anyway;
+        # the tests compare both).
+        gpn, family = self.gpn, self.family
+        track_costs = always_track_costs or any(
+            s >= gpn.get(family[j], 0) > 0 for j, s in self.shares.items()
+        )
+        self.track_costs = track_costs
         # want/want_gpus: jobs not yet placed holding GPUs on a node, and how many GPUs.
         self.want = [0] * m
         self.want_gpus = [0] * m
         # holders[o]: every job with previous GPUs on node o (placed or not).
         self.holders: list[list[str]] = [[] for _ in range(m)]
         self.keepable: dict[tuple[str, int], int] = {}
+        # keeps[job]: the most GPUs the job could keep on one node (the order of step 1).
+        self.keeps: dict[str, int] = {}
         for job, by_node in self.prev.items():
             multi = self.is_multi_node(job)
+            share = self.shares[job]
+            most = 0
             for o, idxs in by_node.items():
                 # GPUs the job could keep here: all of a whole node, at most its share below one.
-                k = len(idxs) if multi else min(len(idxs), self.shares[job])
+                k = len(idxs) if multi else min(len(idxs), share)
                 self.keepable[(job, o)] = k
-                self.holders[o].append(job)
-                self.want[o] += 1
-                self.want_gpus[o] += k
+                if k > most:
+                    most = k
+                if track_costs:
+                    self.holders[o].append(job)
+                    self.want[o] += 1
+                    self.want_gpus[o] += k
+            self.keeps[job] = most
         # cost/cost_gpus: what taking a node away costs the jobs not yet placed: holders with
         # no other node to keep (they must move), and GPUs they keep here beyond their best
         # other node.
@@ -83,17 +103,22 @@ class _MinMigration(Cluster):
         # whole[(family, capacity)]: heap of (cost, cost_gpus, want, want_gpus, ordinal) of
         # fully free nodes.
         self.whole: dict[tuple[str, int], list[tuple[int, int, int, int, int]]] = {}
-        self.options: dict[str, set[int]] = {job: set(by_node) for job, by_node in self.prev.items()}
+        self.options: dict[str, set[int]] = {}
         self._indexed = False  # nodes enter the heaps once, after the costs are summed
-        for job in self.prev:
-            self._add_costs(job, +1)
+        if track_costs:
+            self.options = {job: set(by_node) for job, by_node in self.prev.items()}
+            for job in self.prev:
+                self._add_costs(job, +1)
         # pending: GPUs reserved on a node for sub-node jobs still to come that call it home.
         self.pending = [0] * m
         self.home: dict[str, int] = {}
         for job, s in self.shares.items():
             by_node = self.prev[job]
             if by_node and s < self.gpn.get(self.family[job], 0):
-                home = min(by_node, key=lambda o: (-len(by_node[o]), o))
+                if len(by_node) == 1:
+                    home = next(iter(by_node))
+                else:
+                    home = min(by_node, key=lambda o: (-len(by_node[o]), o))
                 self.home[job] = home
                 self.pending[home] += s
         self.slack = [self.free[o] - self.pending[o] for o in range(m)]
@@ -103,7 +128,8 @@ class _MinMigration(Cluster):
         self._indexed = True
         for o in range(m):
             self._push_slack(o)
-            self._push_whole(o)
+            if track_costs:
+                self._push_whole(o)
 
     def _push_slack(self, o: int) -> None:
         s = self.slack[o]
@@ -146,16 +172,18 @@ class _MinMigration(Cluster):
     def on_free_changed(self, o: int) -> None:
         self.slack[o] = self.free[o] - self.pending[o]
         self._push_slack(o)
-        self._push_whole(o)
+        if self.track_costs:
+            self._push_whole(o)
 
     def start(self, job: str) -> None:
         """Mark ``job`` as being placed: it no longer reserves or displaces anything."""
         self.processed.add(job)
-        self._add_costs(job, -1)
-        for o in self.prev[job]:
-            self.want[o] -= 1
-            self.want_gpus[o] -= self.keepable[(job, o)]
-            self._push_whole(o)
+        if self.track_costs:
+            self._add_costs(job, -1)
+            for o in self.prev[job]:
+                self.want[o] -= 1
+                self.want_gpus[o] -= self.keepable[(job, o)]
+                self._push_whole(o)
         home = self.home.get(job)
         if home is not None:
             self.pending[home] -= self.shares[job]
@@ -229,17 +257,22 @@ class _MinMigration(Cluster):
                 return heap[0]
         return self.best_fit(fam, need)
 
-    def keep_fit(self, job: str, need: int) -> int | None:
-        """The node where ``job`` keeps the most of its GPUs and ``need`` GPUs fit, or None."""
-        best: tuple[int, int] | None = None
+    def keep_fit(self, job: str, need: int) -> tuple[int, list[int]] | None:
+        """The node where ``job`` keeps the most of its GPUs and ``need`` GPUs fit (lowest
+        ordinal among ties), with the job's free GPUs there in index order; or None."""
+        best: tuple[int, list[int]] | None = None
         free_idx = self.free_idx
+        free = self.free
         for o, idxs in self.prev[job].items():
-            if self.free[o] < need:
+            if free[o] < need:
                 continue
-            avail = len(set(idxs).intersection(free_idx[o]))
-            if avail and (best is None or (-avail, o) < best):
-                best = (-avail, o)
-        return None if best is None else best[1]
+            mine = set(idxs)
+            own = [i for i in free_idx[o] if i in mine]
+            if own and (
+                best is None or len(own) > len(best[1]) or (len(own) == len(best[1]) and o < best[0])
+            ):
+                best = (o, own)
+        return best
 
     def place_job(self, job: str, share: int, allow_split: bool) -> None:
         """Place one job (CoDDL §4.4 order of preference); leave it unassigned if impossible."""
@@ -282,9 +315,12 @@ class _MinMigration(Cluster):
                 self.node_taken(fresh)
                 chosen += 1
         if rest:
-            at = self.keep_fit(job, rest)
-            if at is None:
-                at = self.fresh_fit(fam, rest)
+            kept = self.keep_fit(job, rest)
+            if kept is not None and len(kept[1]) >= rest:
+                # Its own GPUs suffice: what choose_indices picks first (lowest indices).
+                self.claim(kept[0], job, kept[1][:rest])
+                return True
+            at = self.fresh_fit(fam, rest) if kept is None else kept[0]
             if at is None:
                 return False
             self.claim(at, job, self.choose_indices(at, job, rest))
@@ -315,14 +351,14 @@ def place_min_migration(
     Raises:
         PlacementError: On a negative share.
     """
-    cluster = _MinMigration(topology, shares, previous, gpu_types)
+    return _place_all(_MinMigration(topology, shares, previous, gpu_types), allow_split)
 
-    def keeps(job: str) -> int:
-        return max(cluster.keepable.get((job, o), 0) for o in cluster.prev[job]) if cluster.prev[job] else 0
 
-    order = sorted(
-        cluster.shares, key=lambda j: (-cluster.shares[j], j not in cluster.had_previous, -keeps(j), j)
-    )
+def _place_all(cluster: _MinMigration, allow_split: bool) -> Placement:
+    """Step 1: place every job of ``cluster`` in order (see the module docstring)."""
+
+    shares, had_previous, keeps = cluster.shares, cluster.had_previous, cluster.keeps
+    order = sorted(shares, key=lambda j: (-shares[j], j not in had_previous, -keeps.get(j, 0), j))
     for job in order:
         cluster.place_job(job, cluster.shares[job], allow_split)
     return cluster.result()
