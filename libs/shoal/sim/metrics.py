@@ -134,10 +134,15 @@ class UserShares(Struct, kw_only=True):
 
     ``gpus[user][gpu_type][i]`` is in force from ``t[i]`` to ``t[i + 1]`` (the last one
     to the end of the run). A user/generation first seen later is padded with zeros.
+    While sampling, a series is extended only when its value is or was just positive
+    (a long trace has many users, few of them running at once); :meth:`pad` (called by
+    the readers below and by the simulator's result) brings every series to ``len(t)``.
     """
 
     t: list[float] = []
     gpus: dict[str, dict[str, list[int]]] = {}
+    nonzero: set[tuple[str, str]] = set()
+    """Bookkeeping: the (user, gpu_type) series whose newest sample is positive."""
 
     def add(self, t: float, held: Mapping[tuple[str, str], int]) -> None:
         """Record ``(user, gpu_type) -> GPUs`` in force from ``t`` (same ``t`` replaces)."""
@@ -146,18 +151,32 @@ class UserShares(Struct, kw_only=True):
         else:
             i = len(self.t)
             self.t.append(t)
-            for per_type in self.gpus.values():
-                for values in per_type.values():
-                    values.append(0)
+        gpus = self.gpus
+        for user, gpu_type in self.nonzero:
+            if held.get((user, gpu_type), 0) <= 0:
+                values = gpus[user][gpu_type]
+                values.extend([0] * (i + 1 - len(values)))
+                values[i] = 0
+        nonzero = set()
+        for key, n in held.items():
+            user, gpu_type = key
+            values = gpus.setdefault(user, {}).setdefault(gpu_type, [])
+            values.extend([0] * (i + 1 - len(values)))
+            values[i] = n
+            if n > 0:
+                nonzero.add(key)
+        self.nonzero = nonzero
+
+    def pad(self) -> None:
+        """Extend every series with zeros to one value per sample time."""
+        n = len(self.t)
         for per_type in self.gpus.values():
             for values in per_type.values():
-                values[i] = 0
-        for (user, gpu_type), n in held.items():
-            values = self.gpus.setdefault(user, {}).setdefault(gpu_type, [0] * len(self.t))
-            values[i] = n
+                values.extend([0] * (n - len(values)))
 
     def gpu_seconds(self, start: float, end: float) -> dict[str, dict[str, float]]:
         """GPU-seconds each user received on each generation within [start, end]."""
+        self.pad()
         out: dict[str, dict[str, float]] = {}
         for user, per_type in self.gpus.items():
             for gpu_type, values in per_type.items():
@@ -178,6 +197,7 @@ class UserShares(Struct, kw_only=True):
         """
         if points <= 1 or end <= start:
             return {"t": [], "gpu_s": {}}
+        self.pad()
         times = [start + (end - start) * p / (points - 1) for p in range(points)]
         t = self.t
         n = len(t)
