@@ -83,18 +83,20 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from shoal.policies.base import ClusterView, Decision, JobView
-from shoal.policies.common import Ladder, arrival_order, throughput_at
+from shoal.policies.base import ClusterView, Decision, JobView, jobs_by_id
+from shoal.policies.common import ARRIVAL_KEY, Ladder, throughput_at, view_arrival_order
 
 DEFAULT_UNIT_S = 7200.0
 """AFS-P's processor-sharing unit for full-scale traces (AFS §3.3, footnote 11)."""
 
 _LEASE_EPS = 1e-6
+_JOB_ID = operator.attrgetter("job_id")
 
 
 _LADDERS: dict[tuple[Any, ...], tuple[Ladder, int]] = {}
@@ -171,7 +173,7 @@ def eq3(a: _Entry, b: _Entry) -> bool:
 
 
 def _entries(view: ClusterView, *, length_aware: bool) -> list[_Entry]:
-    return [_Entry(job, rank, length_aware=length_aware) for rank, job in enumerate(arrival_order(view.jobs))]
+    return [_Entry(job, rank, length_aware=length_aware) for rank, job in enumerate(view_arrival_order(view))]
 
 
 def _fill_smallest_shares(order: Sequence[_Entry], free: int) -> int:
@@ -411,24 +413,52 @@ def afs_p_stage_two_fast(entries: Sequence[_Entry], free: int) -> int:
     return free
 
 
+class _ByCounter:
+    """The waiting jobs' ranks in stage one's order ``(counter, rank)``, lease holders
+    left out, taken front to back. A stable sort of the counters in C: the same order
+    as a heap of ``(counter, rank)`` pairs, without making a pair per job of a long queue."""
+
+    __slots__ = ("_end", "_order", "_pos")
+
+    def __init__(self, counters: Sequence[int], held: Collection[int]) -> None:
+        key = np.array(counters, dtype=np.int64)
+        if held:
+            key[list(held)] = _HELD  # after every waiting job
+        self._order = np.argsort(key, kind="stable")
+        self._pos = 0
+        self._end = len(key) - len(held)
+
+    def pop(self) -> int | None:
+        """The next waiting job's rank, or None when none is left."""
+        if self._pos >= self._end:
+            return None
+        r = int(self._order[self._pos])
+        self._pos += 1
+        return r
+
+
+_HELD = np.iinfo(np.int64).max
+"""Sort key of a lease holder in :class:`_ByCounter` (counters are far below it)."""
+
+
 class _WaitingOrder:
     """The waiting jobs of an AFS-P decision in stage one's order ``(counter, rank)``,
     taken lazily: the jobs the pass looked at and did not start (``passed``, already in
-    that order), then the rest of its heap (``inf`` keys mark lease holders)."""
+    that order), then the rest of ``waiting``."""
 
-    __slots__ = ("_counters", "_heap", "_jobs", "_keys", "_min_first", "_passed")
+    __slots__ = ("_counters", "_jobs", "_keys", "_min_first", "_passed", "_waiting")
 
     def __init__(
         self,
         jobs: Sequence[JobView],
         counters: Sequence[int],
         passed: Sequence[int],
-        heap: list[tuple[float, int]],
+        waiting: _ByCounter,
     ) -> None:
         self._jobs = jobs
         self._counters = counters
         self._passed = iter(passed)
-        self._heap = heap
+        self._waiting = waiting
         self._keys: list[tuple[float, int]] = []
         self._min_first: list[float] = []
         """Prefix minimum of the smallest shares over ``_keys`` (``inf`` for a job that
@@ -437,12 +467,9 @@ class _WaitingOrder:
     def _take(self) -> bool:
         r = next(self._passed, None)
         if r is None:
-            heap = self._heap
-            while heap and math.isinf(heap[0][0]):
-                heapq.heappop(heap)
-            if not heap:
+            r = self._waiting.pop()
+            if r is None:
                 return False
-            r = heapq.heappop(heap)[1]
         first = _ladder(self._jobs[r])[1] or math.inf
         prev = self._min_first[-1] if self._min_first else math.inf
         self._keys.append((self._counters[r], r))
@@ -498,17 +525,18 @@ def first_evicting_lease_end(
 def _counters_out(
     old: Mapping[str, Any],
     bumped: Mapping[str, int],
-    rank_of: Mapping[str, int],
-    ids: Sequence[str],
+    active: Mapping[str, Any],
+    ids: Iterable[str],
     counters: Sequence[int],
 ) -> dict[str, Any]:
     """AFS-P's counters to remember: the positive ones of the active jobs.
 
-    The same mapping as ``{j: c for j, c in zip(ids, counters) if c}``; while no
-    counted job finished (the usual case in a long queue) it is the previous one, or a
-    copy with the lease holders' new counts, instead of a pass over every job.
+    The same mapping as ``{j: c for j, c in zip(ids, counters) if c}`` (``ids``: the
+    active jobs in rank order, ``active``: keyed by them); while no counted job finished
+    (the usual case in a long queue) it is the previous one, or a copy with the lease
+    holders' new counts, instead of a pass over every job.
     """
-    if isinstance(old, dict) and rank_of.keys() >= old.keys() and 0 not in old.values():
+    if isinstance(old, dict) and active.keys() >= old.keys() and 0 not in old.values():
         changed = {j: c for j, c in bumped.items() if c != old.get(j, 0)}
         if not changed:
             return old
@@ -551,15 +579,20 @@ class AFSP:
         """
         now = view.now_s
         unit = self.unit_s
-        jobs = arrival_order(view.jobs)
-        ids = [j.job_id for j in jobs]
-        rank_of = dict(zip(ids, range(len(ids)), strict=True))
+        jobs = view_arrival_order(view)
+        index = jobs_by_id(view)
+
+        def rank_of(job_id: str) -> int:
+            # Position in ``jobs`` (sorted by ARRIVAL_KEY, keys unique): a few jobs ask,
+            # cheaper than a rank for every job of a long queue.
+            return bisect.bisect_left(jobs, ARRIVAL_KEY(index[job_id]), key=ARRIVAL_KEY)
+
         old_counters: Mapping[str, Any] = memory.get("counters") or {}
         old_leases: Mapping[str, Any] = memory.get("leases") or {}
         leases: dict[str, float] = {}
         bumped: dict[str, int] = {}
         for job_id, start in old_leases.items():
-            if job_id not in rank_of:
+            if job_id not in index:
                 continue  # finished
             start = float(start)
             # Every whole unit executed since the lease started adds one (§3.3); the
@@ -571,9 +604,9 @@ class AFSP:
                 leases[job_id] = start  # mid-unit: held (non-preemptive)
             # else: the unit ended just now, the job is evicted.
         # Counters in memory are ints (this policy writes them).
-        counters: list[int] = list(map(old_counters.get, ids, itertools.repeat(0)))
+        counters: list[int] = list(map(old_counters.get, map(_JOB_ID, jobs), itertools.repeat(0)))
         for job_id, counter in bumped.items():
-            counters[rank_of[job_id]] = counter
+            counters[rank_of(job_id)] = counter
 
         made: dict[int, _Entry] = {}
 
@@ -588,7 +621,7 @@ class AFSP:
         contended = False
         dropped = False
         passed: list[int] = []  # waiting jobs the pass looked at and did not start, in order
-        heap: list[tuple[float, int]] = []
+        waiting: _ByCounter | None = None
         for job in jobs:
             need += _ladder(job)[1]
             if need > total:
@@ -600,23 +633,18 @@ class AFSP:
         else:
             # Stage one, processor sharing: jobs holding a lease keep running
             # (non-preemptive); the rest by increasing counter (ties: arrival).
-            held_ranks = sorted((counters[rank_of[j]], rank_of[j]) for j in leases)
+            held_ranks = sorted((counters[r], r) for r in map(rank_of, leases))
             free = _fill_smallest_shares([entry(r) for _, r in held_ranks], total)
             # A lease holder that no longer fits (the cluster shrank) waits now: the
             # exact wake-up below does not model that, so it falls back to every lease end.
             dropped = any(not made[r].count for _, r in held_ranks)
-            # The same pass over the waiting jobs in (counter, rank) order, popped from a
-            # heap only until the GPUs run out (keys are unique: the same order as a sort,
-            # without sorting a long queue that mostly gets nothing).
-            heap = list(zip(counters, range(len(counters)), strict=True))
-            skip = {r for _, r in held_ranks}
-            for r in skip:
-                heap[r] = (math.inf, r)  # not a waiting job: skipped if ever popped
-            heapq.heapify(heap)
-            while free > 0 and heap:
-                r = heapq.heappop(heap)[1]
-                if r in skip:
-                    continue
+            # The same pass over the waiting jobs in (counter, rank) order, taken only
+            # until the GPUs run out (a long queue mostly gets nothing).
+            waiting = _ByCounter(counters, {r for _, r in held_ranks})
+            while free > 0:
+                r = waiting.pop()
+                if r is None:
+                    break
                 e = entry(r)
                 if not e.count and e.first and e.first <= free:
                     e.count = e.first
@@ -635,7 +663,7 @@ class AFSP:
                 job_id = e.job.job_id
                 new_leases[job_id] = leases.get(job_id, float(now))
         memory_out: dict[str, Any] = {
-            "counters": _counters_out(old_counters, bumped, rank_of, ids, counters),
+            "counters": _counters_out(old_counters, bumped, index, map(_JOB_ID, jobs), counters),
             "leases": new_leases,
         }
         if contended and new_leases:
@@ -649,7 +677,7 @@ class AFSP:
                     [e for e in entries if e.count],
                     counters,
                     new_leases,
-                    _WaitingOrder(jobs, counters, passed, heap),
+                    _WaitingOrder(jobs, counters, passed, waiting),  # type: ignore[arg-type]  # set when contended
                     total,
                     unit,
                 )

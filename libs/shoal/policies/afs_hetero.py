@@ -70,7 +70,7 @@ from typing import Any
 from shoal.fairness.hetero import generation_order
 from shoal.policies.afs import AFSP, DEFAULT_UNIT_S
 from shoal.policies.base import ClusterView, Decision, JobView
-from shoal.policies.common import Ladder, arrival_order
+from shoal.policies.common import Ladder, view_arrival_order
 
 
 def eq3_prefers(p_b: float, p_b_next: float, p_a: float, p_a_next: float) -> bool:
@@ -155,7 +155,7 @@ class HeteroAFS:
         typed = bool(view.gpus_by_type)
         capacity = {g: n for g, n in view.gpus_by_type.items() if n > 0} if typed else {"": view.total_gpus}
         gens = generation_order(capacity, self.generation_rank) if typed else ("",)
-        jobs = [_Job(j, rank) for rank, j in enumerate(arrival_order(view.jobs))]
+        jobs = [_Job(j, rank) for rank, j in enumerate(view_arrival_order(view))]
 
         # 1. Who runs: AFS-P itself decides, generation-blind, on the same memory
         # (its counters and leases), so both share one processor-sharing rule.

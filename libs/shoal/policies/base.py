@@ -57,6 +57,10 @@ class ClusterView(Struct, frozen=True, kw_only=True):
     gpus_per_node: int = 0
     """0 when the cluster is a flat pool."""
     user_tickets: dict[str, float] = {}
+    arrival_ordered: bool = False
+    """``jobs`` is already in arrival order (earlier ``arrival_s``, then smaller
+    ``job_id``), so policies need not sort it (the simulator keeps its view so; a long
+    queue made that sort a large part of each decision). Set it only when it holds."""
 
 
 class Decision(Struct, frozen=True, kw_only=True):
@@ -104,6 +108,15 @@ def _feasible_counts(
 
 _last_index: tuple[ClusterView, dict[str, JobView]] | None = None
 _JOB_ID = operator.attrgetter("job_id")
+
+
+def prime_jobs_by_id(view: ClusterView, index: dict[str, JobView]) -> None:
+    """Give :func:`jobs_by_id` the index of ``view`` that the caller already holds.
+
+    ``index`` must map every job of ``view`` to it, in order, and must not change while
+    ``view`` is in use (the simulator primes its own index at each decision)."""
+    global _last_index
+    _last_index = (view, index)
 
 
 def jobs_by_id(view: ClusterView) -> dict[str, JobView]:

@@ -18,14 +18,21 @@ import math
 import operator
 from collections.abc import Iterable, Sequence
 
-from shoal.policies.base import JobView, feasible_counts
+from shoal.policies.base import ClusterView, JobView, feasible_counts
 
-_ARRIVAL_KEY = operator.attrgetter("arrival_s", "job_id")
+ARRIVAL_KEY = operator.attrgetter("arrival_s", "job_id")
+"""The sort key of :func:`arrival_order`."""
 
 
 def arrival_order(jobs: Iterable[JobView]) -> list[JobView]:
     """Jobs by arrival time, then job id (the deterministic tie-break)."""
-    return sorted(jobs, key=_ARRIVAL_KEY)
+    return sorted(jobs, key=ARRIVAL_KEY)
+
+
+def view_arrival_order(view: ClusterView) -> list[JobView]:
+    """:func:`arrival_order` of the view's jobs, without sorting when the view says
+    they already are (``ClusterView.arrival_ordered``)."""
+    return list(view.jobs) if view.arrival_ordered else arrival_order(view.jobs)
 
 
 def throughput_at(job: JobView, gpus: int) -> float:

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from shoal.policies.base import ClusterView, Decision
-from shoal.policies.common import arrival_order, request_size
+from shoal.policies.common import request_size, view_arrival_order
 
 
 class FIFO:
@@ -36,7 +36,7 @@ class FIFO:
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Keep running jobs, then start waiting jobs in arrival order while they fit."""
-        jobs = arrival_order(view.jobs)
+        jobs = view_arrival_order(view)
         free = view.total_gpus
         shares: dict[str, int] = {}
         waiting = []

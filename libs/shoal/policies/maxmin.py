@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from shoal.policies.base import ClusterView, Decision
-from shoal.policies.common import Ladder, arrival_order, throughput_at
+from shoal.policies.common import Ladder, throughput_at, view_arrival_order
 
 
 class MaxMin:
@@ -34,7 +34,7 @@ class MaxMin:
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Level GPU counts across jobs (the fewest GPUs first)."""
-        jobs = arrival_order(view.jobs)
+        jobs = view_arrival_order(view)
         ladders = [Ladder(j) for j in jobs]
         counts = [0] * len(jobs)
         heap = [(0, rank) for rank in range(len(jobs))]

@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
-from shoal.policies.common import Ladder, arrival_order, remaining_time_s, request_size, throughput_at
+from shoal.policies.common import Ladder, remaining_time_s, request_size, throughput_at, view_arrival_order
 
 
 def _normaliser(job: JobView) -> float:
@@ -86,7 +86,7 @@ class _ShortestFirst:
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Requests in increasing remaining time (service), then leftovers for -E."""
-        jobs = arrival_order(view.jobs)
+        jobs = view_arrival_order(view)
         ranked = []
         for rank, job in enumerate(jobs):
             size = peak_size(job) if self.use_max_gpus else request_size(job)

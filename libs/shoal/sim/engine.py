@@ -100,7 +100,7 @@ from msgspec import Struct
 from shoal import events as ev
 from shoal.allocation import decide_shares, place
 from shoal.events import GpuInfo
-from shoal.policies.base import ClusterView, JobView, Policy
+from shoal.policies.base import ClusterView, JobView, Policy, prime_jobs_by_id
 from shoal.sim.costs import PRESETS, ReconfigCosts, classify
 from shoal.sim.log import InMemoryLog, VirtualClock
 from shoal.sim.metrics import Series, UserShares, jct_summary
@@ -389,6 +389,10 @@ class Simulator:
         self._node_type: dict[str, str] = {}
         self._placer_keeps_same = cfg.placer == "min-migration"
         self._views: dict[str, JobView | None] = {}
+        # Whether _views (in arrival-event order) is in arrival order, (arrival_s, job_id):
+        # jobs arrive in time order, so only a tie in the same second out of id order breaks it.
+        self._arrival_ordered = True
+        self._last_arrival: tuple[float, str] | None = None
         """Every active job's view, in arrival order; a job's entry is rebuilt when it is in
         ``_stale`` or holds GPUs, and otherwise stays until an event about it (see _emit)."""
         self._stale: set[str] = set()
@@ -597,6 +601,10 @@ class Simulator:
         self.jobs[job.id] = job
         self.active[job.id] = job
         self._views[job.id] = None
+        key = (now, job.id)
+        if self._last_arrival is not None and key < self._last_arrival:
+            self._arrival_ordered = False
+        self._last_arrival = key
         self._pend_add(job, now)
         self._emit(ev.JobSubmitted(job_id=job.id, spec=tj.spec))
         if self.config.profiling == "overestimate":
@@ -802,14 +810,19 @@ class Simulator:
             )
         jobs_view = tuple(views.values())
         _, by_gen = cluster_gpus(state)
-        return ClusterView(
+        view = ClusterView(
             now_s=now,
             total_gpus=self.total_gpus,
             jobs=jobs_view,  # type: ignore[arg-type]  # every entry was just built
             gpus_by_type=by_gen if len(by_gen) > 1 else {},
             gpus_per_node=0 if self.config.flat else self.config.gpus_per_node,
             user_tickets={u: float(us.tickets) for u, us in state.users.items()},
+            arrival_ordered=self._arrival_ordered,
         )
+        # The index is _views itself, not a copy (a copy of a long queue's index cost a
+        # noticeable part of each decision): it does not change until the next decision.
+        prime_jobs_by_id(view, views)  # type: ignore[arg-type]  # as above
+        return view
 
     def _emit_trades(self, memory: Mapping[str, Any]) -> None:
         """Publish the trades a policy reports in its memory (Gandiva_fair §3.4)."""
@@ -1054,6 +1067,7 @@ class Simulator:
         if self.config.series and makespan > 0:
             for name in ("ql", "ce", "bi"):
                 summary[f"avg_{name}"] = self.series.time_average(name, first, last)
+        self.user_shares.pad()
         return SimResult(
             policy=getattr(self.policy, "name", type(self.policy).__name__),
             trace=self.trace,
