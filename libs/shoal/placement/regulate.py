@@ -217,6 +217,7 @@ def regulate_shares(
         raise ValueError(f"negative total_gpus {total_gpus}")
     g = gpus_per_node
     subs = sub_node_sizes(g)
+    sub_set = frozenset(subs)
     feas: dict[str, _Feasible] = {}
     regulated: dict[str, int] = {}
     planned = 0
@@ -226,7 +227,9 @@ def regulate_shares(
         planned += s
         f = feas[job] = _feasible_of(feasible.get(job), total_gpus)
         r = 0
-        if s > 0:
+        if 0 < s <= total_gpus and (g <= 1 or s in sub_set or s % g == 0) and s in f:
+            r = s  # already regulated and feasible: the first size the loop below tries
+        elif s > 0:
             # AFS appendix E, Proposition 2: x_i, restricted to the job's feasible counts.
             for x in _sizes_down(min(s, total_gpus), g, subs):
                 if x in f:
