@@ -90,13 +90,14 @@ from typing import Any
 import numpy as np
 
 from shoal.policies.base import ClusterView, Decision, JobView, jobs_by_id
-from shoal.policies.common import ARRIVAL_KEY, Ladder, throughput_at, view_arrival_order
+from shoal.policies.common import Ladder, throughput_at, view_arrival_order
 
 DEFAULT_UNIT_S = 7200.0
 """AFS-P's processor-sharing unit for full-scale traces (AFS §3.3, footnote 11)."""
 
 _LEASE_EPS = 1e-6
 _JOB_ID = operator.attrgetter("job_id")
+_ARRIVAL_S = operator.attrgetter("arrival_s")
 
 
 _LADDERS: dict[tuple[Any, ...], tuple[Ladder, int]] = {}
@@ -582,10 +583,19 @@ class AFSP:
         jobs = view_arrival_order(view)
         index = jobs_by_id(view)
 
+        ranks: dict[str, int] = {}
+
         def rank_of(job_id: str) -> int:
-            # Position in ``jobs`` (sorted by ARRIVAL_KEY, keys unique): a few jobs ask,
-            # cheaper than a rank for every job of a long queue.
-            return bisect.bisect_left(jobs, ARRIVAL_KEY(index[job_id]), key=ARRIVAL_KEY)
+            # Position in ``jobs`` (sorted by ARRIVAL_KEY): only the lease holders ask,
+            # cheaper than a rank for every job of a long queue. Bisect on the arrival
+            # time, then step over the jobs of the same instant with smaller ids.
+            r = ranks.get(job_id)
+            if r is None:
+                r = bisect.bisect_left(jobs, index[job_id].arrival_s, key=_ARRIVAL_S)
+                while jobs[r].job_id != job_id:
+                    r += 1
+                ranks[job_id] = r
+            return r
 
         old_counters: Mapping[str, Any] = memory.get("counters") or {}
         old_leases: Mapping[str, Any] = memory.get("leases") or {}
