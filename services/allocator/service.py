@@ -49,7 +49,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import msgspec
 import nats.js.errors
 import structlog
 from opentelemetry import trace
@@ -63,12 +62,11 @@ from shoal.cluster import gpus_per_node, stale_nodes
 from shoal.events import Envelope
 from shoal.log import bound_job
 from shoal.models import Catalog
-from shoal.policies.base import ClusterView, Policy
-from shoal.policies.common import throughput_at
+from shoal.policies.base import Policy
 from shoal.projection import Projection
 from shoal.state import ClusterState, apply, copy_state
 from shoal.telemetry import producer_span
-from shoal.view import job_view_at
+from shoal.view import carry_progress_forward
 
 log = structlog.get_logger("shoal.allocator")
 
@@ -169,7 +167,7 @@ class AllocatorService:
             self._in_force = (e.shares, e.gpu_types, e.policy_memory)  # events are never mutated
             return
         if isinstance(env.event, ev.ReconfigurationCompleted):
-            # Progress resumes at this instant (see :meth:`_carried_forward`).
+            # Progress resumes at this instant (see :func:`shoal.view.carry_progress_forward`).
             self._resumed_at[env.event.job_id] = env.at
         trigger = _TRIGGERS.get(type(env.event))
         if trigger is not None:
@@ -222,7 +220,7 @@ class AllocatorService:
         from shoal.view import build_view, with_current_shares
 
         view = build_view(state, now=now, gpus_per_node=gpus_per_node(state), catalog=self.catalog)
-        view = self._carried_forward(view, state, now)
+        view = carry_progress_forward(view, state, now, self._resumed_at)
         memory = state.policy_memory
         if abs(now - self._instant) <= 1e-9:
             # Deciding again at the instant of the newest decision (the rest of a burst
@@ -279,34 +277,6 @@ class AllocatorService:
                 stream_seq=result.seq,
             )
             return decision
-
-    def _carried_forward(self, view: ClusterView, state: ClusterState, now: float) -> ClusterView:
-        """The view with each running job's progress carried from its newest report to
-        ``now`` at its current share's throughput.
-
-        Reports are periodic (and in whole iterations), so the fold's ``iteration`` lags;
-        a length-aware policy (SRTF, SRSF, AFS-L) ranks jobs by what is left, and the
-        simulator's view has exact progress. Progress resumes after the newest change of
-        share (``since``) plus its stop time, once that reconfiguration is reported
-        complete (otherwise from ``since``); before that change the job ran under the
-        shape its last report was made under, which the trainer reports at every change
-        instant, so a report older than ``since`` means the job was waiting.
-        """
-        jobs = []
-        changed = False
-        for jv in view.jobs:
-            job = state.jobs[jv.job_id]
-            if not job.gpus or job.last_progress_at is None or jv.total_iterations is None:
-                jobs.append(jv)
-                continue
-            resumed = self._resumed_at.get(jv.job_id, -math.inf)
-            start = max(job.last_progress_at, resumed if resumed >= job.since - 1e-9 else job.since)
-            done = min(
-                jv.total_iterations, job.iteration + throughput_at(jv, job.gpus) * max(0.0, now - start)
-            )
-            jobs.append(job_view_at(jv, job, now=now, iterations_done=done))
-            changed = True
-        return msgspec.structs.replace(view, jobs=tuple(jobs)) if changed else view
 
     @contextlib.contextmanager
     def _traced_decision(self, decision: ev.SharesDecided, marks: tuple[int, int, int]) -> Iterator[None]:
