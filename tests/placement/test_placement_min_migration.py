@@ -320,3 +320,82 @@ def test_sub_node_churn_places_the_same_with_and_without_costs(case, data: st.Da
     fast = _place_all(_MinMigration(topo, new, previous, None), False)
     full = _place_all(_MinMigration(topo, new, previous, None, always_track_costs=True), False)
     assert fast == full
+
+
+# --- the shortcut for kept and new jobs ------------------------------------------------
+
+
+def _full_steps(topo, shares, previous, types, allow_split):  # type: ignore[no-untyped-def]
+    from shoal.placement.min_migration import _MinMigration, _place_all
+
+    return _place_all(_MinMigration(topo, shares, previous, types, always_track_costs=True), allow_split)
+
+
+def test_the_shortcut_places_newcomers_in_the_least_slack_around_kept_jobs() -> None:
+    from shoal.placement.min_migration import _place_kept_and_new
+
+    topo = Topology.homogeneous(3, 4)
+    before = {"a": gpus("n0", 0), "b": gpus("n0", 2, 3), "c": gpus("n1", 1), "gone": gpus("n2", 0)}
+    shares = {"a": 1, "b": 2, "c": 1, "gone": 0, "x": 1, "y": 2, "z": 2}
+    quick = _place_kept_and_new(topo, shares, before, None)
+    assert quick is not None
+    assert quick == _full_steps(topo, shares, before, None, True)
+    assert quick.placements["a"] == before["a"] and quick.placements["b"] == before["b"]
+    # y, z first (larger shares, then id): y to n1 (slack 3, the least that fits), on 0
+    # and its nearest free neighbour 2; z to n2 (slack 4); x to n0's last free GPU.
+    assert quick.placements["y"] == gpus("n1", 0, 2)
+    assert quick.placements["z"] == gpus("n2", 0, 1)
+    assert quick.placements["x"] == gpus("n0", 1)
+    assert quick.migrations == 0 and quick.unplaced == {}
+
+
+def test_the_shortcut_gives_way_when_a_newcomer_would_displace_a_kept_job() -> None:
+    from shoal.placement.min_migration import _place_kept_and_new
+
+    topo = Topology.homogeneous(2, 2)
+    before = {"a": gpus("n0", 0), "b": gpus("n1", 0)}
+    shares = {"a": 1, "b": 1, "x": 2}  # no node has 2 GPUs nobody keeps
+    assert _place_kept_and_new(topo, shares, before, None) is None
+    # ... and whatever does not fit its conditions: a resize, a whole node, a split job.
+    assert _place_kept_and_new(topo, {"a": 2}, before, None) is None
+    big = Topology.homogeneous(2, 4)
+    assert _place_kept_and_new(big, {"a": 2, "b": 1}, {"a": gpus("n0", 0, 1)}, None) is not None
+    assert _place_kept_and_new(big, {"a": 2}, {"a": gpus("n0", 0, 0)}, None) is None  # a GPU twice
+    assert _place_kept_and_new(topo, {"a": 2}, {"a": gpus("n0", 0) + gpus("n1", 0)}, None) is None
+    assert _place_kept_and_new(Topology.homogeneous(2, 4), {"a": 4}, {}, None) is None
+
+
+@given(scenario(), st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_the_shortcut_equals_the_full_steps_on_arbitrary_input(case, allow_split: bool) -> None:  # type: ignore[no-untyped-def]
+    from shoal.placement.min_migration import _place_kept_and_new
+
+    topo, shares, previous, types = case
+    quick = _place_kept_and_new(topo, shares, previous, types)
+    if quick is not None:
+        assert quick == _full_steps(topo, shares, previous, types, allow_split)
+
+
+@given(packed_history(), st.data(), st.randoms(use_true_random=False))
+@settings(max_examples=400, deadline=None)
+def test_the_shortcut_equals_the_full_steps_under_sub_node_churn(case, data: st.DataObject, rnd) -> None:  # type: ignore[no-untyped-def]
+    # What a congested cluster does at each decision: some jobs keep their share, some
+    # leave, newcomers of sub-node sizes arrive (in any mapping order).
+    from shoal.placement.min_migration import _place_kept_and_new
+
+    topo, g, shares, previous = case
+    sizes = sub_node_sizes(g)
+    new = {j: (s if s < g and data.draw(st.booleans(), label=j) else 0) for j, s in shares.items()}
+    for k in range(data.draw(st.integers(0, 6), label="newcomers")):
+        new[f"x{k}"] = data.draw(st.sampled_from(sizes), label=f"x{k}")
+    items = list(new.items())
+    rnd.shuffle(items)
+    new = dict(items)
+    quick = _place_kept_and_new(topo, new, previous, None)
+    full = _full_steps(topo, new, previous, None, False)
+    if quick is not None:
+        assert quick == full
+    else:
+        # It only gives way when some newcomer cannot go on GPUs nobody keeps.
+        kept = sum(s for j, s in new.items() if j in previous)
+        assert sum(new.values()) - kept > 0
