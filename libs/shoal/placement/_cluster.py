@@ -47,11 +47,9 @@ class _TopologyIndex:
             for o in ms:
                 self.free_buckets[f][self.cap[o]].append(o)  # ordinals ascending: already a heap
         # ref[o][i]: (rank in GpuRef order, GpuRef) of usable GPU i of node o, made once.
-        refs = sorted(GpuRef(n.node_id, i) for n in nodes for i in n.gpu_indices)
-        rank = {r: k for k, r in enumerate(refs)}
-        self.ref: list[dict[int, tuple[int, GpuRef]]] = [
-            {i: (rank[GpuRef(n.node_id, i)], GpuRef(n.node_id, i)) for i in n.gpu_indices} for n in nodes
-        ]
+        self.ref: list[dict[int, tuple[int, GpuRef]]] = [{} for _ in nodes]
+        for k, r in enumerate(sorted(GpuRef(n.node_id, i) for n in nodes for i in n.gpu_indices)):
+            self.ref[self.ord_of[r.node_id]][r.index] = (k, r)
 
 
 _last_topology: tuple[Topology, _TopologyIndex] | None = None

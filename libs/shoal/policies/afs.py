@@ -586,7 +586,7 @@ class AFSP:
         ranks: dict[str, int] = {}
 
         def rank_of(job_id: str) -> int:
-            # Position in ``jobs`` (sorted by ARRIVAL_KEY): only the lease holders ask,
+            # Position in ``jobs`` (in arrival order, ties by id): only the lease holders ask,
             # cheaper than a rank for every job of a long queue. Bisect on the arrival
             # time, then step over the jobs of the same instant with smaller ids.
             r = ranks.get(job_id)

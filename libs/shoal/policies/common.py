@@ -20,13 +20,13 @@ from collections.abc import Iterable, Sequence
 
 from shoal.policies.base import ClusterView, JobView, feasible_counts
 
-ARRIVAL_KEY = operator.attrgetter("arrival_s", "job_id")
+_ARRIVAL_KEY = operator.attrgetter("arrival_s", "job_id")
 """The sort key of :func:`arrival_order`."""
 
 
 def arrival_order(jobs: Iterable[JobView]) -> list[JobView]:
     """Jobs by arrival time, then job id (the deterministic tie-break)."""
-    return sorted(jobs, key=ARRIVAL_KEY)
+    return sorted(jobs, key=_ARRIVAL_KEY)
 
 
 def view_arrival_order(view: ClusterView) -> list[JobView]:

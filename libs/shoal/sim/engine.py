@@ -389,12 +389,12 @@ class Simulator:
         self._node_type: dict[str, str] = {}
         self._placer_keeps_same = cfg.placer == "min-migration"
         self._views: dict[str, JobView | None] = {}
+        """Every active job's view, in arrival order; a job's entry is rebuilt when it is in
+        ``_stale`` or holds GPUs, and otherwise stays until an event about it (see _emit)."""
         # Whether _views (in arrival-event order) is in arrival order, (arrival_s, job_id):
         # jobs arrive in time order, so only a tie in the same second out of id order breaks it.
         self._arrival_ordered = True
         self._last_arrival: tuple[float, str] | None = None
-        """Every active job's view, in arrival order; a job's entry is rebuilt when it is in
-        ``_stale`` or holds GPUs, and otherwise stays until an event about it (see _emit)."""
         self._stale: set[str] = set()
         self._running: dict[str, _Job] = {}
         """Jobs that hold GPUs (``job.gpus > 0``); few next to a long queue."""
