@@ -321,6 +321,31 @@ def _provenance_section(
     return lines
 
 
+def _stopped(cell: Cell) -> str:
+    """What a table shows for a cell without a result: the limit it stopped at, or an error."""
+    if not cell.outcome.timed_out:
+        return "error"
+    limit = cell.outcome.spec.cpu_limit_s
+    return "limit" if limit is None else f"limit {limit:g} s"
+
+
+def _limits_line(cells: dict[tuple[str, str, str], Cell], args: argparse.Namespace) -> str:
+    """The setup's line on CPU limits: this command's, or (``--no-run``) those the stored
+    cells ran under, which differ between the runs that produced them."""
+    if args.no_run:
+        used = sorted(
+            {c.outcome.spec.cpu_limit_s for c in cells.values() if c.outcome.spec.cpu_limit_s is not None}
+        )
+        text = (
+            "- Limits: each cell ran under the CPU limit of the run that produced it ("
+            + ", ".join(f"{x:g}" for x in used)
+            + " CPU seconds); a cell that hit it shows `limit` and the limit"
+        )
+    else:
+        text = f"- Limits: a cell is stopped after {args.cpu_limit:g} CPU seconds"
+    return text + (f"; only the first {args.limit} jobs of each VC (smoke run)" if args.limit else "") + "."
+
+
 def _h(x: float) -> str:
     return "—" if x != x else f"{x / 3600:,.1f}"
 
@@ -385,9 +410,7 @@ def render(
         "`coddl` stop times (`shoal simulate --gpus 64`).",
         "- Metric: average JCT over all jobs of the trace; reduction = baseline average JCT / policy average JCT "
         "(above 1: the policy is better), both measured in the same run of this command.",
-        f"- Limits: a cell is stopped after {args.cpu_limit:g} CPU seconds"
-        + (f"; only the first {args.limit} jobs of each VC (smoke run)" if args.limit else "")
-        + ".",
+        _limits_line(cells, args),
         "",
     ]
     for setting in settings:
@@ -428,7 +451,7 @@ def _setting_section(
         for i, p in enumerate(policies):
             cell = cells.get((setting, vc, p))
             if cell is not None and not cell.outcome.ok:
-                row[i] = "limit" if cell.outcome.timed_out else "error"
+                row[i] = _stopped(cell)
         lines.append(f"| {ids[vc]} | {vc} | {jobs:,} | " + " | ".join(row) + " |")
     lines.append("")
     pairs = [(a, b) for (a, b) in PAPER_RANGES if a in policies and b in policies]

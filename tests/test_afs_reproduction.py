@@ -63,3 +63,14 @@ def test_recomputed_cells_record_what_they_replaced(tmp_path: Path) -> None:
     again = (tmp_path / "again.md").read_text()
     assert "2 cells; the average JCT is identical in 2 of them" in again
     assert "earlier version of the code**" not in again
+
+
+def test_a_cell_stopped_at_its_limit_says_which_limit(tmp_path: Path) -> None:
+    figs = tmp_path / "figs"
+    _run(figs, tmp_path / "run.md", "--cpu-limit", "1e-06")  # every cell stops at once
+    run = (tmp_path / "run.md").read_text()
+    assert "- Limits: a cell is stopped after 1e-06 CPU seconds" in run
+    assert "| limit 1e-06 s | limit 1e-06 s |" in run
+    _run(figs, tmp_path / "stored.md", "--no-run")
+    stored = (tmp_path / "stored.md").read_text()
+    assert "each cell ran under the CPU limit of the run that produced it (1e-06 CPU seconds)" in stored
