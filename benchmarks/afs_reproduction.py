@@ -808,7 +808,8 @@ def _causes(cells: dict[tuple[str, str, str], Cell], settings: list[str], order:
             + ", ".join(themis_wins)
             + ". Our Themis knows each job's remaining work (`shoal.policies.themis`: finish-time fairness "
             "needs it) and re-auctions at every lease end (its default lease is 10 minutes); AFS-P knows no "
-            "lengths and rotates in units of `DEFAULT_UNIT_S`, 2 hours. AFS-L, which knows lengths as Themis does, beats Themis there (Themis / AFS-L average JCT: "
+            "lengths and rotates in units of `DEFAULT_UNIT_S`, 2 hours. AFS-L, which knows lengths as "
+            "Themis does, beats Themis there (Themis / AFS-L average JCT: "
             + ", ".join(vs_afs_l)
             + "). Our reading, not tested further: on these heavily loaded traces the length knowledge and "
             "short leases are worth more than the paper's Themis got from them; its lease length and "

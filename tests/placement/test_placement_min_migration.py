@@ -356,13 +356,16 @@ def test_the_shortcut_gives_way_when_a_newcomer_would_displace_a_kept_job() -> N
     before = {"a": gpus("n0", 0), "b": gpus("n1", 0)}
     shares = {"a": 1, "b": 1, "x": 2}  # no node has 2 GPUs nobody keeps
     assert _place_kept_and_new(topo, shares, before, None) is None
-    # ... and whatever does not fit its conditions: a resize, a whole node, a split job.
-    assert _place_kept_and_new(topo, {"a": 2}, before, None) is None
+    # ... and whatever does not fit its conditions: a whole node, a resize, a GPU held
+    # twice, a job split over nodes.
+    assert _place_kept_and_new(topo, {"a": 2}, before, None) is None  # 2 GPUs: a whole node here
     big = Topology.homogeneous(2, 4)
     assert _place_kept_and_new(big, {"a": 2, "b": 1}, {"a": gpus("n0", 0, 1)}, None) is not None
+    assert _place_kept_and_new(big, {"a": 2}, {"a": gpus("n0", 0)}, None) is None  # a resize
     assert _place_kept_and_new(big, {"a": 2}, {"a": gpus("n0", 0, 0)}, None) is None  # a GPU twice
     assert _place_kept_and_new(topo, {"a": 2}, {"a": gpus("n0", 0) + gpus("n1", 0)}, None) is None
-    assert _place_kept_and_new(Topology.homogeneous(2, 4), {"a": 4}, {}, None) is None
+    assert _place_kept_and_new(big, {"a": 2}, {"a": gpus("n0", 0) + gpus("n1", 0)}, None) is None  # split
+    assert _place_kept_and_new(big, {"a": 4}, {}, None) is None  # a whole node
 
 
 @given(scenario(), st.booleans())
