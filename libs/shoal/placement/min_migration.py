@@ -413,16 +413,26 @@ def _place_kept_and_new(
         placements[job] = tuple(before) if share == 1 else tuple(sorted(before))
     if new:
         new.sort()  # step 1 among jobs that held nothing: largest share, then job id
-        ref = ti.ref
+        ref, max_cap = ti.ref, ti.max_cap
         free: dict[int, list[int]] = {}
+        # by_slack[fam][s]: heap of the family's nodes whose slack was s when pushed (slack
+        # only falls here, so an entry is stale exactly when the node's slack moved on).
+        by_slack: dict[str, list[list[int]]] = {}
         for neg_share, job, fam in new:
             share = -neg_share
+            buckets = by_slack.get(fam)
+            if buckets is None:
+                buckets = by_slack[fam] = [[] for _ in range(max_cap + 1)]
+                for o in ti.members[fam]:
+                    buckets[slack[o]].append(o)  # ordinals ascending: already a heap
             at = None
-            for o in ti.members[fam]:
-                if slack[o] >= share and (at is None or slack[o] < slack[at]):
-                    at = o
-                    if slack[o] == share:
-                        break
+            for k in range(share, max_cap + 1):
+                heap = buckets[k]
+                while heap and slack[heap[0]] != k:
+                    heapq.heappop(heap)
+                if heap:
+                    at = heap[0]
+                    break
             if at is None:
                 return None  # it would displace a kept job
             avail = free.get(at)
@@ -432,6 +442,10 @@ def _place_kept_and_new(
             for i in chosen:
                 avail.remove(i)
             slack[at] -= share
+            for f in node_families[at]:
+                fam_buckets = by_slack.get(f)
+                if fam_buckets is not None:
+                    heapq.heappush(fam_buckets[slack[at]], at)
             placements[job] = tuple(ref[at][i][1] for i in sorted(chosen))
     return Placement(placements=placements, migrations=0, unplaced={})
 
