@@ -811,9 +811,12 @@ def _causes(cells: dict[tuple[str, str, str], Cell], settings: list[str], order:
             "lengths and rotates in units of `DEFAULT_UNIT_S`, 2 hours. AFS-L, which knows lengths as "
             "Themis does, beats Themis there (Themis / AFS-L average JCT: "
             + ", ".join(vs_afs_l)
-            + "). Our reading, not tested further: on these heavily loaded traces the length knowledge and "
-            "short leases are worth more than the paper's Themis got from them; its lease length and "
-            "fairness knob are not in the papers we have."
+            + "). The short lease is not the cause: with Themis' lease at AFS-P's 2 hours "
+            "(`shoal simulate --trace philly:<vc> --policy themis --gpus 64 --flat --policy-param "
+            "lease_s=7200`, tried on 0e4a51 and 7f04ca) Themis did no worse. Our reading: on these heavily "
+            "loaded traces the length knowledge is worth more than the paper's Themis got from it (a "
+            "length-unaware Themis has not been tried); its lease length and fairness knob are not in the "
+            "papers we have."
         )
     out.append(
         "- Baselines are reimplementations (Themis, Optimus, Tiresias-L in `shoal.policies`), following "
