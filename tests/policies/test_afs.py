@@ -18,6 +18,7 @@ from shoal.policies.afs import (
     eq3,
 )
 from shoal.policies.base import ClusterView, JobView, check_decision
+from shoal.policies.common import Ladder
 
 from tests.policies.test_policy_properties import later, views
 
@@ -335,6 +336,76 @@ def test_afs_p_skips_only_lease_ends_that_change_nothing(view: ClusterView, data
     stepped = exact.decide(at_wake, step.memory)
     assert jumped.shares == stepped.shares
     assert jumped.memory == stepped.memory
+
+
+def _random_memory(view: ClusterView, data: hs.DataObject, unit: float) -> dict[str, object]:
+    ids = [j.job_id for j in view.jobs]
+    counters = {j: data.draw(hs.integers(0, 4)) for j in ids}
+    holders = data.draw(hs.lists(hs.sampled_from(ids), unique=True)) if ids else []
+    # Lease ends exactly now (the job is evicted) as often as mid-unit ones.
+    ages = hs.one_of(hs.sampled_from((unit, 2 * unit)), hs.integers(0, int(2.5 * unit)))
+    leases = {j: view.now_s - data.draw(ages) for j in holders}
+    return {"counters": {j: c for j, c in counters.items() if c}, "leases": leases}
+
+
+@settings(max_examples=150, deadline=None)
+@given(view=views(max_jobs=16, max_gpus=10), data=hs.data())
+def test_afs_p_stage_one_goes_by_lease_then_counter_then_arrival(
+    view: ClusterView, data: hs.DataObject
+) -> None:
+    """The jobs AFS-P runs are those a plain pass picks (AFS §3.3): lease holders in the
+    middle of a unit first, then every other job by (units executed, arrival), each at
+    its smallest share while it fits; stage two only grows them. The policy walks the
+    queue lazily and remembers the counted jobs' order; this sorts everything afresh."""
+    unit = 100.0
+    memory = _random_memory(view, data, unit)
+    decision = AFSP(unit_s=unit).decide(view, memory)
+    counters = dict(memory["counters"])  # type: ignore[call-overload]
+    held = set()
+    for j, start in memory["leases"].items():  # type: ignore[attr-defined]
+        units = int((view.now_s - start) / unit + 1e-6)
+        counters[j] = counters.get(j, 0) + units
+        if units == 0 or view.now_s - (start + units * unit) > 1e-6:
+            held.add(j)
+    jobs = {j.job_id: j for j in view.jobs}
+    firsts = {j: Ladder(job).first() for j, job in jobs.items()}
+    if sum(firsts.values()) <= view.total_gpus:
+        expected = {j for j, f in firsts.items() if f}  # no contention: counters ignored
+    else:
+        order = sorted(jobs, key=lambda j: (j not in held, counters.get(j, 0), jobs[j].arrival_s, j))
+        free, expected = view.total_gpus, set()
+        for j in order:
+            if firsts[j] and firsts[j] <= free:
+                expected.add(j)
+                free -= firsts[j]
+    assert set(decision.shares) == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(view=views(max_jobs=16, max_gpus=10), data=hs.data())
+def test_afs_p_remembering_the_counted_order_changes_no_decision(
+    view: ClusterView, data: hs.DataObject
+) -> None:
+    """One AFS-P fed its own memory (it then reuses the counted jobs' order it kept) and a
+    fresh one per decision fed the memory as the log returns it (decoded, so the memo
+    is never used) decide the same at every step, while jobs run, finish and arrive."""
+    unit = 100.0
+    memory = _random_memory(view, data, unit)
+    kept = AFSP(unit_s=unit)
+    kept_memory = fresh_memory = memory
+    for _ in range(5):
+        d_kept = kept.decide(view, kept_memory)
+        d_fresh = AFSP(unit_s=unit).decide(view, msgspec.msgpack.decode(msgspec.msgpack.encode(fresh_memory)))
+        assert d_kept.shares == d_fresh.shares
+        assert d_kept.memory == d_fresh.memory
+        kept_memory, fresh_memory = d_kept.memory, d_fresh.memory
+        view = later(view, d_kept, data.draw(hs.sampled_from((1.0, 50.0, 100.0, 250.0))))
+        jobs = list(view.jobs)
+        if jobs and data.draw(hs.booleans()):  # one finishes
+            jobs.pop(data.draw(hs.integers(0, len(jobs) - 1)))
+        if data.draw(hs.booleans()):  # one arrives
+            jobs.append(job(f"new{view.now_s:.0f}", (0.0, 1.0, 1.5), None, arrival=view.now_s))
+        view = msgspec.structs.replace(view, jobs=tuple(jobs), arrival_ordered=False)
 
 
 # -- in the simulator -------------------------------------------------------------------

@@ -75,6 +75,15 @@ Choices where the paper is silent or inexact (documented, deterministic):
   ``leases`` (job id -> lease start, virtual seconds) and ``next_decision_at_s``
   (the first lease end that evicts; every lease end with
   ``wake_at_every_lease_end``). Finished jobs are dropped from it.
+* **Cost of a decision in a long queue** (AFS-P). Stage one takes the waiting jobs in
+  ``(counter, arrival)`` order only as far as the GPUs go: the jobs that never ran
+  (counter 0, most of a long queue) in arrival order, found by one C-level filter over
+  the queue's ids, then the counted jobs in the order of their keys. An AFS-P instance
+  remembers those keys for the counters mapping it returned; the next decision, given
+  that very mapping back (the simulator passes it on), only moves the lease holders'
+  keys. Memory decoded from the log is another object, so the keys are then sorted
+  afresh: the memo never changes a decision (a property test compares both).
+  Ranks are ``(arrival_s, job_id)``, the arrival order itself, not positions in it.
 """
 
 from __future__ import annotations
@@ -84,7 +93,7 @@ import heapq
 import itertools
 import math
 import operator
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -126,9 +135,11 @@ class _Entry:
 
     __slots__ = ("count", "first", "job", "ladder", "nxt", "p", "pn", "rank", "remaining")
 
-    def __init__(self, job: JobView, rank: int, *, length_aware: bool) -> None:
+    def __init__(self, job: JobView, rank: Any, *, length_aware: bool) -> None:
         self.job = job
         self.rank = rank
+        """Any key in arrival order: the position there (AFS-L) or ``(arrival_s,
+        job_id)`` (AFS-P, see :data:`_Rank`); it breaks ties."""
         self.ladder, self.first = _ladder(job)
         self.remaining = job.remaining_iterations if length_aware else None
         # count 0 (not growable in stage two): p' is not needed until a share is set.
@@ -382,8 +393,10 @@ def afs_p_top_priority_naive(candidates: Sequence[_Entry]) -> _Entry:
             star = j
         elif eq3(j, star):
             continue
-        elif (j.f(), -j.rank) > (star.f(), -star.rank):
-            star = j
+        else:
+            fj, fs = j.f(), star.f()
+            if fj > fs or (fj == fs and j.rank < star.rank):
+                star = j
     return star
 
 
@@ -414,32 +427,150 @@ def afs_p_stage_two_fast(entries: Sequence[_Entry], free: int) -> int:
     return free
 
 
+_Rank = tuple[float, str]
+"""AFS-P's arrival rank of a job: ``(arrival_s, job_id)``, the order of
+:func:`~shoal.policies.common.arrival_order` (so the same order as the job's position
+in it, without finding that position in a long queue)."""
+
+_Waiting = tuple[int, _Rank, JobView]
+"""A waiting job in stage one's order: ``(counter, rank, job)``."""
+
+
+def _rank(job: JobView) -> _Rank:
+    return (job.arrival_s, job.job_id)
+
+
+class _Counted:
+    """The jobs with a positive counter, as ``(counter, rank)`` keys in increasing
+    order, for one counters mapping (:attr:`of`, compared by identity).
+
+    An :class:`AFSP` keeps the one of its last decision's output: the next decision
+    usually gets that very mapping back as memory and then only moves the lease
+    holders' keys (a few bisections) instead of sorting every counted job again. A
+    mapping from elsewhere (memory decoded from the log) is simply not the same object,
+    and the keys are built afresh: the result never depends on the memo.
+    """
+
+    __slots__ = ("keys", "of")
+
+    def __init__(self, of: Mapping[str, Any], keys: list[tuple[int, _Rank]]) -> None:
+        self.of = of
+        self.keys = keys
+
+
+def _counted_keys(
+    counters: Iterable[tuple[str, Any]], index: Mapping[str, JobView]
+) -> list[tuple[int, _Rank]]:
+    """Sorted ``(counter, rank)`` keys of the active jobs with a positive counter."""
+    keys = []
+    for job_id, counter in counters:
+        if counter >= 1:
+            job = index.get(job_id)
+            if job is not None:
+                keys.append((counter, (job.arrival_s, job_id)))
+    keys.sort()
+    return keys
+
+
+def _move_keys(
+    keys: list[tuple[int, _Rank]],
+    old: Mapping[str, Any],
+    bumped: Mapping[str, int],
+    index: Mapping[str, JobView],
+) -> bool:
+    """Update ``keys`` (sorted, of ``old``'s positive counters) in place to the new
+    counters of the lease holders in ``bumped``. False if a key was not where it should
+    be (then ``keys`` is no longer to be trusted)."""
+    for job_id, counter in bumped.items():
+        before = old.get(job_id, 0)
+        if counter == before:
+            continue
+        rank = _rank(index[job_id])
+        if before >= 1:
+            key = (before, rank)
+            i = bisect.bisect_left(keys, key)
+            if i == len(keys) or keys[i] != key:
+                return False
+            del keys[i]
+        if counter >= 1:
+            bisect.insort(keys, (counter, rank))
+    return True
+
+
 class _ByCounter:
-    """The waiting jobs' ranks in stage one's order ``(counter, rank)``, lease holders
-    left out, taken front to back. A stable sort of the counters in C: the same order
-    as a heap of ``(counter, rank)`` pairs, without making a pair per job of a long queue."""
+    """The waiting jobs in stage one's order ``(counter, rank)``, lease holders left
+    out, taken front to back and only as far as asked.
 
-    __slots__ = ("_end", "_order", "_pos")
+    A long queue is mostly jobs that never ran: counter 0, in arrival order, ahead of
+    every job with a positive counter. So the jobs are walked in arrival order for the
+    counter-0 ones first; when those run out, the counted jobs follow in the order of
+    their keys (:class:`_Counted`, sorted only if no decision before left them). Nothing
+    is done per job of the queue beyond the ones taken (the earlier form built and
+    sorted an array of every job's counter at each decision). A counter below 1 (only a
+    hand-made memory holds one) counts as 0.
+    """
 
-    def __init__(self, counters: Sequence[int], held: Collection[int]) -> None:
-        key = np.array(counters, dtype=np.int64)
-        if held:
-            key[list(held)] = _HELD  # after every waiting job
-        self._order = np.argsort(key, kind="stable")
-        self._pos = 0
-        self._end = len(key) - len(held)
+    __slots__ = ("_bumped", "_held", "_index", "_j", "_jobs", "_old", "_uncounted", "keys")
 
-    def pop(self) -> int | None:
-        """The next waiting job's rank, or None when none is left."""
-        if self._pos >= self._end:
-            return None
-        r = int(self._order[self._pos])
-        self._pos += 1
-        return r
+    def __init__(
+        self,
+        jobs: Sequence[JobView],
+        index: Mapping[str, JobView],
+        old: Mapping[str, Any],
+        bumped: Mapping[str, int],
+        held: Collection[str],
+        keys: list[tuple[int, _Rank]] | None,
+    ) -> None:
+        self._jobs = jobs
+        self._index = index
+        self._old = old
+        self._bumped = bumped
+        self._held = held
+        self._uncounted: Iterator[str] | None = None
+        self._j = 0
+        self.keys = keys
+        """The counted jobs' keys at the new counters (built when first needed)."""
+
+    def pop(self) -> _Waiting | None:
+        """The next waiting job, or None when none is left."""
+        held, bumped = self._held, self._bumped
+        uncounted = self._uncounted
+        if uncounted is None:
+            # The ids of the jobs without a positive counter in memory, walked in C.
+            old = self._old
+            positive = old if not old or min(old.values()) >= 1 else {j: c for j, c in old.items() if c >= 1}
+            uncounted = self._uncounted = itertools.filterfalse(
+                positive.__contains__, map(_JOB_ID, self._jobs)
+            )
+        for job_id in uncounted:
+            if job_id in held:
+                continue
+            counter = bumped.get(job_id)
+            if counter is None or counter < 1:  # (an evicted lease holder is counted now)
+                job = self._index[job_id]
+                return (0, (job.arrival_s, job_id), job)
+        keys = self.keys
+        if keys is None:
+            old = self._old
+            counters = itertools.chain(((j, c) for j, c in old.items() if j not in bumped), bumped.items())
+            keys = self.keys = _counted_keys(counters, self._index)
+        index = self._index
+        j, m = self._j, len(keys)
+        while j < m:
+            counter, rank = keys[j]
+            j += 1
+            job_id = rank[1]
+            if job_id not in held:
+                counted = index.get(job_id)
+                if counted is not None:  # else it finished
+                    self._j = j
+                    return (counter, rank, counted)
+        self._j = j
+        return None
 
 
-_HELD = np.iinfo(np.int64).max
-"""Sort key of a lease holder in :class:`_ByCounter` (counters are far below it)."""
+_FIRST = operator.itemgetter(0)
+_WAITING_KEY = operator.itemgetter(0, 1)
 
 
 class _WaitingOrder:
@@ -447,37 +578,30 @@ class _WaitingOrder:
     taken lazily: the jobs the pass looked at and did not start (``passed``, already in
     that order), then the rest of ``waiting``."""
 
-    __slots__ = ("_counters", "_jobs", "_keys", "_min_first", "_passed", "_waiting")
+    __slots__ = ("_keys", "_min_first", "_passed", "_waiting")
 
-    def __init__(
-        self,
-        jobs: Sequence[JobView],
-        counters: Sequence[int],
-        passed: Sequence[int],
-        waiting: _ByCounter,
-    ) -> None:
-        self._jobs = jobs
-        self._counters = counters
+    def __init__(self, passed: Sequence[_Waiting], waiting: _ByCounter) -> None:
         self._passed = iter(passed)
         self._waiting = waiting
-        self._keys: list[tuple[float, int]] = []
+        self._keys: list[tuple[int, _Rank]] = []
         self._min_first: list[float] = []
         """Prefix minimum of the smallest shares over ``_keys`` (``inf`` for a job that
         can never start)."""
 
     def _take(self) -> bool:
-        r = next(self._passed, None)
-        if r is None:
-            r = self._waiting.pop()
-            if r is None:
+        w = next(self._passed, None)
+        if w is None:
+            w = self._waiting.pop()
+            if w is None:
                 return False
-        first = _ladder(self._jobs[r])[1] or math.inf
+        counter, rank, job = w
+        first = _ladder(job)[1] or math.inf
         prev = self._min_first[-1] if self._min_first else math.inf
-        self._keys.append((self._counters[r], r))
+        self._keys.append((counter, rank))
         self._min_first.append(min(prev, first))
         return True
 
-    def any_starts_before(self, key: tuple[int, int], free: int) -> bool:
+    def any_starts_before(self, key: tuple[int, _Rank], free: int) -> bool:
         """Is there a waiting job ahead of ``key`` whose smallest share fits in ``free``?"""
         keys = self._keys
         while (not keys or keys[-1] < key) and self._take():
@@ -488,8 +612,7 @@ class _WaitingOrder:
 
 
 def first_evicting_lease_end(
-    running: Sequence[_Entry],
-    counters: Sequence[int],
+    running: Sequence[tuple[str, _Rank, int, int]],
     leases: Mapping[str, float],
     waiting: _WaitingOrder,
     total: int,
@@ -509,9 +632,12 @@ def first_evicting_lease_end(
     skipped and the next one checked, with ``j``'s counter one higher. Two leases
     ending at one instant, or more steps than a few rounds of units, stop the search
     early: waking at a lease end is always correct, only slower.
+
+    ``running``: the jobs stage one started, as ``(job id, rank, smallest share,
+    counter)``; ``leases``: their lease starts.
     """
-    free = total - sum(e.first for e in running)
-    ends = [(leases[e.job.job_id] + unit, e.rank, e.first, counters[e.rank]) for e in running]
+    free = total - sum(first for _, _, first, _ in running)
+    ends = [(leases[job_id] + unit, rank, first, counter) for job_id, rank, first, counter in running]
     heapq.heapify(ends)
     for _ in range(4 * len(ends) + 16):
         end, rank, first, counter = heapq.heappop(ends)
@@ -524,18 +650,14 @@ def first_evicting_lease_end(
 
 
 def _counters_out(
-    old: Mapping[str, Any],
-    bumped: Mapping[str, int],
-    active: Mapping[str, Any],
-    ids: Iterable[str],
-    counters: Sequence[int],
+    old: Mapping[str, Any], bumped: Mapping[str, int], active: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """AFS-P's counters to remember: the positive ones of the active jobs.
+    """AFS-P's counters to remember: the positive ones of the active jobs (``active``:
+    keyed by them), ``bumped`` over ``old``.
 
-    The same mapping as ``{j: c for j, c in zip(ids, counters) if c}`` (``ids``: the
-    active jobs in rank order, ``active``: keyed by them); while no counted job finished
-    (the usual case in a long queue) it is the previous one, or a copy with the lease
-    holders' new counts, instead of a pass over every job.
+    While no counted job finished (the usual case in a long queue) it is the previous
+    mapping, or a copy with the lease holders' new counts; otherwise it is rebuilt from
+    the counted jobs alone (never a pass over every job of the queue).
     """
     if isinstance(old, dict) and active.keys() >= old.keys() and 0 not in old.values():
         changed = {j: c for j, c in bumped.items() if c != old.get(j, 0)}
@@ -548,7 +670,9 @@ def _counters_out(
             else:
                 out.pop(j, None)
         return out
-    return {j: c for j, c in zip(ids, counters, strict=True) if c}
+    out = {j: c for j, c in old.items() if c and j in active and j not in bumped}
+    out.update((j, c) for j, c in bumped.items() if c)
+    return out
 
 
 class AFSP:
@@ -570,68 +694,47 @@ class AFSP:
             raise ValueError(f"unit_s must be a positive number of seconds, got {unit_s!r}")
         self.unit_s = float(unit_s)
         self.wake_at_every_lease_end = wake_at_every_lease_end
+        self._counted: _Counted | None = None
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Processor sharing by counters when jobs exceed GPUs, then eq. (3) by ``f``.
 
-        A long queue mostly waits: per waiting job this does only a few C-level steps
-        (its counter, a heap entry); the per-job working record (:class:`_Entry`) is
-        made only for the jobs the passes actually look at.
+        A long queue mostly waits: the waiting jobs are walked only as far as stage one
+        needs (see the module docstring), and the per-job working record
+        (:class:`_Entry`) is made only when GPUs are left for stage two.
         """
         now = view.now_s
         unit = self.unit_s
         jobs = view_arrival_order(view)
         index = jobs_by_id(view)
 
-        ranks: dict[str, int] = {}
-
-        def rank_of(job_id: str) -> int:
-            # Position in ``jobs`` (in arrival order, ties by id): only the lease holders ask,
-            # cheaper than a rank for every job of a long queue. Bisect on the arrival
-            # time, then step over the jobs of the same instant with smaller ids.
-            r = ranks.get(job_id)
-            if r is None:
-                r = bisect.bisect_left(jobs, index[job_id].arrival_s, key=_ARRIVAL_S)
-                while jobs[r].job_id != job_id:
-                    r += 1
-                ranks[job_id] = r
-            return r
-
+        # Counters in memory are ints (this policy writes them).
         old_counters: Mapping[str, Any] = memory.get("counters") or {}
         old_leases: Mapping[str, Any] = memory.get("leases") or {}
         leases: dict[str, float] = {}
         bumped: dict[str, int] = {}
+        held: list[_Waiting] = []  # the lease holders as (counter, rank, job)
         for job_id, start in old_leases.items():
-            if job_id not in index:
+            job = index.get(job_id)
+            if job is None:
                 continue  # finished
             start = float(start)
             # Every whole unit executed since the lease started adds one (§3.3); the
             # lease goes on in phase, so a unit in progress is not lost.
             units = max(0, int((now - start) / unit + _LEASE_EPS))  # clock skew: no negative
-            bumped[job_id] = int(old_counters.get(job_id, 0)) + units
+            counter = bumped[job_id] = int(old_counters.get(job_id, 0)) + units
             start += units * unit
             if units == 0 or now - start > _LEASE_EPS:
                 leases[job_id] = start  # mid-unit: held (non-preemptive)
+                held.append((counter, (job.arrival_s, job_id), job))
             # else: the unit ended just now, the job is evicted.
-        # Counters in memory are ints (this policy writes them).
-        counters: list[int] = list(map(old_counters.get, map(_JOB_ID, jobs), itertools.repeat(0)))
-        for job_id, counter in bumped.items():
-            counters[rank_of(job_id)] = counter
 
-        made: dict[int, _Entry] = {}
-
-        def entry(rank: int) -> _Entry:
-            e = made.get(rank)
-            if e is None:
-                e = made[rank] = _Entry(jobs[rank], rank, length_aware=False)
-            return e
-
+        # The memo of the counted jobs' order (see _Counted), taken: it is handed back
+        # below only once it matches this decision's counters.
+        counted, self._counted = self._counted, None
         total = view.total_gpus
         need = 0
         contended = False
-        dropped = False
-        passed: list[int] = []  # waiting jobs the pass looked at and did not start, in order
-        waiting: _ByCounter | None = None
         for job in jobs:
             need += _ladder(job)[1]
             if need > total:
@@ -639,59 +742,94 @@ class AFSP:
                 break
         if not contended:
             # Every job fits at its smallest share: counters are ignored (§3.3).
-            free = _fill_smallest_shares([entry(r) for r in range(len(jobs))], total)
-        else:
-            # Stage one, processor sharing: jobs holding a lease keep running
-            # (non-preemptive); the rest by increasing counter (ties: arrival).
-            held_ranks = sorted((counters[r], r) for r in map(rank_of, leases))
-            free = _fill_smallest_shares([entry(r) for _, r in held_ranks], total)
-            # A lease holder that no longer fits (the cluster shrank) waits now: the
-            # exact wake-up below does not model that, so it falls back to every lease end.
-            dropped = any(not made[r].count for _, r in held_ranks)
-            # The same pass over the waiting jobs in (counter, rank) order, taken only
-            # until the GPUs run out (a long queue mostly gets nothing).
-            waiting = _ByCounter(counters, {r for _, r in held_ranks})
-            while free > 0:
-                r = waiting.pop()
-                if r is None:
-                    break
-                e = entry(r)
-                if not e.count and e.first and e.first <= free:
-                    e.count = e.first
-                    free -= e.first
-                else:
-                    passed.append(r)
-        entries = [made[r] for r in sorted(made)]
-        if free > 0:
-            _ready_for_stage_two(entries)
-            stage_two = afs_p_stage_two_naive if self._naive else afs_p_stage_two_fast
-            stage_two(entries, free)
+            entries = [_Entry(job, _rank(job), length_aware=False) for job in jobs]
+            free = _fill_smallest_shares(entries, total)
+            if free > 0:
+                self._stage_two(entries, free)
+            shares = _shares(entries)
+            return Decision(
+                shares=shares,
+                memory={
+                    "counters": _counters_out(old_counters, bumped, index),
+                    "leases": {j: leases.get(j, float(now)) for j in shares},
+                },
+            )
 
-        new_leases: dict[str, float] = {}
-        for e in entries:
-            if e.count:
-                job_id = e.job.job_id
-                new_leases[job_id] = leases.get(job_id, float(now))
-        memory_out: dict[str, Any] = {
-            "counters": _counters_out(old_counters, bumped, index, map(_JOB_ID, jobs), counters),
-            "leases": new_leases,
-        }
-        if contended and new_leases:
+        # Stage one, processor sharing: jobs holding a lease keep running
+        # (non-preemptive); the rest by increasing counter (ties: arrival). A started job
+        # is ``(rank, job, smallest share, counter)``: a working record (_Entry) is made
+        # only when GPUs are left for stage two.
+        started: list[tuple[_Rank, JobView, int, int]] = []
+        free = total
+        # A lease holder that no longer fits (the cluster shrank) waits now: the exact
+        # wake-up below does not model that, so it falls back to every lease end.
+        dropped = False
+        held.sort(key=_WAITING_KEY)
+        for counter, rank, job in held:
+            first = _ladder(job)[1]
+            if first and first <= free:
+                started.append((rank, job, first, counter))
+                free -= first
+            else:
+                dropped = True
+        # The same pass over the waiting jobs in (counter, rank) order, taken only until
+        # the GPUs run out (a long queue mostly gets nothing).
+        keys = None
+        if counted is not None and counted.of is old_counters:
+            keys = counted.keys
+            if not _move_keys(keys, old_counters, bumped, index):
+                keys = None
+        waiting = _ByCounter(jobs, index, old_counters, bumped, leases, keys)
+        passed: list[_Waiting] = []  # waiting jobs the pass looked at and did not start, in order
+        while free > 0:
+            w = waiting.pop()
+            if w is None:
+                break
+            counter, rank, job = w
+            first = _ladder(job)[1]
+            if first and first <= free:
+                started.append((rank, job, first, counter))
+                free -= first
+            else:
+                passed.append(w)
+        started.sort(key=_FIRST)
+        if free > 0:
+            entries = []
+            for rank, job, first, _ in started:
+                e = _Entry(job, rank, length_aware=False)
+                e.set_count(first)
+                entries.append(e)
+            self._stage_two(entries, free)
+            shares = _shares(entries)
+        else:
+            shares = {job.job_id: first for _, job, first, _ in started}
+
+        counters_out = _counters_out(old_counters, bumped, index)
+        new_leases = {j: leases.get(j, float(now)) for j in shares}
+        memory_out: dict[str, Any] = {"counters": counters_out, "leases": new_leases}
+        if waiting.keys is not None:
+            keys = waiting.keys
+            if len(keys) != len(counters_out):  # a counted job finished
+                keys = [k for k in keys if k[1][1] in counters_out]
+            self._counted = _Counted(counters_out, keys)
+        if started:
             # Only an eviction changes shares. While every job fits, units are counted at
             # the next decision instead.
-            earliest = min(new_leases.values()) + unit
             if self.wake_at_every_lease_end or dropped:
-                memory_out["next_decision_at_s"] = earliest
+                memory_out["next_decision_at_s"] = min(new_leases.values()) + unit
             else:
                 memory_out["next_decision_at_s"] = first_evicting_lease_end(
-                    [e for e in entries if e.count],
-                    counters,
+                    [(job.job_id, rank, first, counter) for rank, job, first, counter in started],
                     new_leases,
-                    _WaitingOrder(jobs, counters, passed, waiting),  # type: ignore[arg-type]  # set when contended
+                    _WaitingOrder(passed, waiting),
                     total,
                     unit,
                 )
-        return Decision(shares=_shares(entries), memory=memory_out)
+        return Decision(shares=shares, memory=memory_out)
+
+    def _stage_two(self, entries: Sequence[_Entry], free: int) -> None:
+        _ready_for_stage_two(entries)
+        (afs_p_stage_two_naive if self._naive else afs_p_stage_two_fast)(entries, free)
 
 
 class AFSPNaive(AFSP):
