@@ -741,8 +741,9 @@ class AFSP:
                 contended = True
                 break
         if not contended:
-            # Every job fits at its smallest share: counters are ignored (§3.3).
-            entries = [_Entry(job, _rank(job), length_aware=False) for job in jobs]
+            # Every job fits at its smallest share: counters are ignored (§3.3). Ranks are
+            # positions here (no lease holder or counted job to compare with).
+            entries = [_Entry(job, r, length_aware=False) for r, job in enumerate(jobs)]
             free = _fill_smallest_shares(entries, total)
             if free > 0:
                 self._stage_two(entries, free)
