@@ -808,7 +808,8 @@ class AFSP:
         counters_out = _counters_out(old_counters, bumped, index)
         new_leases = {j: leases.get(j, float(now)) for j in shares}
         memory_out: dict[str, Any] = {"counters": counters_out, "leases": new_leases}
-        if waiting.keys is not None:
+        if waiting.keys is not None and min(counters_out.values(), default=1) >= 1:
+            # keys: every positive counter of counters_out, and the finished jobs'.
             keys = waiting.keys
             if len(keys) != len(counters_out):  # a counted job finished
                 keys = [k for k in keys if k[1][1] in counters_out]
