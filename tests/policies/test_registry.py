@@ -30,6 +30,7 @@ EXPECTED = {
     "max-min",
     "tiresias-l",
     "themis",
+    "themis-unaware",
     "optimus",
     "elastic-tiresias",
     "sidecar",

@@ -131,3 +131,40 @@ def test_runs_a_philly_prefix_to_completion() -> None:
     assert summary["completed"] == summary["jobs"] == 150
     # The leftover order is seeded: a second run decides exactly the same.
     assert Simulator(workload, Themis(), SimConfig(flat=True)).run().summary == summary
+
+
+def test_the_length_unaware_variant_is_themis_without_lengths() -> None:
+    """``themis-unaware`` shows its Themis the view with every length unknown, and
+    nothing else changed; its decision is Themis' on that view."""
+    from shoal.policies.base import Decision
+    from shoal.policies.registry import get_policy
+    from shoal.policies.unaware import LengthUnaware
+
+    long_ = job(
+        "long", arrival_s=0.0, iterations_done=100.0, remaining_iterations=10_000.0, total_iterations=10_100.0
+    )
+    short = job(
+        "short", arrival_s=50.0, iterations_done=10.0, remaining_iterations=10.0, total_iterations=20.0
+    )
+    v = view(100.0, 1, long_, short)
+    blind = msgspec.structs.replace(
+        v,
+        jobs=tuple(
+            msgspec.structs.replace(j, remaining_iterations=None, total_iterations=None) for j in v.jobs
+        ),
+    )
+    seen: list[ClusterView] = []
+
+    class Spy:
+        name = "spy"
+
+        def decide(self, view: ClusterView, memory: object) -> Decision:
+            seen.append(view)
+            return Decision(shares={"short": 1}, memory={"m": 1})
+
+    assert LengthUnaware(Spy(), "spy-unaware").decide(v, {}) == Decision(shares={"short": 1}, memory={"m": 1})
+    assert seen == [blind]
+    unaware = get_policy("themis-unaware", fairness_knob=0.5)
+    assert unaware.decide(v, {}) == Themis(fairness_knob=0.5).decide(blind, {})
+    grid = get_policy("themis-unaware", lease_s=300.0, lease_grid=True)
+    assert grid.tick_s == 300.0  # type: ignore[attr-defined]  # the simulator's re-run grid

@@ -38,6 +38,7 @@ POLICIES: MappingProxyType[str, str] = MappingProxyType(
         "max-min": "shoal.policies.maxmin:MaxMin",
         "tiresias-l": "shoal.policies.tiresias:TiresiasL",
         "themis": "shoal.policies.themis:Themis",
+        "themis-unaware": "shoal.policies.unaware:ThemisLengthUnaware",
         "optimus": "shoal.policies.optimus:Optimus",
         "elastic-tiresias": "shoal.policies.elastic_tiresias:ElasticTiresias",
         "sidecar": "shoal.policies.sidecar:SideCarAdaptive",

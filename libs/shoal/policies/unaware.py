@@ -1,0 +1,58 @@
+"""Length-unaware variants of length-aware policies, for experiments.
+
+The AFS reproduction finds Themis ahead of AFS-P on two Philly VCs (0e4a51, 7f04ca).
+Themis as AFS compares against it is length-aware (AFS §5.1 gives it exact lengths),
+AFS-P is not, so the question is whether length knowledge is why. A variant that is
+the same policy shown no lengths answers it without touching the policy itself.
+
+:class:`LengthUnaware` wraps a policy and hides every job's ``remaining_iterations``
+and ``total_iterations`` (both ``None``, "unknown") from it; everything else in the
+view, the memory and the decision passes through unchanged. What the wrapped policy
+does with unknown lengths is its own documented rule: Themis takes a job of unknown
+length to need as much again as it has done (at least one lease at one GPU), see
+:mod:`shoal.policies.themis`.
+
+Registered variant: ``themis-unaware`` (:class:`ThemisLengthUnaware`), with the same
+parameters as ``themis``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from shoal.policies.base import ClusterView, Decision, Policy
+from shoal.policies.themis import Themis
+
+
+class LengthUnaware:
+    """``inner`` shown views without job lengths (see the module docstring)."""
+
+    def __init__(self, inner: Policy, name: str) -> None:
+        self.inner = inner
+        self.name = name
+        tick = getattr(inner, "tick_s", None)
+        if tick is not None:
+            self.tick_s = tick  # a re-run grid (Themis' lease_grid) is the inner policy's
+
+    def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        """The inner policy's decision on ``view`` with every length unknown."""
+        jobs = tuple(
+            job
+            if job.remaining_iterations is None and job.total_iterations is None
+            else msgspec.structs.replace(job, remaining_iterations=None, total_iterations=None)
+            for job in view.jobs
+        )
+        return self.inner.decide(msgspec.structs.replace(view, jobs=jobs), memory)
+
+
+class ThemisLengthUnaware(LengthUnaware):
+    """Themis (:class:`~shoal.policies.themis.Themis`, same parameters) without lengths."""
+
+    __signature__ = inspect.signature(Themis)  # the registry checks parameters against it
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__(Themis(**params), "themis-unaware")
