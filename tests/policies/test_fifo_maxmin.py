@@ -106,3 +106,35 @@ def test_max_min_leaves_no_useful_step_that_fits(view: ClusterView) -> None:
         useful = nxt and (have == 0 or throughput_at(j, nxt) > throughput_at(j, have))
         if useful:
             assert nxt - have > free  # otherwise it would have been given
+
+
+def _water_filling(view: ClusterView) -> dict[str, int]:
+    """The plain form: one heap of (share, arrival rank) over every job from 0 GPUs."""
+    import heapq
+
+    from shoal.policies.common import Ladder, arrival_order, throughput_at
+
+    jobs = arrival_order(view.jobs)
+    counts = [0] * len(jobs)
+    heap = [(0, rank) for rank in range(len(jobs))]
+    free = view.total_gpus
+    while heap and free > 0:
+        count, rank = heapq.heappop(heap)
+        nxt = Ladder(jobs[rank]).next_count(count)
+        if nxt == 0 or nxt - count > free:
+            continue
+        if count > 0 and throughput_at(jobs[rank], nxt) <= throughput_at(jobs[rank], count):
+            continue
+        counts[rank] = nxt
+        free -= nxt - count
+        heapq.heappush(heap, (nxt, rank))
+    return {j.job_id: c for j, c in zip(jobs, counts, strict=True) if c}
+
+
+@settings(max_examples=300, deadline=None)
+@given(view=views(max_jobs=30, max_gpus=24))
+def test_max_min_equals_plain_water_filling(view: ClusterView) -> None:
+    """Max-Min's first round in arrival order (only as far as GPUs last) gives what a
+    heap over every job gives, in the same order."""
+    shares = MaxMin().decide(view, {}).shares
+    assert list(shares.items()) == list(_water_filling(view).items())

@@ -14,7 +14,11 @@ another step. Choices:
   ``min_gpus`` or a non-elastic job's request); a step that no longer fits in the free
   GPUs ends that job's growth (free GPUs only decrease), and smaller jobs go on.
 * **Ties** (equal shares) go to the earlier arrival, then the smaller job id.
-* Cost O((M + n) log n) with a heap keyed on (share, arrival rank).
+* Cost O(k + M log k), ``k`` the jobs that get a share. Every job starts at 0 GPUs,
+  and a job that took a step holds at least one, so the heap of (share, arrival rank)
+  pops every job at 0 before any other: its first round is simply the jobs in arrival
+  order, each given its smallest count while one fits. Only the jobs it reaches are
+  looked at (a long queue mostly is not), and the heap holds only jobs with a share.
 """
 
 from __future__ import annotations
@@ -35,19 +39,32 @@ class MaxMin:
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Level GPU counts across jobs (the fewest GPUs first)."""
         jobs = view_arrival_order(view)
-        ladders = [Ladder(j) for j in jobs]
-        counts = [0] * len(jobs)
-        heap = [(0, rank) for rank in range(len(jobs))]
         free = view.total_gpus
+        # Round one: every job at 0 GPUs, in arrival order (see the module docstring).
+        ladders: dict[int, Ladder] = {}
+        heap: list[tuple[int, int]] = []
+        for rank, job in enumerate(jobs):
+            if free <= 0:
+                break
+            ladder = Ladder(job)
+            first = ladder.next_count(0)
+            if first == 0 or first > free:
+                continue
+            ladders[rank] = ladder
+            free -= first
+            heap.append((first, rank))
+        # Then water-filling among the jobs with a share: the fewest GPUs first.
+        heapq.heapify(heap)
+        counts = {rank: count for count, rank in heap}
         while heap and free > 0:
             count, rank = heapq.heappop(heap)
             job = jobs[rank]
             nxt = ladders[rank].next_count(count)
             if nxt == 0 or nxt - count > free:
                 continue
-            if count > 0 and throughput_at(job, nxt) <= throughput_at(job, count):
+            if throughput_at(job, nxt) <= throughput_at(job, count):
                 continue
             counts[rank] = nxt
             free -= nxt - count
             heapq.heappush(heap, (nxt, rank))
-        return Decision(shares={j.job_id: c for j, c in zip(jobs, counts, strict=True) if c})
+        return Decision(shares={jobs[rank].job_id: c for rank, c in sorted(counts.items())})
