@@ -788,9 +788,12 @@ def _causes(cells: dict[tuple[str, str, str], Cell], settings: list[str], order:
         out.append(
             "- Max-Min is worse than Tiresias-L on "
             + ", ".join(heavy)
-            + ": it shares GPUs among all jobs and "
-            "never favours short ones, so under heavy contention short jobs wait behind long ones (§5.2 says the "
-            "same of Max-Min and Optimus on traces 1, 2, 3, 5, 6, 8)."
+            + ": it never favours short ones, and when jobs outnumber GPUs, max-min over whole GPUs gives one GPU "
+            "each to the earliest arrivals (ties go to the earlier arrival, `shoal.policies.maxmin`) and nothing to "
+            "the rest, until one finishes. So under heavy contention it serves the queue first come, first served "
+            "at one GPU a job, and short jobs wait behind long ones (§5.2 says the same of Max-Min and Optimus on "
+            "traces 1, 2, 3, 5, 6, 8). The paper does not say whether its Max-Min rotates GPUs among more jobs "
+            "than GPUs; ours does not, which is why AFS-P's lead is largest on the longest queue (6214e9)."
         )
     # 5. Themis ahead of AFS-P: our Themis knows job lengths, AFS-P does not.
     lo = (PAPER_RANGES.get(("afs-p", "themis")) or (0.0, 0.0))[0]
