@@ -448,7 +448,8 @@ class _Counted:
     usually gets that very mapping back as memory and then only moves the lease
     holders' keys (a few bisections) instead of sorting every counted job again. A
     mapping from elsewhere (memory decoded from the log) is simply not the same object,
-    and the keys are built afresh: the result never depends on the memo.
+    and the keys are built afresh: the result never depends on the memo. (A key holds
+    the job's arrival time, which is its submission time and never changes.)
     """
 
     __slots__ = ("keys", "of")
