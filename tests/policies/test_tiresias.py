@@ -223,3 +223,48 @@ def test_runs_a_philly_prefix_to_completion() -> None:
     assert summary["completed"] == summary["jobs"] == 150
     # Non-elastic: jobs start and stop, never resize.
     assert summary["reconfigurations"] == 0
+
+
+@hs.composite
+def queued_views(draw: hs.DrawFn) -> tuple[ClusterView, dict[str, Any]]:
+    """Views where many jobs never ran (no service, no GPUs), with a memory that records
+    some jobs (also finished ones and ones whose service is not counted from 0)."""
+    v = draw(views(max_jobs=16))
+    jobs = []
+    for j in v.jobs:
+        kind = draw(hs.integers(0, 3))
+        if kind <= 1:  # never ran
+            j = msgspec.structs.replace(j, attained_service_gpu_s=0.0, current_gpus=0)
+        elif kind == 2:  # started just now (or by another policy): GPUs, no service yet
+            j = msgspec.structs.replace(j, attained_service_gpu_s=0.0)
+        jobs.append(j)
+    records: dict[str, Any] = {}
+    for j in [*jobs, job("gone")]:
+        if draw(hs.integers(0, 2)) == 0:
+            records[j.job_id] = [
+                draw(hs.sampled_from([0.0, 100.0, 250_000.0])),
+                draw(hs.sampled_from([-1.0, 0.0, v.now_s])),
+                draw(hs.sampled_from([-1.0, 0.0])),
+            ]
+    arrival_ordered = draw(hs.booleans())
+    if arrival_ordered:
+        jobs.sort(key=lambda j: (j.arrival_s, j.job_id))
+    return ClusterView(
+        now_s=v.now_s, total_gpus=v.total_gpus, jobs=tuple(jobs), arrival_ordered=arrival_ordered
+    ), {"jobs": records}
+
+
+@settings(max_examples=200, deadline=None)
+@given(queued_views(), hs.sampled_from([(300.0,), (300.0, 5000.0), (180_000.0,)]), hs.booleans())
+def test_lazy_queue_walk_decides_as_sorting_every_job(
+    case: tuple[ClusterView, dict[str, Any]], thresholds: tuple[float, ...], since_restart: bool
+) -> None:
+    """decide (the never-started jobs walked lazily) equals decide_all (every job's
+    record sorted), decision and memory, over a few rounds."""
+    v, memory = case
+    policy = TiresiasL(queue_thresholds_gpu_s=thresholds, service_since_restart=since_restart)
+    for _ in range(3):
+        fast = policy.decide(v, memory)
+        assert fast == policy.decide_all(v, memory)
+        memory = fast.memory
+        v = next_view(v, fast, 400.0)

@@ -130,7 +130,6 @@ class ElasticTiresias:
         return Decision(shares=shares, memory=new_memory)
 
     @staticmethod
-    @staticmethod
     def _tiresias_plan(total: int, records: Sequence[JobRecord]) -> tuple[dict[str, int], int]:
         """The Tiresias plan with elastic sizes: lent GPUs come back before anyone waits."""
         free = total

@@ -34,23 +34,39 @@ Choices where the interface leaves room:
   job crosses its queue's threshold (``memory["next_decision_at_s"]``), and when the
   next promotion falls due.
 
-Memory (msgpack-able): ``jobs`` maps each active job id to ``[base_service_gpu_s,
+Memory (msgpack-able): ``jobs`` maps an active job id to ``[base_service_gpu_s,
 first_start_s, stopped_at_s]`` (``-1`` for "never"/"running"); ``base`` is the
 attained service at the job's last restart (or promotion), so the service that counts
-is ``attained_service_gpu_s - base``. Finished jobs are dropped. The policy never
-reads ``remaining_iterations``.
+is ``attained_service_gpu_s - base``. A job whose record is ``[0, -1, -1]`` (one that
+never started) is left out; finished jobs are dropped. The policy never reads
+``remaining_iterations``.
+
+Cost of a decision in a long queue (:meth:`TiresiasL.decide`, no promotion): most of a
+long queue is jobs that never ran, no record, no attained service, no GPUs. Their key
+is ``(Q0, never, arrival, id)``: they are already in order in the view (arrival order),
+so they are walked lazily, and only as far as the GPUs go, merged with the few others
+(recorded, served or running; found with C-level passes over the view), which are
+sorted. The earlier form built, sorted and wrote back a record for every job at every
+decision. :meth:`TiresiasL.decide_all` keeps that form, and a property test checks both
+decide alike; with a ``promote_knob`` every waiting job's wait counts, so that form runs.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
+from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts, jobs_by_id
+from shoal.policies.common import view_arrival_order
 
 NEVER = -1.0
+_ATTAINED = operator.attrgetter("attained_service_gpu_s")
+_CURRENT = operator.attrgetter("current_gpus")
+_JOB_ID = operator.attrgetter("job_id")
 
 
 def gang_size(job: JobView) -> int:
@@ -85,9 +101,26 @@ class JobRecord:
     def dump(self) -> list[float]:
         return [self.base, self.first_start, self.stopped_at]
 
+    def is_default(self) -> bool:
+        """The record of a job that never started (left out of memory)."""
+        return self.base == 0.0 and self.first_start == NEVER and self.stopped_at == NEVER
+
     def order_key(self) -> tuple[int, float, float, str]:
         first = self.first_start if self.first_start >= 0 else float("inf")
         return (self.queue, first, self.job.arrival_s, self.job.job_id)
+
+
+def _stored(memory: Mapping[str, Any]) -> Mapping[str, Any]:
+    stored = memory.get("jobs", {})
+    return stored if isinstance(stored, Mapping) else {}
+
+
+def _record(job: JobView, raw: Sequence[float] | None, thresholds: Sequence[float]) -> JobRecord:
+    """A job's record with its service since ``base`` and its queue (no promotion)."""
+    rec = JobRecord(job, raw)
+    rec.service = max(0.0, job.attained_service_gpu_s - rec.base)
+    rec.queue = bisect.bisect_right(thresholds, rec.service)
+    return rec
 
 
 def las_records(
@@ -100,15 +133,11 @@ def las_records(
 
     Applies promotion (when ``promote_knob`` is set) to the records' ``base``.
     """
-    stored = memory.get("jobs", {})
-    if not isinstance(stored, Mapping):
-        stored = {}
+    stored = _stored(memory)
     now = view.now_s
     records = []
     for job in view.jobs:
-        rec = JobRecord(job, stored.get(job.job_id))
-        rec.service = max(0.0, job.attained_service_gpu_s - rec.base)
-        rec.queue = bisect.bisect_right(thresholds, rec.service)
+        rec = _record(job, stored.get(job.job_id), thresholds)
         if (
             promote_knob is not None
             and rec.queue > 0
@@ -136,7 +165,9 @@ def las_memory(
 ) -> dict[str, Any]:
     """Memory after a decision: restarts reset the count, preemptions start the wait clock.
 
-    Also asks for a re-run at the next demotion or promotion.
+    Also asks for a re-run at the next demotion or promotion. ``records`` must hold
+    every job that holds or is given GPUs and every job with a record in memory; the
+    others are left out of the memory (they never started).
     """
     now = view.now_s
     wake = float("inf")
@@ -160,7 +191,8 @@ def las_memory(
         elif not gpus and promote_knob is not None and rec.queue > 0 and rec.stopped_at >= 0:
             due = rec.stopped_at + promote_knob * rec.service / max(1, gang_size(job))
             wake = min(wake, max(due, now))
-        jobs[job.job_id] = rec.dump()
+        if not rec.is_default():
+            jobs[job.job_id] = rec.dump()
     memory: dict[str, Any] = {"jobs": jobs}
     if wake != float("inf"):
         memory["next_decision_at_s"] = wake
@@ -202,7 +234,56 @@ class TiresiasL:
         self.promote_knob = promote_knob
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
-        """One Tiresias plan: strict queue order, FCFS inside, requested GPUs, backfill."""
+        """One Tiresias plan: strict queue order, FCFS inside, requested GPUs, backfill.
+
+        The jobs that never ran are walked lazily, in arrival order, only as far as the
+        GPUs go (see the module docstring); the decision is :meth:`decide_all`'s.
+        """
+        if self.promote_knob is not None:
+            return self.decide_all(view, memory)
+        thresholds = self.queue_thresholds_gpu_s
+        stored = _stored(memory)
+        index = jobs_by_id(view)
+        jobs = view_arrival_order(view)
+        # Every job whose key may not be (Q0, never, arrival, id) or whose record may
+        # change without a start: the recorded ones, the served ones, the running ones.
+        others: dict[str, JobRecord] = {}
+        for job_id, raw in stored.items():
+            job = index.get(job_id)
+            if job is not None:
+                others[job_id] = _record(job, raw, thresholds)
+        for job in itertools.chain(
+            itertools.compress(jobs, map(_ATTAINED, jobs)), itertools.compress(jobs, map(_CURRENT, jobs))
+        ):
+            if job.job_id not in others:
+                others[job.job_id] = _record(job, None, thresholds)
+        ordered = sorted(others.values(), key=JobRecord.order_key)
+        fresh = _fresh_records(jobs, others, thresholds)
+        free = view.total_gpus
+        shares: dict[str, int] = {}
+        started_fresh: list[JobRecord] = []
+        for rec in heapq.merge(ordered, fresh, key=JobRecord.order_key):
+            if free <= 0:
+                break
+            g = gang_size(rec.job)
+            if 0 < g <= free:
+                shares[rec.job.job_id] = g
+                free -= g
+                if rec.job.job_id not in others:
+                    started_fresh.append(rec)
+        new_memory = las_memory(
+            view,
+            ordered + started_fresh,
+            shares,
+            thresholds,
+            service_since_restart=self.service_since_restart,
+            promote_knob=None,
+        )
+        return Decision(shares=shares, memory=new_memory)
+
+    def decide_all(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        """:meth:`decide` with a record for every job, all sorted (the reference form;
+        the one that runs with a ``promote_knob``)."""
         records = las_records(view, memory, self.queue_thresholds_gpu_s, self.promote_knob)
         free = view.total_gpus
         shares: dict[str, int] = {}
@@ -222,3 +303,13 @@ class TiresiasL:
             promote_knob=self.promote_knob,
         )
         return Decision(shares=shares, memory=new_memory)
+
+
+def _fresh_records(
+    jobs: Sequence[JobView], others: Mapping[str, JobRecord], thresholds: Sequence[float]
+) -> Iterator[JobRecord]:
+    """The jobs not in ``others`` (no record, no service, no GPUs), in arrival order, as
+    records: their key is ``(0, never, arrival, id)``, so this is their Tiresias order."""
+    unrecorded = map(operator.not_, map(others.__contains__, map(_JOB_ID, jobs)))
+    for job in itertools.compress(jobs, unrecorded):
+        yield _record(job, None, thresholds)
