@@ -103,6 +103,27 @@ def test_properties(v: ClusterView) -> None:
     assert_pure(Optimus(fit_counts=(1, 2, 4)), v)
 
 
+class _WalkingAll(Optimus):
+    """Optimus looking at every job of the queue (the form before the early stop)."""
+
+    _stop_when_full = False
+
+
+@settings(max_examples=200, deadline=None)
+@given(views(max_jobs=20), hs.booleans(), hs.booleans())
+def test_stopping_when_the_gpus_run_out_decides_as_walking_every_job(
+    v: ClusterView, cap: bool, arrival_ordered: bool
+) -> None:
+    if arrival_ordered:
+        v = ClusterView(
+            now_s=v.now_s,
+            total_gpus=v.total_gpus,
+            jobs=tuple(sorted(v.jobs, key=lambda j: (j.arrival_s, j.job_id))),
+            arrival_ordered=True,
+        )
+    assert Optimus(cap_at_request=cap).decide(v, {}) == _WalkingAll(cap_at_request=cap).decide(v, {})
+
+
 def test_runs_a_philly_prefix_to_completion() -> None:
     workload = load_workload("philly:2869ce:150", seed=0)
     summary = Simulator(workload, Optimus(), SimConfig(flat=True)).run().summary

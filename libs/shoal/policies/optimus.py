@@ -40,6 +40,11 @@ Choices where the paper or AFS leave room:
 * The young-job priority factor of §4.1 is left at the paper's evaluation default (1).
 * Re-run on every arrival and completion (AFS); ``interval_s`` adds a periodic re-run
   (the original's 10-minute scheduling interval).
+
+Cost in a long queue: step 1 stops at the first job it reaches with no GPU left (the
+rest would get nothing, and eq. (9) has no GPU to hand out), so a decision looks at the
+jobs in arrival order only as far as the GPUs go (a test checks it decides as walking
+every job).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
+from shoal.policies.common import view_arrival_order
 from shoal.policies.tiresias import gang_size
 
 _INF = float("inf")
@@ -147,6 +153,7 @@ class Optimus:
     """Optimus (EuroSys'18) for all-reduce GPU jobs; see the module docstring."""
 
     name = "optimus"
+    _stop_when_full = True
 
     def __init__(
         self,
@@ -189,10 +196,14 @@ class Optimus:
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Step 1 (smallest allocation in arrival order), then eq. (9) greedily."""
         free = view.total_gpus
-        jobs = sorted(view.jobs, key=lambda j: (j.arrival_s, j.job_id))
         state: list[tuple[JobView, tuple[int, ...], tuple[float, ...], float]] = []
         alloc: list[int] = []
-        for job in jobs:
+        for job in view_arrival_order(view):
+            if free <= 0 and self._stop_when_full:
+                # The GPUs ran out in step 1: no later job gets its smallest allocation
+                # and eq. (9) has nothing to give, so the rest of a long queue is not
+                # looked at (the decision is the one of walking it all).
+                break
             counts = self.counts(job)
             if not counts:
                 continue
