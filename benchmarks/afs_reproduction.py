@@ -23,7 +23,8 @@ paper's numbers appear only in the comparison columns.
 Cells run through :mod:`shoal.sim.matrix` (``--workers`` processes, at most 2 on a
 shared machine). Each finished cell is stored under ``<figs>/cells/`` with a
 fingerprint of the source files that decide its result (simulator, fold, view,
-allocation, placement, workloads, models, the policy's module); a later run reuses a
+allocation, placement, workloads, models, the policy's module and the policy modules it
+imports); a later run reuses a
 stored cell only when its fingerprint still matches, so a report can be built in
 pieces without ever mixing code versions (docstrings and comments are not part of the
 fingerprint). ``--cpu-limit`` stops a cell after that
@@ -50,6 +51,10 @@ from shoal.sim.metrics import percentile
 from shoal.workloads import PHILLY_VCS, philly_summary
 
 ROOT = Path(__file__).resolve().parents[1]
+THEMIS_UNAWARE_AVG_JCT_H = {"0e4a51": 123.63, "7f04ca": 387.94}
+"""Average JCT (hours) printed by ``shoal simulate --trace philly:<vc> --policy
+themis-unaware --gpus 64 --flat`` (seed 0): the flat setting of this matrix, run by hand
+(about 15 CPU minutes each) because the variant is not a column of the paper's figure."""
 LENGTH_AWARE = ("srtf", "srsf", "afs-l")
 LENGTH_UNAWARE = ("tiresias-l", "themis", "optimus", "max-min", "afs-p")
 POLICIES = LENGTH_AWARE + LENGTH_UNAWARE
@@ -105,6 +110,34 @@ def _code_only(source: bytes) -> bytes:
     return ast.dump(tree).encode()
 
 
+def _module_file(module: str) -> str:
+    return "libs/" + module.replace(".", "/") + ".py"
+
+
+def _policy_modules(module: str) -> list[str]:
+    """The policy's module, then the other ``shoal.policies`` modules it imports,
+    directly or through one another (Themis uses Tiresias' gang size, the length-unaware
+    wrapper Themis itself), in the order first met."""
+    out: list[str] = []
+    todo = [module]
+    while todo:
+        rel = _module_file(todo.pop(0))
+        if rel in out:
+            continue
+        out.append(rel)
+        path = ROOT / rel
+        if not path.exists():
+            continue
+        for node in ast.walk(ast.parse(path.read_bytes())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            todo += [n for n in names if n.startswith("shoal.policies.")]
+    return out
+
+
 def fingerprint(policy: str) -> str:
     """SHA-256 (first 16 hex) of the code (not the docs) that decides a cell's result."""
     from shoal.policies.registry import POLICIES as REGISTRY
@@ -112,7 +145,7 @@ def fingerprint(policy: str) -> str:
     placement = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "libs/shoal/placement").glob("*.py"))
     files = [*FINGERPRINT_FILES, *placement]
     module = REGISTRY[policy].split(":")[0]
-    files.append("libs/" + module.replace(".", "/") + ".py")
+    files += [f for f in _policy_modules(module) if f not in files]
     h = hashlib.sha256()
     for rel in files:
         path = ROOT / rel
@@ -816,10 +849,20 @@ def _causes(cells: dict[tuple[str, str, str], Cell], settings: list[str], order:
             + ", ".join(vs_afs_l)
             + "). The short lease is not the cause: with Themis' lease at AFS-P's 2 hours "
             "(`shoal simulate --trace philly:<vc> --policy themis --gpus 64 --flat --policy-param "
-            "lease_s=7200`, tried on 0e4a51 and 7f04ca) Themis did no worse. Our reading: on these heavily "
-            "loaded traces the length knowledge is worth more than the paper's Themis got from it (a "
-            "length-unaware Themis has not been tried); its lease length and fairness knob are not in the "
-            "papers we have."
+            "lease_s=7200`, tried on 0e4a51 and 7f04ca) Themis did no worse. The length knowledge is: "
+            "the same Themis shown no lengths (`themis-unaware`, `shoal.policies.unaware`: a job of unknown "
+            "length is taken to need as much again as it has done) falls behind AFS-P on both traces, "
+            + ", ".join(
+                f"{vc} {unaware:.1f} h against AFS-P's {avg_h(vc, 'afs-p'):.1f} h and Themis' "
+                f"{avg_h(vc, 'themis'):.1f} h (AFS-P {unaware / avg_h(vc, 'afs-p'):.2f}× better)"
+                for vc, unaware in THEMIS_UNAWARE_AVG_JCT_H.items()
+                if vc in themis_wins
+            )
+            + " (average JCT of `shoal simulate --trace philly:<vc> --policy themis-unaware --gpus 64 --flat`, "
+            "run outside the matrix with the code of commit a52ce08, whose Themis and simulator are unchanged since). "
+            "So on these heavily loaded traces the length knowledge "
+            "is worth more than the paper's Themis got from it; its lease length and fairness knob are not in "
+            "the papers we have."
         )
     out.append(
         "- Baselines are reimplementations (Themis, Optimus, Tiresias-L in `shoal.policies`), following "
