@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
+
 import msgspec
 import pytest
 from hypothesis import given, settings
-from shoal.policies.base import ClusterView
+from hypothesis import strategies as hs
+from shoal.policies.base import ClusterView, Decision, JobView
 from shoal.policies.themis import Themis
 from shoal.sim.engine import SimConfig, Simulator
 from shoal.workloads import load_workload
 
-from tests.policies.test_tiresias import assert_pure, job, view, views
+from tests.policies.test_tiresias import assert_pure, job, next_view, view, views
 
 
 def test_the_worst_rho_job_gets_the_offer() -> None:
@@ -123,6 +126,80 @@ def test_cap_at_request() -> None:
 @given(views())
 def test_properties(v: ClusterView) -> None:
     assert_pure(Themis(lease_s=100.0), v)
+
+
+def _advance(v: ClusterView, d: Decision, dt: float, data: hs.DataObject, gone: list[JobView]) -> ClusterView:
+    """The view ``dt`` later, as the simulator builds it: a job that waits keeps its view
+    object; sometimes a job leaves (into ``gone``), one comes back as it was, or one (maybe
+    a twin of another) arrives; sometimes a share is not placed."""
+    moved = next_view(v, d, dt)
+    jobs = [
+        old if not old.current_gpus and not d.shares.get(old.job_id) else new
+        for old, new in zip(v.jobs, moved.jobs, strict=True)
+    ]
+    if jobs and data.draw(hs.booleans()):
+        gone.append(jobs.pop(data.draw(hs.integers(0, len(jobs) - 1))))
+    if gone and not gone[0].current_gpus and data.draw(hs.booleans()):
+        back = gone.pop(0)
+        if back.job_id not in {j.job_id for j in jobs}:
+            jobs.append(back)
+    if jobs and data.draw(hs.booleans()):  # a share that was not placed: no GPUs after all
+        i = data.draw(hs.integers(0, len(jobs) - 1))
+        jobs[i] = msgspec.structs.replace(jobs[i], current_gpus=0)
+    if data.draw(hs.booleans()):
+        model = data.draw(hs.sampled_from(jobs)) if jobs else job("x")
+        arrival = model.arrival_s if data.draw(hs.booleans()) else moved.now_s
+        jobs.append(
+            msgspec.structs.replace(
+                model,
+                job_id=next(f"n{i}" for i in itertools.count() if f"n{i}" not in {j.job_id for j in jobs}),
+                arrival_s=arrival,
+                current_gpus=0,
+                attained_service_gpu_s=0.0,
+            )
+        )
+    if v.arrival_ordered:
+        jobs.sort(key=lambda j: (j.arrival_s, j.job_id))
+    return ClusterView(
+        now_s=moved.now_s, total_gpus=v.total_gpus, jobs=tuple(jobs), arrival_ordered=v.arrival_ordered
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(views(max_jobs=14), hs.data())
+def test_ranking_by_columns_decides_as_decide_all(v: ClusterView, data: hs.DataObject) -> None:
+    """decide (ρ of every job from kept columns, the auction walked only as far as GPUs
+    go) equals decide_all (a working record for every job), decision and memory, over
+    rounds where waiting jobs keep their view objects and memory is passed on or decoded."""
+    kw = data.draw(
+        hs.fixed_dictionaries(
+            {
+                "fairness_knob": hs.sampled_from([0.0, 0.5, 0.8]),
+                "lease_s": hs.sampled_from([100.0, 600.0]),
+                "cap_at_request": hs.booleans(),
+                "hidden_payment": hs.booleans(),
+                "lease_grid": hs.booleans(),
+            }
+        )
+    )
+    if data.draw(hs.booleans()):
+        v = ClusterView(
+            now_s=v.now_s,
+            total_gpus=v.total_gpus,
+            jobs=tuple(sorted(v.jobs, key=lambda j: (j.arrival_s, j.job_id))),
+            arrival_ordered=True,
+        )
+    fast, reference = Themis(**kw), Themis(**kw)
+    fast.columns_from_jobs = 0  # the column form even for a few jobs
+    memory: dict = {}
+    gone: list[JobView] = []
+    for _ in range(4):
+        d = fast.decide(v, memory)
+        assert d == reference.decide_all(v, memory)
+        memory = d.memory
+        if data.draw(hs.booleans()):  # as if decoded from the log: another object
+            memory = msgspec.msgpack.decode(msgspec.msgpack.encode(memory))
+        v = _advance(v, d, data.draw(hs.sampled_from([0.0, 50.0, 100.0, 700.0])), data, gone)
 
 
 def test_runs_a_philly_prefix_to_completion() -> None:

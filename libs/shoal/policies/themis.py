@@ -58,6 +58,20 @@ What is computed here, and what is simplified (each stated once):
 * ``cap_at_request=False`` lets a job grow to ``max_gpus`` (Themis is elastic in AFS);
   ``True`` holds it to its request as a gang-size cap.
 
+Cost of a decision in a long queue (:meth:`Themis.decide`; :meth:`Themis.decide_all`
+is the plain form, which it must equal, and which a property test compares it with).
+Every job bids, so ranking is a pass over the whole queue; it is done with array
+operations over columns of what ``ρ`` needs of each job (:class:`_Rows`: arrival, work
+left over peak throughput, total work, peak, first sight), which stay put while a job
+waits and are redone only for new jobs and changed views. The operations are those of
+the per-job record, in the same order, so the keys are the same floats, and a stable
+sort on them keeps arrival order for ties. Working records are then made only for the
+jobs holding GPUs and for the participants the auction reaches before the GPUs run out;
+the leftover round, when GPUs remain, makes them for everyone as before. Below
+``columns_from_jobs`` active jobs the plain form runs (the arrays cost more than they
+save). Most of a Themis simulation is decisions at lease ends (a 10-minute lease per
+job), and each still makes the running jobs' records.
+
 Memory (msgpack-able): ``contention`` (∫ active jobs dt since the start), ``t`` and ``n``
 (time and number of jobs of the last decision), ``jobs``: job id →
 ``[contention_at_first_sight, time_of_first_sight, lease_end]`` (``lease_end`` 0 without
@@ -66,13 +80,19 @@ GPUs), ``round`` (grid mode) and ``next_decision_at_s``.
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 import math
+import operator
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
+import numpy as np
+
+from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts, jobs_by_id
+from shoal.policies.common import view_arrival_order
 from shoal.policies.tiresias import gang_size
 
 _INF = float("inf")
@@ -89,11 +109,35 @@ def _peak(job: JobView, counts: tuple[int, ...]) -> float:
     """Largest throughput over ``counts`` (a slice when they are contiguous)."""
     if not counts:
         return 0.0
-    lo, hi = counts[0], counts[-1]
     curve = job.throughput
+    key = (id(curve), counts)
+    hit = _PEAKS.get(key)
+    if hit is not None and hit[0] is curve:
+        return hit[1]
+    lo, hi = counts[0], counts[-1]
     if hi - lo + 1 == len(counts) and hi < len(curve):
-        return max(curve[lo : hi + 1])
-    return max(_rate(job, c) for c in counts)
+        peak = max(curve[lo : hi + 1])
+    else:
+        peak = max(_rate(job, c) for c in counts)
+    if len(_PEAKS) >= 8192:
+        _PEAKS.clear()
+    _PEAKS[key] = (curve, peak)
+    return peak
+
+
+_PEAKS: dict[tuple[int, tuple[int, ...]], tuple[tuple[float, ...], float]] = {}
+"""Memo of :func:`_peak` by curve object: a running job's view is new at every decision,
+its curve is not. An entry holds its curve, so the id stays that curve's."""
+
+
+def _work(job: JobView, counts: tuple[int, ...], lease_s: float) -> tuple[float, float, float]:
+    """``(remaining work, total work, peak throughput)`` of a job, as ρ uses them."""
+    remaining = job.remaining_iterations
+    if remaining is None:
+        # Unknown length: assume the future equals the past (module docstring).
+        remaining = max(job.iterations_done, _rate(job, counts[0] if counts else 1) * lease_s)
+    total = job.total_iterations if job.total_iterations is not None else job.iterations_done + remaining
+    return remaining, total, _peak(job, counts)
 
 
 class _Bidder:
@@ -109,13 +153,8 @@ class _Bidder:
         self.gpus = gpus
         self.current = gpus
         self.elapsed = elapsed
-        remaining = job.remaining_iterations
-        if remaining is None:
-            # Unknown length: assume the future equals the past (module docstring).
-            remaining = max(job.iterations_done, _rate(job, counts[0] if counts else 1) * lease_s)
+        remaining, total, peak = _work(job, counts, lease_s)
         self.remaining = remaining
-        total = job.total_iterations if job.total_iterations is not None else job.iterations_done + remaining
-        peak = _peak(job, counts)
         self.t_id = n_avg * total / peak if peak > 0 else _INF
         self.t_best = elapsed + remaining / peak if peak > 0 else _INF
 
@@ -150,10 +189,163 @@ class _Bidder:
         return (math.log(before) - math.log(after)) / (step - self.gpus)
 
 
+_JOB_ID = operator.attrgetter("job_id")
+_CURRENT = operator.attrgetter("current_gpus")
+_ARRIVAL_KEY = operator.attrgetter("arrival_s", "job_id")
+_ARRIVAL, _REMAINING_PER_PEAK, _TOTAL, _PEAK, _C0, _T0 = range(6)
+
+
+class _Rows:
+    """What ρ needs of each job, as columns, for ranking every job with array operations.
+
+    A row holds a job's arrival, remaining work over peak throughput, total work, peak
+    throughput and its first sight (contention and time), all fixed while the job's view
+    is the same object (the simulator keeps a waiting job's view until something about
+    it changes). A :class:`Themis` keeps the rows of its last decision for the jobs memory
+    it returned (:attr:`of`, compared by identity) and only redoes the rows of new jobs
+    and changed views; memory from elsewhere (decoded from the log) is another object,
+    and the rows are built afresh, so they never change a decision.
+    """
+
+    __slots__ = ("cols", "fresh", "idx", "leased", "obj", "of", "row", "size")
+
+    def __init__(
+        self,
+        policy: Themis,
+        jobs: Sequence[JobView],
+        ids: Sequence[str],
+        seen_prev: Mapping[str, Any],
+        contention: float,
+        now: float,
+    ) -> None:
+        self.of: Mapping[str, Any] | None = None
+        self.leased: set[str] = set()
+        """The jobs given GPUs at the decision that returned :attr:`of`."""
+        self.row: dict[str, int] = {}
+        self.obj: dict[str, JobView] = {}
+        self.size = 0
+        self.cols = np.empty((6, max(1024, 2 * len(jobs))))
+        self.fresh = True
+        for job in jobs:
+            self._put(policy, job, seen_prev, contention, now)
+        self.idx = np.fromiter(map(self.row.__getitem__, ids), np.intp, len(ids))
+
+    def _put(
+        self, policy: Themis, job: JobView, seen_prev: Mapping[str, Any], contention: float, now: float
+    ) -> None:
+        jid = job.job_id
+        r = self.row.get(jid)
+        if r is None:
+            r = self.row[jid] = self.size
+            self.size += 1
+            if r >= self.cols.shape[1]:
+                self.cols = np.concatenate([self.cols, np.empty_like(self.cols)], axis=1)
+        remaining, total, peak = _work(job, policy._counts(job), policy.lease_duration_s)
+        first = seen_prev.get(jid)
+        if first is not None and len(first) >= 2:
+            c0, t0 = float(first[0]), float(first[1])
+        else:
+            c0, t0 = contention, now
+        self.cols[:, r] = (job.arrival_s, remaining / peak if peak > 0 else _INF, total, peak, c0, t0)
+        self.obj[jid] = job
+
+    def update(
+        self,
+        policy: Themis,
+        jobs: Sequence[JobView],
+        ids: Sequence[str],
+        seen_prev: Mapping[str, Any],
+        contention: float,
+        now: float,
+    ) -> None:
+        """Redo the rows of the jobs whose view is not the one their row was made of.
+
+        A running job's view changes at every decision, and its rank comes from its
+        working record (``rank_order``'s ``built``), so its row is redone only when it
+        has none; its view will have changed again by the time it waits."""
+        self.fresh = False
+        row = self.row
+        for job in itertools.compress(jobs, map(operator.is_not, map(self.obj.get, ids), jobs)):
+            if not job.current_gpus or job.job_id not in row:
+                self._put(policy, job, seen_prev, contention, now)
+        self.idx = np.fromiter(map(self.row.__getitem__, ids), np.intp, len(ids))
+
+    @staticmethod
+    def positions(job_ids: Iterable[str], jobs: Sequence[JobView], view: ClusterView) -> Iterator[int]:
+        """The positions in ``jobs`` (arrival order) of those of ``job_ids`` still active
+        and holding no GPUs (the caller has the others)."""
+        index = jobs_by_id(view)
+        for jid in job_ids:
+            job = index.get(jid)
+            if job is not None and not job.current_gpus:
+                yield bisect.bisect_left(jobs, _ARRIVAL_KEY(job), key=_ARRIVAL_KEY)
+
+    def rank_order(
+        self, built: Mapping[int, _Bidder], contention: float, now: float, n_now: int
+    ) -> np.ndarray | None:
+        """Positions in :meth:`_Bidder.rank_key` order, or None if a key is NaN.
+
+        The array operations are those of :class:`_Bidder`, in the same order, so the
+        keys are the same floats; ``built`` (the jobs holding GPUs) bring their own."""
+        arrival, rp, total, peak, c0, t0 = self.cols[:, self.idx]
+        with np.errstate(all="ignore"):
+            elapsed = now - arrival
+            elapsed = np.where(elapsed > 0.0, elapsed, 0.0)  # max(0.0, now - arrival)
+            n_avg = np.where(now > t0, (contention - c0) / (now - t0), float(n_now))
+            n_avg = np.where(n_avg < 1.0, 1.0, n_avg)  # max(n_avg, 1.0)
+            has_peak = peak > 0
+            t_id = np.where(has_peak, n_avg * total / peak, _INF)
+            t_best = np.where(has_peak, elapsed + rp, _INF)
+            neg_lower = -np.where((t_id > 0) & (t_id < _INF), t_best / t_id, 0.0)
+            neg_rho = -np.where(t_id == _INF, 0.0, _INF)  # ρ without GPUs
+        for i, b in built.items():
+            neg_rho[i], neg_lower[i], _, _ = b.rank_key()
+        if np.isnan(neg_rho).any() or np.isnan(neg_lower).any():
+            return None
+        # Stable: ties keep arrival order (then job id), the rest of rank_key.
+        return np.lexsort((neg_lower, neg_rho))
+
+    def memory_out(
+        self,
+        seen_prev: Mapping[str, Any],
+        jobs: Sequence[JobView],
+        ids: Sequence[str],
+        contention: float,
+        now: float,
+    ) -> dict[str, Any]:
+        """The jobs memory of a job holding no GPUs now (``[c0, t0, 0]``) for every job; the
+        caller writes the others'. Unchanged entries are the previous ones."""
+        if self.fresh:
+            out: dict[str, Any] = {}
+            for job in jobs:
+                first = seen_prev.get(job.job_id)
+                if first is not None and len(first) >= 2:
+                    out[job.job_id] = [float(first[0]), float(first[1]), 0.0]
+                else:
+                    out[job.job_id] = [contention, now, 0.0]
+            return out
+        out = dict(seen_prev)
+        new = list(itertools.filterfalse(out.__contains__, ids))
+        if len(out) + len(new) != len(ids):  # jobs left
+            for jid in out.keys() - set(ids):
+                del out[jid]
+                self.obj.pop(jid, None)
+        for jid in new:
+            out[jid] = [contention, now, 0.0]
+        return out
+
+    def finish(self, out: Mapping[str, Any], shares: Mapping[str, int]) -> None:
+        self.of = out
+        self.leased = set(shares)
+
+
 class Themis:
     """Themis (NSDI'20) as AFS/CoDDL simplified it; see the module docstring."""
 
     name = "themis"
+    columns_from_jobs = 256
+    """Below this many active jobs a decision takes :meth:`decide_all` (same decision):
+    the column machinery costs more than it saves on a short queue."""
 
     def __init__(
         self,
@@ -191,6 +383,7 @@ class Themis:
         self.cap_at_request = cap_at_request
         self.hidden_payment = hidden_payment
         self.seed = seed
+        self._rows: _Rows | None = None
 
     def _counts(self, job: JobView) -> tuple[int, ...]:
         counts = feasible_counts(job)
@@ -200,7 +393,144 @@ class Themis:
         return counts
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
-        """Auction the free GPUs (those of ended leases included), then the leftover."""
+        """Auction the free GPUs (those of ended leases included), then the leftover.
+
+        Decides as :meth:`decide_all`, with the cost of a long queue kept off the Python
+        level (module docstring, "Cost of a decision in a long queue").
+        """
+        if len(view.jobs) < self.columns_from_jobs:
+            self._rows = None
+            return self.decide_all(view, memory)
+        now = view.now_s
+        total = view.total_gpus
+        lease = self.lease_duration_s
+        round_no = math.floor(now / lease + 1e-9)
+        same_round = memory.get("round") == round_no
+        contention = float(memory.get("contention", 0.0))
+        last_t = float(memory.get("t", now))
+        contention += float(memory.get("n", 0)) * max(0.0, now - last_t)
+        jobs = view_arrival_order(view)
+        n_now = len(jobs)
+        seen_prev: Mapping[str, Any] = memory.get("jobs", {})
+        if not isinstance(seen_prev, Mapping):
+            seen_prev = {}
+
+        # Per-job columns (what ρ needs of a job that does not change while it waits),
+        # kept between decisions for the jobs memory this policy returned (_Rows).
+        rows, self._rows = self._rows, None
+        ids = list(map(_JOB_ID, jobs))
+        if rows is None or rows.of is not seen_prev or rows.size > 2 * n_now + 1024:
+            rows = _Rows(self, jobs, ids, seen_prev, contention, now)
+        else:
+            rows.update(self, jobs, ids, seen_prev, contention, now)
+
+        def start(job: JobView) -> tuple[float, float, float]:
+            first = seen_prev.get(job.job_id)
+            if first is not None and len(first) >= 2:
+                return float(first[0]), float(first[1]), float(first[2]) if len(first) > 2 else 0.0
+            return contention, now, 0.0
+
+        def bidder(job: JobView) -> _Bidder:
+            """The job's working record, as decide_all makes it."""
+            c0, t0, _ = start(job)
+            n_avg = (contention - c0) / (now - t0) if now > t0 else float(n_now)
+            n_avg = max(n_avg, 1.0)
+            counts = self._counts(job)
+            gpus = job.current_gpus if job.current_gpus in counts else 0
+            return _Bidder(job, counts, gpus, max(0.0, now - job.arrival_s), n_avg, lease)
+
+        # The jobs that may hold GPUs: the running ones, and the ones given GPUs last time.
+        built: dict[int, _Bidder] = {}
+        kept: dict[str, int] = {}
+        for i in itertools.chain(
+            itertools.compress(range(n_now), map(_CURRENT, jobs)), rows.positions(rows.leased, jobs, view)
+        ):
+            if i in built:
+                continue
+            job = jobs[i]
+            b = built[i] = bidder(job)
+            lease_end = start(job)[2]
+            held = same_round if self.lease_grid else lease_end > now + 1e-9
+            if b.gpus and held:
+                kept[job.job_id] = b.gpus
+        if sum(kept.values()) > total:
+            kept = {}  # GPUs were lost: every lease ends now.
+        for b in built.values():
+            b.gpus = kept.get(b.job.job_id, 0)
+        free = total - sum(kept.values())
+
+        participants: dict[int, _Bidder] = {}  # rank -> bidder, for the ranks looked at
+        order: np.ndarray | None = None
+        k = 0
+        if free > 0 and n_now:
+            order = rows.rank_order(built, contention, now, n_now)
+            if order is None:  # a NaN in ρ: sorting is not a total order, take the reference form
+                self._rows = None
+                return self.decide_all(view, memory)
+            k = max(1, math.ceil((1.0 - self.fairness_knob) * n_now))
+
+            def at(r: int) -> _Bidder:
+                i = int(order[r])
+                b = built.get(i)
+                if b is None:
+                    b = built[i] = bidder(jobs[i])
+                    b.gpus = 0  # not running, so not kept
+                return b
+
+            # Step one of the auction takes the participants in rank order only while GPUs
+            # are free; the lease holders among them take part in the rest.
+            rank_of = np.empty(n_now, dtype=np.intp)
+            rank_of[order] = np.arange(n_now)
+            for i, b in built.items():
+                if b.gpus and (r := int(rank_of[i])) < k:
+                    participants[r] = b
+            r = 0
+            while r < k and free > 0:
+                b = participants.get(r) or at(r)
+                participants[r] = b
+                if b.gpus == 0 and b.counts and b.counts[0] <= free and _rate(b.job, b.counts[0]) > 0:
+                    b.gpus = b.counts[0]
+                    free -= b.gpus
+                r += 1
+            ranked = sorted(participants)
+            free = self._auction_growth([participants[r] for r in ranked], ranked, free)
+            if self.hidden_payment:
+                free += self._withhold([participants[r] for r in ranked])
+            if free > 0:
+                others = [at(r) for r in range(k, n_now)]
+                random.Random(f"{self.seed}:{now!r}").shuffle(others)
+                free = self._leftover(others, free)
+                if free > 0:  # nobody else can use them: back to the bidders (work-conserving)
+                    free = self._leftover([at(r) for r in range(k)], free)
+
+        shares: dict[str, int] = {}
+        wake = float("inf")
+        out = rows.memory_out(seen_prev, jobs, ids, contention, now)
+        for b in built.values():
+            jid = b.job.job_id
+            c0, t0, lease_end = start(b.job)
+            if b.gpus:
+                shares[jid] = b.gpus
+                if kept.get(jid) != b.gpus:
+                    lease_end = now + lease  # granted or changed: a fresh lease
+                wake = min(wake, lease_end)
+            else:
+                lease_end = 0.0
+            old = out.get(jid)
+            if old is None or old[0] != c0 or old[1] != t0 or old[2] != lease_end:
+                out[jid] = [c0, t0, lease_end]
+        rows.finish(out, shares)
+        self._rows = rows
+        new_memory: dict[str, Any] = {"contention": contention, "t": now, "n": n_now, "jobs": out}
+        if self.lease_grid:
+            new_memory["round"] = round_no
+        elif wake != float("inf"):
+            new_memory["next_decision_at_s"] = wake
+        return Decision(shares=shares, memory=new_memory)
+
+    def decide_all(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        """:meth:`decide` with a working record for every job, all sorted (the reference
+        form, which a property test compares with it)."""
         now = view.now_s
         total = view.total_gpus
         lease = self.lease_duration_s
@@ -274,33 +604,39 @@ class Themis:
             new_memory["next_decision_at_s"] = wake
         return Decision(shares=shares, memory=new_memory)
 
-    @staticmethod
-    def _auction(participants: list[_Bidder], free: int) -> int:
+    @classmethod
+    def _auction(cls, participants: list[_Bidder], free: int) -> int:
         """Greedy maximisation of Π 1/ρ among the bidders (PA without payments)."""
         for b in participants:  # worst ρ first: everyone gets something before anyone grows
             if b.gpus == 0 and b.counts and b.counts[0] <= free and _rate(b.job, b.counts[0]) > 0:
                 b.gpus = b.counts[0]
                 free -= b.gpus
-        heap: list[tuple[float, int, int]] = []
+        return cls._auction_growth(participants, range(len(participants)), free)
+
+    @staticmethod
+    def _auction_growth(participants: Sequence[_Bidder], ranks: Sequence[int], free: int) -> int:
+        """The auction after step one: one step at a time to the best ``log ρ`` fall per
+        GPU (ties: the better rank, ``ranks[i]`` being ``participants[i]``'s)."""
+        heap: list[tuple[float, int, int, int]] = []
         for i, b in enumerate(participants):
             if b.gpus:
                 step = b.next_step(free)
                 if step and (g := b.gain(step)) > 0:
-                    heap.append((-g, i, step))
+                    heap.append((-g, ranks[i], i, step))
         heapq.heapify(heap)
         while heap and free > 0:
-            _, i, step = heapq.heappop(heap)
+            _, r, i, step = heapq.heappop(heap)
             b = participants[i]
             if step - b.gpus > free:  # no longer fits: retry with what is free now
                 step = b.next_step(free)
                 if step and (g := b.gain(step)) > 0:
-                    heapq.heappush(heap, (-g, i, step))
+                    heapq.heappush(heap, (-g, r, i, step))
                 continue
             free -= step - b.gpus
             b.gpus = step
             nxt = b.next_step(free)
             if nxt and (g := b.gain(nxt)) > 0:
-                heapq.heappush(heap, (-g, i, nxt))
+                heapq.heappush(heap, (-g, r, i, nxt))
         return free
 
     @staticmethod

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from shoal.policies.base import ClusterView, Decision, Policy
+from shoal.policies.base import ClusterView, Decision, JobView, Policy
 from shoal.policies.themis import Themis
 
 
@@ -37,16 +37,26 @@ class LengthUnaware:
         tick = getattr(inner, "tick_s", None)
         if tick is not None:
             self.tick_s = tick  # a re-run grid (Themis' lease_grid) is the inner policy's
+        self._blind: dict[str, tuple[JobView, JobView]] = {}
+        """job id -> (its last view, that view without lengths): a job whose view did
+        not change is shown the same object again (the inner policy may keep per-job
+        work by view identity, as Themis does)."""
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """The inner policy's decision on ``view`` with every length unknown."""
-        jobs = tuple(
-            job
-            if job.remaining_iterations is None and job.total_iterations is None
-            else msgspec.structs.replace(job, remaining_iterations=None, total_iterations=None)
-            for job in view.jobs
-        )
-        return self.inner.decide(msgspec.structs.replace(view, jobs=jobs), memory)
+        before, blind = self._blind, {}
+        jobs = []
+        for job in view.jobs:
+            hit = before.get(job.job_id)
+            if hit is None or hit[0] is not job:
+                shown = job
+                if job.remaining_iterations is not None or job.total_iterations is not None:
+                    shown = msgspec.structs.replace(job, remaining_iterations=None, total_iterations=None)
+                hit = (job, shown)
+            blind[job.job_id] = hit
+            jobs.append(hit[1])
+        self._blind = blind
+        return self.inner.decide(msgspec.structs.replace(view, jobs=tuple(jobs)), memory)
 
 
 class ThemisLengthUnaware(LengthUnaware):
