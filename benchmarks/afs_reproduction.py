@@ -790,6 +790,11 @@ def _unaware_themis(vcs: list[str], avg_h: Callable[[str, str], float]) -> str:
             if len(ahead) == len(measured)
             else f", AFS-P ahead of it on {len(ahead)} of {len(measured)}"
         )
+        + (
+            " (not run on " + ", ".join(vc for vc in vcs if vc not in dict(measured)) + ")"
+            if len(measured) < len(vcs)
+            else ""
+        )
         + ". On these heavily loaded traces the length knowledge is worth more than the paper's Themis got "
         "from it; its lease length and fairness knob are not in the papers we have."
     )

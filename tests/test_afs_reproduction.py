@@ -74,3 +74,24 @@ def test_a_cell_stopped_at_its_limit_says_which_limit(tmp_path: Path) -> None:
     _run(figs, tmp_path / "stored.md", "--no-run")
     stored = (tmp_path / "stored.md").read_text()
     assert "each cell ran under the CPU limit of the run that produced it (1e-06 CPU seconds)" in stored
+
+
+def test_a_cells_fingerprint_follows_the_policy_modules_it_imports() -> None:
+    """Themis uses Tiresias' gang size and themis-unaware wraps Themis: editing either
+    module must make their stored cells stale, so both are in the fingerprint."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("afs_reproduction_under_test", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    themis = script._policy_modules("shoal.policies.themis")
+    assert themis[0] == "libs/shoal/policies/themis.py"
+    assert "libs/shoal/policies/tiresias.py" in themis
+    unaware = script._policy_modules("shoal.policies.unaware")
+    assert {"libs/shoal/policies/themis.py", "libs/shoal/policies/tiresias.py"} <= set(unaware)
+    assert script._policy_modules("shoal.policies.maxmin") == [
+        "libs/shoal/policies/maxmin.py",
+        "libs/shoal/policies/base.py",
+        "libs/shoal/policies/common.py",
+    ]
