@@ -791,7 +791,7 @@ def _unaware_themis(vcs: list[str], avg_h: Callable[[str, str], float]) -> str:
             else f", AFS-P ahead of it on {len(ahead)} of {len(measured)}"
         )
         + (
-            " (not run on " + ", ".join(vc for vc in vcs if vc not in dict(measured)) + ")"
+            " (no result on " + ", ".join(vc for vc in vcs if vc not in dict(measured)) + ")"
             if len(measured) < len(vcs)
             else ""
         )
