@@ -29,6 +29,7 @@ stored cell only when its fingerprint still matches, so a report can be built in
 pieces without ever mixing code versions (docstrings and comments are not part of the
 fingerprint). ``--cpu-limit`` stops a cell after that
 many CPU seconds; the report then lists it with the time it took and how far it got.
+A cell stopped at its limit is run again (from the start) by a run whose limit is larger.
 """
 
 from __future__ import annotations
@@ -189,6 +190,15 @@ def thin(outcome: RunOutcome, points: int = 1000) -> RunOutcome:
     return outcome
 
 
+def _allowed_more(stored: Cell, args: argparse.Namespace) -> bool:
+    """Whether a stored cell stopped at a CPU limit that this run raises: it runs again
+    (from the start; the simulator is deterministic, so only the limit differs)."""
+    if stored.outcome.ok or args.no_run:
+        return False
+    was = stored.outcome.spec.cpu_limit_s
+    return was is not None and (args.cpu_limit is None or args.cpu_limit > was)
+
+
 def spec_for(
     setting: str, vc: str, policy: str, seed: int, cpu_limit: float | None, limit: int | None
 ) -> RunSpec:
@@ -253,10 +263,11 @@ def main(argv: list[str] | None = None) -> int:
             path = cell_path(cache, setting, vc, policy, args.seed)
             if path.exists():
                 stored = msgspec.json.decode(path.read_bytes(), type=Cell)
-                if stored.fingerprint == prints[policy]:
+                if stored.fingerprint == prints[policy] and not _allowed_more(stored, args):
                     cells[(setting, vc, policy)] = stored
                     continue
-                stale[(setting, vc, policy)] = stored
+                if stored.fingerprint != prints[policy]:
+                    stale[(setting, vc, policy)] = stored
             if not args.no_run:
                 todo.append(spec_for(setting, vc, policy, args.seed, args.cpu_limit, args.limit))
                 keys.append((setting, vc, policy))

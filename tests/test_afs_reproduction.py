@@ -75,6 +75,18 @@ def test_a_cell_stopped_at_its_limit_says_which_limit(tmp_path: Path) -> None:
     stored = (tmp_path / "stored.md").read_text()
     assert "each cell ran under the CPU limit of the run that produced it (1e-06 CPU seconds)" in stored
 
+    # The same limit again: nothing to gain, the stopped cells are kept.
+    _run(figs, tmp_path / "same.md", "--cpu-limit", "1e-06")
+    assert "| limit 1e-06 s | limit 1e-06 s |" in (tmp_path / "same.md").read_text()
+    # A larger limit reruns them, and they now finish.
+    _run(figs, tmp_path / "more.md", "--cpu-limit", "600")
+    for p in (figs / "cells-limit20").glob("flat__*.json"):
+        cell = json.loads(p.read_text())
+        assert cell["outcome"]["ok"], p.name
+        assert cell["outcome"]["spec"]["cpu_limit_s"] == 600
+        assert cell["replaced"] is None  # same code: a longer run, not a recomputation
+    assert "limit 1e-06 s" not in (tmp_path / "more.md").read_text()
+
 
 def test_a_cells_fingerprint_follows_the_policy_modules_it_imports() -> None:
     """Themis uses Tiresias' gang size and themis-unaware wraps Themis: editing either
