@@ -81,9 +81,13 @@ def read_up_info(state_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
         info = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(info, dict) or not pid_alive(int(info.get("pid", 0))):
+    if not isinstance(info, dict):
         return None
-    return info
+    try:
+        pid = int(info.get("pid") or 0)
+    except (TypeError, ValueError):
+        return None
+    return info if pid_alive(pid) else None
 
 
 def write_up_info(state_dir: str | os.PathLike[str], url: str, **more: Any) -> None:

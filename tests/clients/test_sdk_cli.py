@@ -218,6 +218,10 @@ def test_resolution_order(tmp_path: Path) -> None:
     (tmp_path / "up.json").write_text(json.dumps({"url": "nats://from-file:4222", "pid": 999_999_999}))
     with pytest.raises(CliError, match="no NATS server"):
         _connect.resolve_url(None, env)
+    for junk in ('{"url": "nats://x:1", "pid": null}', '{"url": "nats://x:1", "pid": "abc"}', "[1]", "{"):
+        (tmp_path / "up.json").write_text(junk)  # a torn or hand-edited file: no server, no crash
+        with pytest.raises(CliError, match="no NATS server"):
+            _connect.resolve_url(None, env)
     (tmp_path / "up.json").write_text(json.dumps({"url": "nats://live:4222", "pid": os.getpid()}))
     assert _connect.resolve_url(None, env) == "nats://live:4222"
     assert _connect.resolve_url(None, {**env, "SHOAL_NATS_URL": "nats://b:1"}) == "nats://b:1"

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shoal.cli import CommandError
+from shoal.runtime import UP_FILE, URL_FILE, pid_alive, read_up_info
 
 if TYPE_CHECKING:
     from shoal.client import Client
@@ -67,34 +68,18 @@ def state_dir(env: Mapping[str, str] | None = None) -> Path:
     return Path(platformdirs.user_state_dir("shoal"))
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def url_from_state_dir(directory: Path) -> str | None:
     """The client URL of the live ``shoal up`` (or embedded server) recorded in ``directory``."""
     if not directory.is_dir():
         return None
-    up = directory / "up.json"
-    if up.exists():
+    if (directory / UP_FILE).exists():
         # Written by `shoal up` with its pid, next to nats.url; both are stale once it died.
-        try:
-            info = json.loads(up.read_text())
-        except (OSError, ValueError):
-            info = None
-        if isinstance(info, dict) and info.get("url") and _pid_alive(int(info.get("pid", 0) or 0)):
+        info = read_up_info(directory)
+        if info and info.get("url"):
             return str(info["url"])
     else:
         try:
-            text = (directory / "nats.url").read_text().strip()
+            text = (directory / URL_FILE).read_text().strip()
         except OSError:
             text = ""
         if text:
@@ -102,7 +87,7 @@ def url_from_state_dir(directory: Path) -> str | None:
     candidates: list[tuple[float, str]] = []
     for path in [*directory.glob("*.ports"), *directory.glob("*/*.ports")]:
         pid_text = path.stem.rsplit("_", 1)[-1]
-        if not pid_text.isdigit() or not _pid_alive(int(pid_text)):
+        if not pid_text.isdigit() or not pid_alive(int(pid_text)):
             continue
         try:
             urls = json.loads(path.read_text()).get("nats") or []
