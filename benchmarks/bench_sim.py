@@ -113,9 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/reports/simulation_speed.md"))
     parser.add_argument(
-        "--policies",
-        default="afs-p,afs-p-naive,afs-l,srtf,srsf,srtf-e,srsf-e,fifo,max-min,tiresias-l,themis,optimus,"
-        "elastic-tiresias,sidecar,gandiva-fair",
+        "--policies", default="", help="policies run on the small trace (default: every registered policy)"
     )
     parser.add_argument("--small", default="philly:2869ce", help="trace every policy runs on")
     parser.add_argument("--large", default="philly:6214e9", help="the big trace")
@@ -138,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     from shoal.policies.registry import policy_names
 
     known = set(policy_names())
-    policies = [p for p in args.policies.split(",") if p]
+    policies = [p for p in args.policies.split(",") if p] or list(policy_names())
     plan: list[tuple[str, str, bool]] = []
     if not args.quick:  # the big trace's target first: it matters most if time runs out
         plan += [(args.large, p, False) for p in args.large_policies.split(",") if p]
