@@ -1,7 +1,7 @@
 """Length-unaware variants of length-aware policies, for experiments.
 
 The AFS reproduction finds Themis ahead of AFS-P on the heavily loaded Philly VCs (0e4a51,
-6c71a0, b436b2, 7f04ca, ee9e8c).
+6c71a0, b436b2, 6214e9, 7f04ca, ee9e8c: six of the eleven).
 Themis as AFS compares against it is length-aware (AFS §5.1 gives it exact lengths),
 AFS-P is not, so the question is whether length knowledge is why. A variant that is
 the same policy shown no lengths answers it without touching the policy itself.
