@@ -107,3 +107,29 @@ def test_a_cells_fingerprint_follows_the_policy_modules_it_imports() -> None:
         "libs/shoal/policies/base.py",
         "libs/shoal/policies/common.py",
     ]
+
+
+def test_an_extra_variants_stored_cells_get_a_comparison_row(tmp_path: Path) -> None:
+    """``themis-unaware`` (Themis as AFS §5.1 classifies it) is not a column of Figure 5,
+    but once its cells are stored every comparison table gets an ``afs-p vs themis-unaware``
+    row with the paper's Themis range."""
+    figs = tmp_path / "figs"
+    _run(figs, tmp_path / "without.md")
+    assert "afs-p vs themis-unaware" not in (tmp_path / "without.md").read_text()
+    subprocess.run(
+        [
+            *(sys.executable, str(SCRIPT), *ARGS[:-3], "themis-unaware", "--limit", "20"),
+            *("--figs", str(figs), "--out", str(tmp_path / "extra.md")),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    _run(figs, tmp_path / "with.md", "--no-run")
+    rows = [
+        r
+        for r in (tmp_path / "with.md").read_text().splitlines()
+        if r.startswith("| afs-p vs themis-unaware |")
+    ]
+    assert len(rows) == 1
+    assert "2 VCs" in rows[0] and "1.2–2.2× (vs Themis)" in rows[0]

@@ -16,10 +16,13 @@ What is computed here, and what is simplified (each stated once):
 
 * ``T_id = N_avg · W / S(m)``: ``W`` the job's total work (iterations), ``S(m)`` its
   peak throughput over its feasible GPU counts, ``N_avg`` the time-average number of
-  active jobs since the job arrived (AFS footnote 13). Themis is length-aware: ``W`` and
-  the remaining work come from ``total_iterations``/``remaining_iterations`` (AFS gives
-  it exact lengths). **Simplification:** a job of unknown length is taken to need as
-  much again as it has done (at least one lease at one GPU).
+  active jobs since the job arrived (AFS footnote 13). ``W`` and the remaining work
+  come from ``total_iterations``/``remaining_iterations`` when the view has them (a
+  Themis agent estimates its job's remaining work; a known length is the best such
+  estimate). **Simplification:** a job of unknown length is taken to need as much
+  again as it has done (at least one lease at one GPU). AFS §5.1 counts Themis among
+  the job-length-unaware algorithms; ``themis-unaware``
+  (:mod:`shoal.policies.unaware`) is this policy with every length hidden, as there.
 * ``T_sh(g) = (now - arrival) + R / S(g)``, ``∞`` with no GPU; ``ρ(g) = T_sh(g)/T_id``.
   Jobs are ranked by ``ρ`` at their present allocation (ties among jobs without GPUs:
   larger ``ρ`` at peak throughput first, then earlier arrival).

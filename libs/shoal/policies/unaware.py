@@ -1,10 +1,12 @@
 """Length-unaware variants of length-aware policies, for experiments.
 
-The AFS reproduction finds Themis ahead of AFS-P on the heavily loaded Philly VCs (0e4a51,
-6c71a0, b436b2, 6214e9, 7f04ca, ee9e8c: six of the eleven).
-Themis as AFS compares against it is length-aware (AFS §5.1 gives it exact lengths),
-AFS-P is not, so the question is whether length knowledge is why. A variant that is
-the same policy shown no lengths answers it without touching the policy itself.
+AFS §5.1 counts Themis among the job-length-unaware algorithms (with Tiresias-L,
+Max-Min and AFS-P), but finish-time fairness needs each job's remaining work, and
+``themis`` uses the job's length when the view has one. Told exact lengths, it is ahead
+of AFS-P on the heavily loaded Philly VCs (0e4a51, 6c71a0, b436b2, 6214e9, 7f04ca,
+ee9e8c: six of the eleven), outside the paper's range. A variant that is the same
+policy shown no lengths is Themis as §5.1 classifies it, and answers whether length
+knowledge is why, without touching the policy itself.
 
 :class:`LengthUnaware` wraps a policy and hides every job's ``remaining_iterations``
 and ``total_iterations`` (both ``None``, "unknown") from it; everything else in the
