@@ -489,6 +489,12 @@ def _avg(cells: dict[tuple[str, str, str], Cell], setting: str, vc: str, policy:
     return cell.outcome.summary.get("avg_jct_s", math.nan)
 
 
+def _reduction(cells: dict[tuple[str, str, str], Cell], setting: str, vc: str, a: str, b: str) -> float:
+    """``b``'s average JCT over ``a``'s (above 1: ``a`` is better); NaN without both."""
+    va, vb = _avg(cells, setting, vc, a), _avg(cells, setting, vc, b)
+    return vb / va if va == va and vb == vb and va > 0 else math.nan
+
+
 def _setting_section(
     cells: dict[tuple[str, str, str], Cell],
     setting: str,
@@ -519,8 +525,7 @@ def _setting_section(
     for vc in order:
         row = []
         for a, b in pairs:
-            va, vb = _avg(cells, setting, vc, a), _avg(cells, setting, vc, b)
-            r = vb / va if va == va and vb == vb and va > 0 else math.nan
+            r = _reduction(cells, setting, vc, a, b)
             ratios[(a, b)].append(r)
             row.append(_x(r))
         lines.append(f"| {ids[vc]} | {vc} | " + " | ".join(row) + " |")
@@ -533,10 +538,7 @@ def _setting_section(
         lines.append(f"| {a} vs {b} | {_range(values)} | {ptxt} |")
     for a, b in PAPER_RANGES:  # an extra variant's stored cells, where there are some
         if a in policies and b in EXTRA_POLICIES and b not in policies:
-            values = []
-            for vc in order:
-                va, vb = _avg(cells, setting, vc, a), _avg(cells, setting, vc, b)
-                values.append(vb / va if va == va and vb == vb and va > 0 else math.nan)
+            values = [_reduction(cells, setting, vc, a, b) for vc in order]
             if any(v == v for v in values):
                 paper = PAPER_RANGES[(a, b)]
                 ptxt = f"{paper[0]}–{paper[1]}× (vs Themis)" if paper else "—"
@@ -753,11 +755,7 @@ def _disagreements(
     lines = []
     for setting in settings:
         for (a, b), paper in PAPER_RANGES.items():
-            values = {}
-            for vc in order:
-                va, vb = _avg(cells, setting, vc, a), _avg(cells, setting, vc, b)
-                if va == va and vb == vb and va > 0:
-                    values[vc] = vb / va
+            values = {vc: r for vc in order if (r := _reduction(cells, setting, vc, a, b)) == r}
             if not values:
                 continue
             if paper is None:

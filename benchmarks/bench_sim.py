@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     from shoal.policies.registry import policy_names
 
     known = set(policy_names())
-    policies = [p for p in args.policies.split(",") if p] or list(policy_names())
+    policies = [p for p in args.policies.split(",") if p] or sorted(known)
     plan: list[tuple[str, str, bool]] = []
     if not args.quick:  # the big trace's target first: it matters most if time runs out
         plan += [(args.large, p, False) for p in args.large_policies.split(",") if p]

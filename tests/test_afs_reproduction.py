@@ -116,15 +116,7 @@ def test_an_extra_variants_stored_cells_get_a_comparison_row(tmp_path: Path) -> 
     figs = tmp_path / "figs"
     _run(figs, tmp_path / "without.md")
     assert "afs-p vs themis-unaware" not in (tmp_path / "without.md").read_text()
-    subprocess.run(
-        [
-            *(sys.executable, str(SCRIPT), *ARGS[:-3], "themis-unaware", "--limit", "20"),
-            *("--figs", str(figs), "--out", str(tmp_path / "extra.md")),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    _run(figs, tmp_path / "extra.md", "--policies", "themis-unaware")  # the last --policies wins
     _run(figs, tmp_path / "with.md", "--no-run")
     rows = [
         r
