@@ -11,7 +11,10 @@ Choices where the issue is silent (what a production scheduler user expects):
   have ``min_gpus == max_gpus == requested_gpus``.
 * ``allowed_gpu_counts`` must be non-empty and each count in ``[min_gpus, max_gpus]``.
 * Exactly one of ``total_iterations`` (known length) and ``convergence_target``
-  (unknown length) may be set; neither means "unknown length, run until cancelled".
+  (unknown length) must be set, as ``schemas/JobSpec.json`` says: with neither, an
+  emulated job could never finish and no policy could estimate its length. (A
+  real-mode script that decides itself when to stop still ends the job when it
+  exits; ``total_iterations`` is then its expected length.)
 * A job larger than the whole cluster (when the cluster size is known) is rejected:
   it could never run.
 * Per-user limits (``max_active_jobs``, ``max_gpus`` = sum of ``min_gpus`` over the
@@ -23,6 +26,7 @@ Choices where the issue is silent (what a production scheduler user expects):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 
 from msgspec import Struct
@@ -53,7 +57,8 @@ class Rejected(Struct, frozen=True):
     errors: tuple[str, ...] = ()
 
     def reply(self) -> ev.CommandRejected:
-        return ev.CommandRejected(code=self.code, message=self.message, errors=self.errors)
+        """The reply; ``errors`` always lists at least one problem (the message)."""
+        return ev.CommandRejected(code=self.code, message=self.message, errors=self.errors or (self.message,))
 
 
 def validate_spec(
@@ -87,6 +92,15 @@ def validate_spec(
             errors.append(f"requested_gpus ({spec.requested_gpus}) is not in allowed_gpu_counts")
     if spec.total_iterations is not None and spec.convergence_target is not None:
         errors.append("set total_iterations (known length) or convergence_target (unknown length), not both")
+    if spec.total_iterations is None and spec.convergence_target is None:
+        errors.append(
+            "set total_iterations (known length) or convergence_target (unknown length): "
+            "a job with neither can never finish"
+        )
+    if spec.convergence_target is not None and not (
+        math.isfinite(spec.convergence_target) and spec.convergence_target > 0
+    ):
+        errors.append(f"convergence_target must be a finite number > 0, not {spec.convergence_target}")
     if spec.gpu_type is not None and known_gpu_types and spec.gpu_type not in known_gpu_types:
         errors.append(f"unknown gpu_type {spec.gpu_type!r}; the cluster has {sorted(known_gpu_types)}")
     if cluster_gpus and spec.min_gpus > cluster_gpus:

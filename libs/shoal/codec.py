@@ -133,18 +133,58 @@ def encode_command(cmd: Any) -> bytes:
     return _ENC.encode(cmd)
 
 
+class UnknownFields(MalformedMessage):
+    """A command naming fields its type does not have (a typo such as ``max_gpu`` must
+    not silently fall back to the default)."""
+
+    def __init__(self, errors: list[str], *, in_spec: bool) -> None:
+        super().__init__("; ".join(errors))
+        self.errors = tuple(errors)
+        self.in_spec = in_spec
+        """True when every unknown field is inside ``spec`` (admission answers ``invalid_spec``,
+        as the SDK and the MQTT bridge do for the same mistake)."""
+
+
+def _unknown_fields(cmd: Any, data: bytes, json: bool) -> None:
+    """Raise :class:`UnknownFields` when the command or its ``spec`` names unknown fields.
+
+    Events are decoded leniently (an older reader survives a newer writer), so the
+    contract types ignore unknown fields; a command is checked here instead, on the
+    same bytes decoded as plain data (the typed decode already succeeded, so this
+    cannot fail on the shape).
+    """
+    raw = (msgspec.json.decode if json else msgspec.msgpack.decode)(data)
+    if not isinstance(raw, dict):
+        return
+    cls = type(cmd)
+    known = set(cls.__struct_fields__) | {cls.__struct_config__.tag_field}
+    errors = [f"unknown field {k!r} in {cls.__struct_config__.tag}" for k in raw if k not in known]
+    in_spec = not errors
+    spec = raw.get("spec") if "spec" in known else None
+    if isinstance(spec, dict):
+        fields = set(type(cmd.spec).__struct_fields__)
+        errors += [f"unknown field {k!r} in job spec" for k in spec if k not in fields]
+    if errors:
+        raise UnknownFields(errors, in_spec=in_spec)
+
+
 def decode_command(data: bytes, *, json: bool = False) -> Any:
     """Decode a command (msgpack, or JSON for language-neutral clients).
 
     Raises:
+        MessageTooLarge: over :data:`MAX_MESSAGE_BYTES`.
+        UnknownFields: (a :class:`MalformedMessage`) a field name the command or its
+            ``spec`` does not have.
         MalformedMessage: with the decoder's field-level reason.
     """
     if len(data) > MAX_MESSAGE_BYTES:
         raise MessageTooLarge(f"command of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
     try:
-        return (_JSON_DEC_COMMAND if json else _DEC_COMMAND).decode(data)
+        cmd = (_JSON_DEC_COMMAND if json else _DEC_COMMAND).decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise MalformedMessage(str(exc)) from None
+    _unknown_fields(cmd, data, json)
+    return cmd
 
 
 def encode_reply(reply: Any, *, json: bool = False) -> bytes:

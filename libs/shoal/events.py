@@ -30,14 +30,35 @@ from msgspec import Meta, Struct
 # and appear in the exported JSON Schema.
 # ---------------------------------------------------------------------------
 
-Id = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$", description="token-safe id (no dots)")]
-UserName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+# Patterns end in ``$(?!\n)``: msgspec matches with ``re.search``, where a bare ``$`` also
+# matches before a trailing newline ("j1\n" would pass); ``(?!\n)`` closes that gap and
+# is also valid in JSON Schema (ECMA-262) regexes, where ``\Z`` is not.
+
+
+def whole(chars: str, times: str = "*") -> str:
+    """A regex matching a whole string of ``chars`` repeated ``times`` (no trailing newline)."""
+    return f"^[{chars}]{times}$(?!\\n)"
+
+
+Id = Annotated[str, Meta(pattern=whole("A-Za-z0-9_-", "{1,128}"), description="token-safe id (no dots)")]
+UserName = Annotated[str, Meta(pattern=whole("A-Za-z0-9_-", "{1,64}"))]
 GpuCount = Annotated[int, Meta(ge=1, le=100_000)]
-NonNegInt = Annotated[int, Meta(ge=0)]
+INT64_MAX = 2**63 - 1
+"""Largest integer a field takes. msgpack carries 64-bit integers at most, so a larger
+one (JSON allows it) is refused on decode instead of failing when the event is encoded."""
+NonNegInt = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+Int64 = Annotated[int, Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
-Epoch = Annotated[int, Meta(ge=0)]
-GpuType = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,32}$")]
+Epoch = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+GpuType = Annotated[str, Meta(pattern=whole("A-Za-z0-9_.-", "{1,32}"))]
 ShortText = Annotated[str, Meta(max_length=4096)]
+_PRINTABLE = "^\\x00-\\x1f\\x7f-\\x9f"
+"""No C0/C1 control characters (no newline, no ANSI escape sequence)."""
+Label = Annotated[str, Meta(max_length=256, pattern=whole(_PRINTABLE))]
+"""A job's display name: printable text, at most 256 characters."""
+MAX_FINITE = 1e12
+"""Upper bound of user-given floats (``convergence_target``, ``profile`` rates): it
+refuses infinity, and ``gt``/``ge`` refuse NaN."""
 
 #: Largest accepted encoded message, in bytes. Bigger messages are rejected at the bus.
 MAX_MESSAGE_BYTES = 256 * 1024
@@ -49,12 +70,17 @@ MAX_MESSAGE_BYTES = 256 * 1024
 
 
 class JobSpec(Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
-    """What a user asks for. Either ``total_iterations`` (known length) or
-    ``convergence_target`` (unknown length; the profiler estimates it) must be set."""
+    """What a user asks for. Exactly one of ``total_iterations`` (known length) and
+    ``convergence_target`` (unknown length; the profiler estimates it) must be set:
+    admission rejects a submission with neither or both (``invalid_spec``).
+
+    Unknown fields are ignored when an event is decoded (an older reader survives a
+    newer writer); a *command* with an unknown field is rejected, see
+    :func:`shoal.codec.decode_command`."""
 
     user: UserName
-    name: Annotated[str, Meta(max_length=256)] = ""
-    model: Annotated[str, Meta(max_length=128)] = ""
+    name: Label = ""
+    model: Annotated[str, Meta(max_length=128, pattern=whole(_PRINTABLE))] = ""
     """Model or job-type tag; selects a throughput profile (e.g. ``resnet50``)."""
     min_gpus: GpuCount = 1
     max_gpus: GpuCount = 1
@@ -63,15 +89,15 @@ class JobSpec(Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
     """The SideCar paper's "optional numbers of GPUs" (e.g. 1, 2, 4, 8)."""
     elastic: bool = True
     global_batch_size: NonNegInt = 0
-    total_iterations: Annotated[int, Meta(ge=1)] | None = None
-    convergence_target: float | None = None
-    """Target training loss at which the job is done (unknown length)."""
+    total_iterations: Annotated[int, Meta(ge=1, le=INT64_MAX)] | None = None
+    convergence_target: Annotated[float, Meta(gt=0, le=MAX_FINITE)] | None = None
+    """Target training loss at which the job is done (unknown length): a finite number > 0."""
     gpu_type: GpuType | None = None
     """Pin the job to one GPU generation."""
-    priority: int = 0
+    priority: Int64 = 0
     entrypoint: tuple[Annotated[str, Meta(max_length=4096)], ...] = ()
     """Command for real mode (argv)."""
-    profile: dict[str, dict[GpuCount, NonNegFloat]] = {}
+    profile: dict[str, dict[GpuCount, Annotated[float, Meta(ge=0, le=MAX_FINITE)]]] = {}
     """Throughput known ahead (an offline profile, or a trace's calibrated curve):
     GPU type ("" = any) -> GPU count -> iterations/s. Used until the profiler has
     measured the job; empty when unknown."""
@@ -116,7 +142,7 @@ class UserRegistered(Event, frozen=True, tag="user.registered"):
     aggregate: ClassVar[str] = "user"
     key_field: ClassVar[str | None] = "user"
     user: UserName
-    tickets: Annotated[int, Meta(ge=0)] = 100
+    tickets: NonNegInt = 100
     max_active_jobs: NonNegInt = 0
     """0 means no limit."""
     max_gpus: NonNegInt = 0
@@ -127,7 +153,7 @@ class TicketsSet(Event, frozen=True, tag="user.tickets_set"):
     aggregate: ClassVar[str] = "user"
     key_field: ClassVar[str | None] = "user"
     user: UserName
-    tickets: Annotated[int, Meta(ge=0)]
+    tickets: NonNegInt
 
 
 # --- job lifecycle ------------------------------------------------------------
@@ -478,7 +504,7 @@ class CancelJob(Command, frozen=True, tag="cmd.cancel_job"):
 class SetTickets(Command, frozen=True, tag="cmd.set_tickets"):
     name: ClassVar[str] = "set_tickets"
     user: UserName
-    tickets: Annotated[int, Meta(ge=0)]
+    tickets: NonNegInt
 
 
 class Reconfigure(Command, frozen=True, tag="cmd.reconfigure"):

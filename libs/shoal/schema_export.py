@@ -59,8 +59,22 @@ def subject_pattern(cls: type[ev.Event], prefix: str = "shoal") -> str:
     return f"{prefix}.{cls.aggregate}.<{cls.key_field}>.{name}"
 
 
+JOB_LENGTH_RULE: dict[str, Any] = {
+    "$comment": "Exactly one of total_iterations (known length) and convergence_target "
+    "(unknown length); admission answers invalid_spec otherwise (shoal.admission.validate_spec).",
+    "oneOf": [
+        {"required": ["total_iterations"], "properties": {"total_iterations": {"type": "integer"}}},
+        {"required": ["convergence_target"], "properties": {"convergence_target": {"type": "number"}}},
+    ],
+}
+"""Added to every ``JobSpec`` definition: a rule msgspec's generated schema cannot state."""
+
+
 def _standalone(name: str, tp: Any) -> dict[str, Any]:
     schema = msgspec.json.schema(tp)
+    job_spec = schema.get("$defs", {}).get("JobSpec")
+    if job_spec is not None:
+        job_spec.update(JOB_LENGTH_RULE)
     out: dict[str, Any] = {"$schema": SCHEMA_DIALECT, "$id": f"{name}.json", "title": name}
     out.update(schema)
     return out
@@ -260,7 +274,7 @@ def subjects_markdown(prefix: str = "shoal") -> str:
         "",
         "`job_id` is optional: without it admission picks a ULID; with it the submission is idempotent",
         "(sending it again answers `duplicate: true` and appends nothing). `spec` is a `JobSpec`",
-        "(`JobSpec.json`): `user` is required, and either `total_iterations` or `convergence_target`.",
+        "(`JobSpec.json`): `user` is required, and exactly one of `total_iterations` and `convergence_target`.",
         "",
         "Reply when accepted (`CommandAccepted.json`; `id` is the job id):",
         "",

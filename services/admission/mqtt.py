@@ -11,7 +11,10 @@ topic's). Queue group ``admission-mqtt``, so bridge replicas share the load.
 
 Decides: nothing itself. It turns the payload into the same ``cmd.submit_job``
 request any NATS client sends (JSON, ``Content-Type: application/json``) and asks
-admission on ``<prefix>.cmd.submit_job``: one path, one set of rules.
+admission on ``<prefix>.cmd.submit_job.<user>``: one path, one set of rules. The
+topic's user is the device's: with authentication on, the server lets an MQTT
+user publish only on its own submit topic and read only its own result topic
+(:mod:`shoal.auth`).
 
 Publishes: the outcome as JSON on ``<prefix>.mqtt.result.<user>`` — MQTT topic
 ``<prefix>/mqtt/result/<user>``: admission's reply (``type`` ``reply.accepted`` with
@@ -20,6 +23,11 @@ Publishes: the outcome as JSON on ``<prefix>.mqtt.result.<user>`` — MQTT topic
 ``user``. A payload that never reaches admission gets a rejection from the bridge
 (``invalid_json``, ``invalid_spec``, ``user_mismatch``, ``too_large``) or, when no
 admission service answers, ``unavailable``.
+
+Size: a payload over :data:`~shoal.events.MAX_MESSAGE_BYTES` (256 KiB) is answered
+``too_large``. One over the NATS server's ``max_payload`` (1 MiB for the embedded
+server) never reaches the bridge: the server closes the device's MQTT connection
+(NATS does this for any oversized MQTT PUBLISH), so there is nobody to answer.
 
 Delivery: results are published once, to subscribers connected at that moment (the
 device subscribes to its result topic before it publishes). A device that sees no
@@ -121,6 +129,8 @@ class MqttBridge:
             payload = json.loads(data)
         except (UnicodeDecodeError, ValueError) as exc:
             return _rejected("invalid_json", f"payload is not JSON: {exc}", user=user)
+        except RecursionError:
+            return _rejected("invalid_json", "payload is not JSON: nested too deeply", user=user)
         if not isinstance(payload, dict):
             return _rejected(
                 "invalid_json",
@@ -144,7 +154,7 @@ class MqttBridge:
         body: dict[str, Any] = {"type": "cmd.submit_job", "spec": spec}
         if job_id is not None:
             body["job_id"] = job_id
-        subject = self.subjects.names.cmd("submit_job")
+        subject = self.subjects.names.cmd("submit_job", user)
         try:
             reply = await self.nc.request(
                 subject, json.dumps(body).encode(), timeout=self.timeout_s, headers={"Content-Type": JSON}

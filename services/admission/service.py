@@ -92,6 +92,8 @@ class AdmissionService:
         except Exception as exc:  # never leave a client hanging
             log.exception("admission_failed")
             reply = ev.CommandRejected(code="internal", message=f"admission failed: {exc}")
+        if isinstance(reply, ev.CommandRejected) and not reply.errors:
+            reply = ev.CommandRejected(code=reply.code, message=reply.message, errors=(reply.message,))
         if msg.reply:
             await msg.respond(codec.encode_reply(reply, json=as_json))
 
@@ -103,6 +105,9 @@ class AdmissionService:
             cmd = codec.decode_command(data, json=as_json)
         except codec.MessageTooLarge as exc:
             return ev.CommandRejected(code="too_large", message=str(exc))
+        except codec.UnknownFields as exc:
+            code = "invalid_spec" if exc.in_spec else "invalid_command"
+            return ev.CommandRejected(code=code, message=str(exc), errors=exc.errors)
         except codec.MalformedMessage as exc:
             return ev.CommandRejected(code="invalid_command", message=str(exc), errors=(str(exc),))
         if cmd.name != command:
@@ -123,10 +128,10 @@ class AdmissionService:
                     code="submitted_at_not_allowed",
                     message="submitted_at is only accepted by an installation that replays traces",
                 )
-            if cmd.submitted_at > now + 1e-3 or cmd.submitted_at < 0:
+            if not 0 <= cmd.submitted_at <= now + 1e-3:  # also refuses NaN
                 return ev.CommandRejected(
                     code="invalid_submitted_at",
-                    message=f"submitted_at {cmd.submitted_at} is in the future (now {now:.3f})",
+                    message=f"submitted_at {cmd.submitted_at} is not in [0, now] (now {now:.3f})",
                 )
             at = cmd.submitted_at
         if isinstance(cmd, ev.SubmitJob):

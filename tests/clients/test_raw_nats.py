@@ -87,7 +87,7 @@ async def test_plain_nats_json_client(
         "type": "reply.rejected",
         "code": "unknown_job",
         "message": "no job 'no-such-job'",
-        "errors": [],
+        "errors": ["no job 'no-such-job'"],
     }
     assert cancelled["type"] == "reply.accepted" and tickets["type"] == "reply.accepted"
 

@@ -58,7 +58,8 @@ async def request(bus: Bus, name: str, body: dict, *, as_json: bool = True) -> d
 
 
 def submit(spec: dict, job_id: str | None = "job1") -> dict:
-    body: dict = {"type": "cmd.submit_job", "spec": {"user": "alice", **spec}}
+    length = {} if "convergence_target" in spec else {"total_iterations": 100}
+    body: dict = {"type": "cmd.submit_job", "spec": {"user": "alice", **length, **spec}}
     if job_id:
         body["job_id"] = job_id
     return body
@@ -120,7 +121,7 @@ async def test_cancel_unknown_job_is_a_clear_error(bus: Bus, service: AdmissionS
         "type": "reply.rejected",
         "code": "unknown_job",
         "message": "no job 'nope'",
-        "errors": [],
+        "errors": ["no job 'nope'"],
     }
 
 
