@@ -27,12 +27,15 @@ Choices where the issue is silent (what a production scheduler user expects):
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Collection
 
 from msgspec import Struct
 
 from shoal import events as ev
 from shoal.state import FINISHED_STATUSES, ClusterState
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 class Limits(Struct, frozen=True, kw_only=True):
@@ -101,6 +104,9 @@ def validate_spec(
         math.isfinite(spec.convergence_target) and spec.convergence_target > 0
     ):
         errors.append(f"convergence_target must be a finite number > 0, not {spec.convergence_target}")
+    for field in ("name", "model"):
+        if _CONTROL.search(getattr(spec, field)):
+            errors.append(f"{field} must not contain control characters (newline, escape sequences)")
     if spec.gpu_type is not None and known_gpu_types and spec.gpu_type not in known_gpu_types:
         errors.append(f"unknown gpu_type {spec.gpu_type!r}; the cluster has {sorted(known_gpu_types)}")
     if cluster_gpus and spec.min_gpus > cluster_gpus:

@@ -40,7 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _logs_to_stderr() -> None:
+    """Send structlog's lines to stderr (its default is stdout, which would break
+    ``--json`` output). A command that configures logging itself (``shoal up``,
+    ``shoal run``) replaces this with :func:`shoal.log.configure_logging`, also stderr."""
+    import structlog
+
+    # Looked up at each logger's creation, so a replaced sys.stderr (tests) is followed.
+    structlog.configure(logger_factory=lambda *_: structlog.WriteLogger(sys.stderr))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _logs_to_stderr()
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)

@@ -52,10 +52,6 @@ NonNegFloat = Annotated[float, Meta(ge=0)]
 Epoch = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 GpuType = Annotated[str, Meta(pattern=whole("A-Za-z0-9_.-", "{1,32}"))]
 ShortText = Annotated[str, Meta(max_length=4096)]
-_PRINTABLE = "^\\x00-\\x1f\\x7f-\\x9f"
-"""No C0/C1 control characters (no newline, no ANSI escape sequence)."""
-Label = Annotated[str, Meta(max_length=256, pattern=whole(_PRINTABLE))]
-"""A job's display name: printable text, at most 256 characters."""
 MAX_FINITE = 1e12
 """Upper bound of user-given floats (``convergence_target``, ``profile`` rates): it
 refuses infinity, and ``gt``/``ge`` refuse NaN."""
@@ -79,8 +75,10 @@ class JobSpec(Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
     :func:`shoal.codec.decode_command`."""
 
     user: UserName
-    name: Label = ""
-    model: Annotated[str, Meta(max_length=128, pattern=whole(_PRINTABLE))] = ""
+    name: Annotated[str, Meta(max_length=256)] = ""
+    """Display name. Admission refuses control characters in it (and in ``model``); the
+    type does not, so that an older log holding one still decodes."""
+    model: Annotated[str, Meta(max_length=128)] = ""
     """Model or job-type tag; selects a throughput profile (e.g. ``resnet50``)."""
     min_gpus: GpuCount = 1
     max_gpus: GpuCount = 1

@@ -106,12 +106,22 @@ def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]])
     return "\n".join([line(heads), *(line(c) for c in cells)])
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with each C0/C1 control character (newline, ESC, …) written as its
+    Python escape (``\\n``, ``\\x1b``), so text from the log cannot move the cursor,
+    clear the screen or add lines to a table."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
 def _cell(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
         return f"{value:.1f}" if abs(value) < 1e6 else f"{value:.3g}"
-    return str(value)
+    return printable(str(value))
 
 
 def _gpu_text(gpus: int, gpu_type: str) -> str:

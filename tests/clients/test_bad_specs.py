@@ -68,6 +68,20 @@ BAD_SPECS: list[tuple[str, dict[str, Any], str, str]] = [
         "invalid_spec",
         "exceeds the cluster's 4 GPUs",
     ),
+    (
+        "negative_convergence_target",
+        {"total_iterations": None, "convergence_target": -0.5},
+        "invalid_command",
+        "Expected `float` > 0.0 - at `$.spec.convergence_target`",
+    ),
+    (
+        "no_length",
+        {"total_iterations": None},
+        "invalid_spec",
+        "set total_iterations (known length) or convergence_target (unknown length)",
+    ),
+    ("user_trailing_newline", {"user": "alice\n"}, "invalid_command", "at `$.spec.user`"),
+    ("ansi_name", {"name": "\x1b[2J\nFAKE"}, "invalid_spec", "name must not contain control characters"),
 ]
 
 
@@ -212,3 +226,73 @@ async def test_sdk_jobspec_objects_are_checked_by_admission_too(
         await client.submit("not a spec")  # type: ignore[arg-type]
     assert info.value.code == "invalid_spec" and "must be a mapping" in info.value.message
     assert await log_fingerprint(bus, service) == before
+
+
+BILLION_LAUGHS = (
+    'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n'
+    + "".join(f"{n}: &{n} [{','.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi", strict=True))
+    + "user: alice\ntotal_iterations: 5\nenv: *i\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("case", "text", "fragment"),
+    [
+        ("billion_laughs", BILLION_LAUGHS, "anchors and aliases (&name, *name) are not allowed"),
+        ("deep", "user: alice\nname: " + "[" * 5000 + "]" * 5000 + "\n", "nested more than 32 levels deep"),
+        (
+            "int64_overflow",
+            "user: alice\ntotal_iterations: " + "9" * 30 + "\n",
+            "'total_iterations' is out of range",
+        ),
+        ("huge_int", "user: alice\npriority: " + "9" * 5000 + "\n", "holds a value that cannot be read"),
+        ("over_1mib", "user: alice\n#" + "x" * (1024 * 1024) + "\n", "is larger than 1048576 bytes"),
+    ],
+)
+async def test_cli_hostile_job_files_exit_2_without_traceback(
+    bus: Bus, service: AdmissionService, run_cli: RunCli, tmp_path: Path, case: str, text: str, fragment: str
+) -> None:
+    assert case != "billion_laughs" or len(BILLION_LAUGHS) < 600
+    job_file = tmp_path / f"{case}.yaml"
+    job_file.write_text(text)
+    before = await log_fingerprint(bus, service)
+    rc, out, err = await run_cli("submit", str(job_file))
+    assert rc == 2, (out, err[-500:])
+    assert out == ""
+    assert err.startswith("shoal: ") and fragment in err, err[-500:]
+    assert len(err.strip().splitlines()) == 1, "one line, no traceback"
+    assert await log_fingerprint(bus, service) == before
+
+
+async def test_cli_flag_beyond_64_bits_exits_2(bus: Bus, service: AdmissionService, run_cli: RunCli) -> None:
+    before = await log_fingerprint(bus, service)
+    rc, out, err = await run_cli("submit", "--user", "alice", "--iterations", "5", "--priority", "9" * 25)
+    assert rc == 2 and out == "" and "'priority' is out of range" in err, err[-500:]
+    assert len(err.strip().splitlines()) == 1
+    assert await log_fingerprint(bus, service) == before
+
+
+async def test_cli_escapes_control_characters_from_the_log(
+    bus: Bus, service: AdmissionService, run_cli: RunCli
+) -> None:
+    """A name with escapes (admission refuses them now; an older log may hold one) is
+    printed escaped: no screen clearing, no extra table rows; --json stays parseable."""
+    hostile = "\x1b[2J\x1b[HFAKE\nevil  bob  running"
+    await bus.publish(_submitted_with_name("old-1", hostile))
+    await service.projection.wait_for(await bus.last_seq())
+    rc, out, err = await run_cli("jobs")
+    assert rc == 0, err
+    assert "\x1b" not in out and "\\x1b[2J" in out
+    assert len(out.strip().splitlines()) == 2, out  # header and one row
+    rc, out, err = await run_cli("status", "old-1")
+    assert rc == 0 and "\x1b" not in out and "\\n" in out, out
+    rc, out, err = await run_cli("jobs", "--json")
+    assert rc == 0 and json.loads(out)[0]["name"] == hostile
+
+
+def _submitted_with_name(job_id: str, name: str) -> Any:
+    """A ``JobSubmitted`` envelope whose name admission would refuse today."""
+    from shoal import codec
+
+    spec = ev.JobSpec(user="alice", total_iterations=5, name=name)
+    return codec.wrap(ev.JobSubmitted(job_id=job_id, spec=spec))

@@ -13,7 +13,6 @@ import argparse
 import getpass
 import os
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shoal.cli import CommandError
@@ -107,25 +106,103 @@ def register(subparsers: Any) -> None:
 # -- submit ----------------------------------------------------------------------------
 
 
+MAX_JOB_FILE_BYTES = 1024 * 1024
+"""A job file over 1 MiB is refused before parsing (a command is at most 256 KiB anyway)."""
+MAX_JOB_FILE_DEPTH = 32
+"""Deepest nesting of mappings and lists a job file may have."""
+
+
+def _safe_loader(text: str) -> Any:
+    """A ``yaml.SafeLoader`` for one job file that also refuses anchors and aliases
+    (``&a``/``*a``: a few hundred bytes of nested aliases expand to gigabytes, the
+    "billion laughs") and nesting deeper than :data:`MAX_JOB_FILE_DEPTH`."""
+    import yaml
+    from yaml.composer import ComposerError
+
+    class Loader(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            event = self.peek_event()
+            mark: Any = event.start_mark
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+                raise ComposerError(None, None, "anchors and aliases (&name, *name) are not allowed", mark)
+            if not isinstance(event, yaml.MappingStartEvent | yaml.SequenceStartEvent):
+                return super().compose_node(parent, index)
+            self.depth += 1
+            if self.depth > MAX_JOB_FILE_DEPTH:
+                raise ComposerError(None, None, f"nested more than {MAX_JOB_FILE_DEPTH} levels deep", mark)
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+    return Loader(text)
+
+
+def _out_of_range(value: Any, where: str = "") -> str | None:
+    """The place of the first integer that no 64-bit field takes, or None."""
+    from shoal.events import INT64_MAX
+
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return None if -INT64_MAX - 1 <= value <= INT64_MAX else (where or "the top level")
+    items: Any = (
+        value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    )
+    for key, item in items:
+        found = _out_of_range(item, f"{where}.{key}" if where else str(key))
+        if found:
+            return found
+    return None
+
+
+def check_spec_values(spec: dict[str, Any], source: str) -> None:
+    """Refuse an integer beyond 64 bits before anything is sent (no field takes one,
+    and the encoder cannot carry it).
+
+    Raises:
+        CommandError: exit status 2, naming the field.
+    """
+    where = _out_of_range(spec)
+    if where:
+        raise CommandError(
+            f"{source}: the integer at {where!r} is out of range (fields take 64 bits at most)"
+        )
+
+
 def read_job_file(path: str) -> tuple[dict[str, Any], str | None]:
     """The spec fields and the optional ``job_id`` of a YAML/JSON job file.
 
     A file in the shape of the raw command (``{"spec": {...}, "job_id": ...}``) is
-    accepted too.
+    accepted too. The file is loaded safely: at most :data:`MAX_JOB_FILE_BYTES`, no
+    anchors or aliases, at most :data:`MAX_JOB_FILE_DEPTH` levels of nesting, no
+    integer beyond 64 bits.
 
     Raises:
-        CommandError: unreadable file, invalid YAML/JSON, or not a mapping.
+        CommandError: (exit status 2) unreadable, too large, invalid or unsafe
+            YAML/JSON, or not a mapping.
     """
     import yaml
 
     try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+        if path == "-":
+            raw = sys.stdin.buffer.read(MAX_JOB_FILE_BYTES + 1)
+        else:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_JOB_FILE_BYTES + 1)
     except OSError as exc:
         raise CommandError(f"cannot read job file {path!r}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_JOB_FILE_BYTES:
+        raise CommandError(f"job file {path!r} is larger than {MAX_JOB_FILE_BYTES} bytes")
+    try:
+        text = raw.decode()
     except UnicodeDecodeError:
         raise CommandError(f"job file {path!r} is not UTF-8 text") from None
+    loader = _safe_loader(text)
     try:
-        data = yaml.safe_load(text)
+        data = loader.get_single_data()
     except yaml.YAMLError as exc:
         where = ""
         mark = getattr(exc, "problem_mark", None)
@@ -133,6 +210,12 @@ def read_job_file(path: str) -> tuple[dict[str, Any], str | None]:
             where = f" at line {mark.line + 1}, column {mark.column + 1}"
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise CommandError(f"job file {path!r} is not valid YAML or JSON: {problem}{where}") from None
+    except (ValueError, RecursionError, OverflowError) as exc:
+        # e.g. an integer of more than 4300 digits (Python's int conversion limit)
+        problem = str(exc).split(";")[0] or type(exc).__name__
+        raise CommandError(f"job file {path!r} holds a value that cannot be read: {problem}") from None
+    finally:
+        loader.dispose()
     if data is None:
         raise CommandError(f"job file {path!r} is empty")
     if not isinstance(data, dict):
@@ -144,6 +227,7 @@ def read_job_file(path: str) -> tuple[dict[str, Any], str | None]:
         data = dict(data["spec"])
     if job_id is not None and not isinstance(job_id, str):
         raise CommandError(f"job_id in {path!r} must be a string, not {type(job_id).__name__}")
+    check_spec_values(data, f"job file {path!r}")
     return data, job_id
 
 
@@ -163,6 +247,7 @@ def build_spec(args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
         raise CommandError("nothing to submit: give a job file or flags such as --max-gpus and --iterations")
     if "user" not in spec:
         spec["user"] = os.environ.get("SHOAL_USER") or getpass.getuser()
+    check_spec_values(spec, "job spec")
     return spec, job_id
 
 
@@ -231,7 +316,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                 if args.json:
                     sys.stdout.write(_json_line(env))
                 else:
-                    print(f"{explain.iso(env.at)}  {explain.describe_event(env)}", flush=True)
+                    print(
+                        f"{explain.iso(env.at)}  {explain.printable(explain.describe_event(env))}", flush=True
+                    )
         return 0
 
     return _connect.run(args, body)
@@ -247,6 +334,7 @@ def _status_text(row: dict[str, Any], job: Any) -> str:
     from shoal import explain
 
     spec = job.spec
+    row = {k: explain.printable(v) if isinstance(v, str) else v for k, v in row.items()}
     lines = [
         f"job       {row['job_id']}" + (f" ({row['name']})" if row["name"] else ""),
         f"user      {row['user']}",
@@ -264,7 +352,7 @@ def _status_text(row: dict[str, Any], job: Any) -> str:
     if row["finished_at"] is not None:
         lines.append(f"finished  {explain.iso(row['finished_at'])}")
     if spec.model:
-        lines.insert(2, f"model     {spec.model}")
+        lines.insert(2, f"model     {explain.printable(spec.model)}")
     return "\n".join(lines)
 
 
