@@ -264,8 +264,8 @@ def _node_registered(state: ClusterState, e: ev.NodeRegistered, at: float) -> No
 
 def _node_heartbeat(state: ClusterState, e: ev.NodeHeartbeat, at: float) -> None:
     node = state.nodes.get(e.node_id)
-    if node is not None:
-        node.last_heartbeat_at = at
+    if node is not None and at > node.last_heartbeat_at:
+        node.last_heartbeat_at = at  # the newest stamp: one that arrives late changes nothing
 
 
 def _gpu_health(state: ClusterState, e: ev.GpuHealth, at: float) -> None:

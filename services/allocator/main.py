@@ -68,6 +68,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             catalog=catalog,
             network_packing=settings.network_packing,
             node_timeout_s=settings.node_timeout_s,
+            heartbeat_s=settings.heartbeat_s,
             tick_origin=settings.clock_origin or 0.0,
         )
         await service.run(stop)

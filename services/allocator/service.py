@@ -30,6 +30,18 @@ deposed leader that still believes it leads cannot append a decision made on a
 stale view (it gets a conflict and re-reads the log). Also ``NodeLost`` for nodes
 whose heartbeats stopped.
 
+Node liveness is judged from the log, not from when this allocator got round to
+reading it (:func:`shoal.cluster.lost_nodes`): a node is lost when its newest
+heartbeat stamp is more than ``node_timeout_s`` older than the log's tail, and only
+once the allocator has caught up with the stream (it compares its folded sequence
+with the stream's last sequence, at most every ``min(1, node_timeout_s/4)`` wall
+seconds). An allocator that lags (a heartbeat flood, a busy host, a stopped process)
+therefore declares nobody lost for heartbeats it has not read. A node declared lost
+comes back when its daemon re-registers (see ``shoal_services.node_daemon.service``).
+Heartbeats are rate-limited per node (:func:`shoal.cluster.heartbeat_counts`, one per
+``heartbeat_s/4`` of occurred-at time): a flood is read and folded by the projection,
+but costs the decision state nothing.
+
 Synchronized clock (emulation, :class:`shoal.clock.SharedClock`): the allocator
 releases the hold an arrival or completion was published under once it has decided
 on it, publishes each decision under a hold of its own (``epoch:<n>``, released by
@@ -58,7 +70,7 @@ from shoal import events as ev
 from shoal.allocation import decide_shares, next_tick, policy_tick
 from shoal.bus import Bus, Campaign, ConcurrencyConflict
 from shoal.clock import Clock, hold, hold_key, release
-from shoal.cluster import gpus_per_node, stale_nodes
+from shoal.cluster import HEARTBEAT_FLOOR, gpus_per_node, heartbeat_counts, lost_nodes
 from shoal.events import Envelope
 from shoal.log import bound_job
 from shoal.models import Catalog
@@ -105,6 +117,7 @@ class AllocatorService:
         catalog: Catalog | None = None,
         network_packing: bool = True,
         node_timeout_s: float | None = 10.0,
+        heartbeat_s: float = 1.0,
         snapshot_every: int = 10_000,
         tick_origin: float = 0.0,
         tracer: trace.Tracer | None = None,
@@ -122,6 +135,16 @@ class AllocatorService:
         self.catalog = catalog
         self.network_packing = network_packing
         self.node_timeout_s = node_timeout_s
+        self.heartbeat_floor_s = HEARTBEAT_FLOOR * heartbeat_s
+        """Wall seconds: heartbeats of one node closer than this are skipped (flood)."""
+        self._heartbeat_taken: dict[str, float] = {}
+        """node id -> stamp of the newest heartbeat taken from it (rate limiting)."""
+        self._liveness_due = -math.inf
+        """Event-loop time of the next liveness check."""
+        self._probe: tuple[int, float] | None = None
+        """(stream's last sequence, clock instant read just before it) at the last check."""
+        self._declared: dict[str, float] = {}
+        """node id -> heartbeat stamp it was declared lost at (not declared twice)."""
         self.snapshot_every = snapshot_every
         self.projection = Projection(bus, snapshot_name="allocator", listeners=[self._on_event])
         self.dirty = asyncio.Event()
@@ -155,6 +178,15 @@ class AllocatorService:
     # -- consuming --------------------------------------------------------------
 
     def _on_event(self, seq: int, env: Envelope, state: ClusterState) -> None:
+        if isinstance(env.event, ev.NodeHeartbeat):
+            # No decision reads heartbeats; a flood of them is skipped (rate limit).
+            node_id = env.event.node_id
+            floor = self.heartbeat_floor_s * getattr(self.clock, "scale", 1.0)
+            if node_id not in state.nodes or not heartbeat_counts(
+                self._heartbeat_taken.get(node_id), env.at, floor
+            ):
+                return
+            self._heartbeat_taken[node_id] = env.at
         self._since_snapshot += 1
         if self.asof is not None:
             self.buffer.append(env)
@@ -357,15 +389,40 @@ class AllocatorService:
             self._wake_held = wake
 
     async def _mark_lost_nodes(self) -> None:
+        """Publish ``NodeLost`` for the nodes :func:`shoal.cluster.lost_nodes` judges lost.
+
+        At most every ``min(1, node_timeout_s/4)`` wall seconds, this reads the stream's
+        last sequence (one request). ``caught_up_at`` is the clock instant read just
+        before it, if the projection has folded up to that sequence now, or else the
+        instant of the previous check, if it has folded up to that one's sequence: every
+        event in the log by then has been folded. A node is declared once per heartbeat
+        stamp (the ``NodeLost`` may not be folded by the next check).
+        """
         if self.node_timeout_s is None:
             return
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._liveness_due:
+            return
+        self._liveness_due = loop.time() + min(1.0, self.node_timeout_s / 4)
+        caught_up_at = None
+        if self._probe is not None and self.projection.last_seq >= self._probe[0]:
+            caught_up_at = self._probe[1]
+        at = self.clock.now()
+        last = await self.bus.last_seq()
+        if self.projection.last_seq >= last:
+            caught_up_at = at
+        self._probe = (last, at)
         state = self.projection.state
         timeout = self.node_timeout_s * getattr(self.clock, "scale", 1.0)
-        for node_id in stale_nodes(state, self.clock.now(), timeout):
+        for node_id in lost_nodes(state, caught_up_at=caught_up_at, timeout_s=timeout):
+            stamp = state.nodes[node_id].last_heartbeat_at
+            if self._declared.get(node_id) == stamp:
+                continue
+            self._declared[node_id] = stamp
             await self.bus.publish(
                 codec.wrap(ev.NodeLost(node_id=node_id, reason="missed heartbeats"), at=self.clock.now())
             )
-            log.warning("node_lost", node_id=node_id)
+            log.warning("node_lost", node_id=node_id, last_heartbeat_at=stamp, caught_up_at=caught_up_at)
 
     async def _restore_decision_cursor(self) -> None:
         """Read the newest ``SharesDecided`` of the log: its stream sequence (for the

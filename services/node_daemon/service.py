@@ -9,9 +9,19 @@ at the newest placement it keeps one sidecar process and sends it a
 left the node, finished or was cancelled has its sidecar stopped. Reconciliation is
 level-triggered: a missed message is repaired by the next one.
 
-Publishes: ``NodeRegistered`` at start, ``NodeHeartbeat`` every ``heartbeat_s``,
+Publishes: ``NodeRegistered`` at start, ``NodeHeartbeat`` every ``heartbeat_s`` (never
+faster: the next one is sent ``heartbeat_s`` after the previous one went out),
 ``GpuHealth`` for each GPU every few heartbeats (NVML readings, or for emulated GPUs
 utilisation 1.0 while a job holds the GPU).
+
+Coming back after being declared lost: when the log (this daemon's projection) says
+this node is lost — its heartbeats did not reach the log in time: the daemon was
+stopped, its host or network stalled — the daemon registers again at its next
+heartbeat: ``NodeRegistered`` makes the node up again in the fold, with its GPUs, and
+the allocator and placer decide again on it (a node change). The jobs it ran were
+given GPUs elsewhere when it was lost, and its sidecars stop as the placement tells
+them to, so the node comes back empty. A re-registration is published once per loss:
+not again until the projection has folded it.
 
 Sidecars are supervised subprocesses: orders go to their stdin (closing it stops
 them), they stop with the daemon (end of stdin), and a sidecar that exits
@@ -63,7 +73,7 @@ from shoal.events import Envelope, GpuRef
 from shoal.gpus import read_nvml
 from shoal.log import bound_job
 from shoal.projection import Projection
-from shoal.state import FINISHED_STATUSES, ClusterState
+from shoal.state import FINISHED_STATUSES, NODE_LOST, ClusterState
 from shoal.telemetry import stored_context, tracing_enabled, with_trace_fields
 from shoal_services.trainer_sidecar import SPARE_JOB, adoption_line
 
@@ -171,6 +181,9 @@ class NodeDaemon:
         self._held_epochs: set[int] = set()
         """Placements whose clock hold for this node is released once reconciled (a
         :class:`~shoal.clock.SharedClock` only)."""
+        self._registered_seq = 0
+        """Stream sequence of this daemon's newest re-registration."""
+        self.reregistrations = 0
 
     def _on_event(self, seq: int, env: Envelope, state: ClusterState) -> None:
         if isinstance(env.event, ev.PlacementDecided):
@@ -185,6 +198,22 @@ class NodeDaemon:
 
     async def _publish(self, event: ev.Event) -> None:
         await self.bus.publish(codec.wrap(event, at=self.clock.now()))
+
+    def _registration(self) -> ev.NodeRegistered:
+        return ev.NodeRegistered(
+            node_id=self.node_id, gpus=self.gpus, hostname=self.hostname, emulated=self.emulated
+        )
+
+    async def _register_again_if_lost(self) -> None:
+        """Register again if the log says this node is lost (see the module docstring)."""
+        projection = self.projection
+        node = projection.state.nodes.get(self.node_id)
+        if node is None or node.status != NODE_LOST or projection.last_seq < self._registered_seq:
+            return
+        result = await self.bus.publish(codec.wrap(self._registration(), at=self.clock.now()))
+        self._registered_seq = result.seq
+        self.reregistrations += 1
+        log.warning("node_registered_again", node_id=self.node_id, stream_seq=result.seq)
 
     def desired(self) -> dict[str, tuple[GpuRef, ...]]:
         """job id -> the job's full GPU set, for jobs with GPUs on this node now."""
@@ -415,6 +444,7 @@ class NodeDaemon:
         while not stop.is_set():
             beat += 1
             await self._publish(ev.NodeHeartbeat(node_id=self.node_id, seq=beat))
+            await self._register_again_if_lost()
             if beat % self.health_every == 1:
                 busy = {
                     g.index for gpus in self.desired().values() for g in gpus if g.node_id == self.node_id
@@ -446,11 +476,7 @@ class NodeDaemon:
                 await asyncio.wait_for(stop.wait(), self.heartbeat_s)
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self._publish(
-            ev.NodeRegistered(
-                node_id=self.node_id, gpus=self.gpus, hostname=self.hostname, emulated=self.emulated
-            )
-        )
+        await self._publish(self._registration())
         await self.projection.start()
         await self.projection.wait_ready()
         beats = asyncio.create_task(self._heartbeats(stop))

@@ -1,0 +1,278 @@
+"""Node liveness with real processes: an installation started as a user starts it
+(``shoal up``), with a short node timeout.
+
+1. A flood of valid heartbeats for one node (published with plain nats-py, as an
+   attacker with a node's credentials would) puts the allocator behind: no live node
+   is declared lost, the allocator keeps its lease, and a job submitted after the
+   flood runs.
+2. The allocator process stopped (SIGSTOP) for longer than the node timeout, then
+   continued: no node stays lost, and a job submitted afterwards runs.
+3. A node daemon stopped (SIGSTOP) past the timeout is declared lost; continued, it
+   comes back without a restart and the allocator and placer use its GPUs again.
+
+Every wait is a condition with a timeout, generous because the machine may be small
+and busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from shoal import codec
+from shoal import events as ev
+from shoal import state as st
+from shoal.bus import Bus
+from shoal.client import Client
+from shoal.commands.run import CLI_ARGV as CLI
+from shoal.projection import Projection
+from shoal.settings import default_node_id
+
+from tests.services.test_up import descendants, wait_line
+
+pytestmark = pytest.mark.integration
+
+NODE_TIMEOUT_S = 2.0
+"""Wall seconds without a heartbeat after which a node is lost (``SHOAL_NODE_TIMEOUT_S``)."""
+HEARTBEAT_S = 0.25
+FLOOD = 50_000
+"""Heartbeats of the flood (the attack was 200,000 in 4 s)."""
+
+
+class Up:
+    """A ``shoal up`` process: 2 emulated nodes of 2 GPUs, FIFO, time scale 20."""
+
+    def __init__(self, proc: subprocess.Popen[str], url: str, creds: Path) -> None:
+        self.proc = proc
+        self.url = url
+        self.creds = creds
+        """The installation's credentials directory (``<state dir>/creds``)."""
+
+    def admin(self) -> dict[str, Any]:
+        """Keyword arguments that connect as the admin (its seed file, where the
+        installation authenticates connections)."""
+        path = self.creds / "admin.nk"
+        return {"creds": str(path)} if path.exists() else {}
+
+    def pid_of(self, *argv: str) -> int:
+        """The pid of the one child whose command line contains ``argv`` in order."""
+        needle = "\0".join(argv).encode()
+        found = []
+        for pid in descendants(self.proc.pid):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if needle in cmdline and b"trainer_sidecar" not in cmdline:
+                found.append(pid)
+        assert len(found) == 1, (argv, found)
+        return found[0]
+
+
+@pytest.fixture
+async def up(tmp_path: Path) -> AsyncIterator[Up]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_") and k != "NATS_URL"}
+    env.update(
+        SHOAL_STATE_DIR=str(tmp_path / "state"),
+        SHOAL_NODE_TIMEOUT_S=repr(NODE_TIMEOUT_S),
+        SHOAL_HEARTBEAT_S=repr(HEARTBEAT_S),
+        SHOAL_CATALOG="",
+    )
+    argv = [*CLI, "up", "--nodes", "2", "--gpus-per-node", "2", "--time-scale", "20", "--policy", "fifo"]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=(tmp_path / "up.err").open("w"),
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        url = await asyncio.to_thread(lambda: wait_line(proc, "NATS: ", 30).split(" ", 1)[1].strip())
+        await asyncio.to_thread(wait_line, proc, "running", 30)
+        yield Up(proc, url, tmp_path / "state" / "creds")
+    finally:
+        family = descendants(proc.pid)
+        for pid in family:  # a test may leave one stopped
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        await asyncio.sleep(0.05)
+
+
+class Watch:
+    """The installation's log as it happens: the folded state and every ``NodeLost``."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.lost: list[tuple[float, str]] = []
+        self.projection = Projection(bus, listeners=[self._on_event])
+
+    def _on_event(self, seq: int, env: ev.Envelope, state: st.ClusterState) -> None:
+        if isinstance(env.event, ev.NodeLost):
+            self.lost.append((time.monotonic(), env.event.node_id))
+
+    @property
+    def state(self) -> st.ClusterState:
+        return self.projection.state
+
+    def nodes_up(self) -> set[str]:
+        return {n for n, node in self.state.nodes.items() if node.status == st.NODE_UP}
+
+
+@pytest.fixture
+async def watch(up: Up) -> AsyncIterator[tuple[Bus, Watch]]:
+    bus = await Bus.connect(up.url, prefix="shoal", **up.admin())
+    w = Watch(bus)
+    await w.projection.start()
+    try:
+        await wait_until(lambda: w.nodes_up() == {"node0", "node1"}, 30, "both nodes registered")
+        yield bus, w
+    finally:
+        await w.projection.stop()
+        await bus.close()
+
+
+async def run_job(up: Up, job_id: str, gpus: int, timeout_s: float = 60) -> set[str]:
+    """Submit a job of ``gpus`` GPUs, wait for it to complete; the nodes it ran on."""
+    placed_on: set[str] = set()
+    async with await Client.connect(up.url, "shoal", **up.admin()) as client:
+        await client.submit(
+            ev.JobSpec(user="alice", min_gpus=gpus, max_gpus=gpus, requested_gpus=gpus, total_iterations=40),
+            job_id=job_id,
+        )
+
+        async def follow() -> str:
+            last = ""
+            async for env in client.job_events(job_id):
+                last = env.type
+                if isinstance(env.event, ev.ReconfigurationCompleted):
+                    placed_on.update(g.node_id for g in env.event.gpus)
+            return last
+
+        assert await asyncio.wait_for(follow(), timeout_s) == "job.completed"
+    return placed_on
+
+
+async def lease_holder(bus: Bus) -> str | None:
+    lease = await bus.lease("allocator", "observer", ttl_s=3.0)
+    return await lease.holder_now()
+
+
+# -- 1. a heartbeat flood ------------------------------------------------------------------
+
+
+async def test_heartbeat_flood_marks_no_live_node_lost(up: Up, watch: tuple[Bus, Watch]) -> None:
+    bus, w = watch
+    allocator = up.pid_of("run", "allocator")
+    holder = f"allocator-{default_node_id()}-{allocator}"
+    deadline = time.monotonic() + 30
+    while await lease_holder(bus) != holder:
+        assert time.monotonic() < deadline, "the allocator never took its lease"
+        await asyncio.sleep(0.1)
+    assert await run_job(up, "before", 2)
+
+    # The attack: valid heartbeats for node0 with node0's own credentials (a node taken
+    # over), as fast as plain nats-py publishes them.
+    seed = up.creds / "node-node0.nk"  # node0's own identity (shoal.auth)
+    auth: dict[str, Any] = {}
+    if seed.exists():
+        auth = {"nkeys_seed": str(seed), "inbox_prefix": "_INBOX.node-node0"}
+    attacker = await nats.connect(up.url, **auth)
+    subject = bus.names.subject(ev.NodeHeartbeat(node_id="node0"))
+    before = await bus.last_seq()
+    started = time.monotonic()
+    try:
+        for i in range(FLOOD):
+            beat = codec.wrap(ev.NodeHeartbeat(node_id="node0", seq=i + 1))
+            await attacker.publish(subject, codec.encode(beat))
+        await attacker.flush()
+    finally:
+        await attacker.close()
+    flood_s = time.monotonic() - started
+    holders = set()
+    # Through the flood and well past the node timeout after it: the lease stays with
+    # the same allocator process and no node is declared lost.
+    until = time.monotonic() + max(3 * NODE_TIMEOUT_S, flood_s)
+    while time.monotonic() < until:
+        holders.add(await lease_holder(bus))
+        await asyncio.sleep(0.2)
+    seq = await bus.last_seq()
+    assert seq - before >= FLOOD, "the flood did not reach the log"
+    await w.projection.wait_for(seq, timeout_s=120)
+    assert w.lost == [], f"nodes declared lost by a heartbeat flood: {w.lost}"
+    assert holders == {holder}, f"the allocator lost its lease: {holders}"
+    assert up.pid_of("run", "allocator") == allocator, "the allocator was restarted"
+    # It keeps scheduling: a job needing both nodes runs on both.
+    assert await run_job(up, "after", 4) == {"node0", "node1"}
+    assert w.lost == []
+
+
+# -- 2. a lagging allocator -----------------------------------------------------------------
+
+
+async def test_stopped_allocator_leaves_no_live_node_lost(up: Up, watch: tuple[Bus, Watch]) -> None:
+    _bus, w = watch
+    allocator = up.pid_of("run", "allocator")
+    assert await run_job(up, "before", 2)
+    os.kill(allocator, signal.SIGSTOP)
+    try:
+        # Past the node timeout while the nodes go on heartbeating.
+        beats = w.state.nodes["node0"].last_heartbeat_at
+        stopped = time.monotonic()
+        await wait_until(lambda: time.monotonic() - stopped > 2.5 * NODE_TIMEOUT_S, 30, "time passes")
+        assert w.state.nodes["node0"].last_heartbeat_at > beats, "the nodes heartbeat meanwhile"
+    finally:
+        os.kill(allocator, signal.SIGCONT)
+    # Whatever the allocator declares once it runs again, no node stays lost, and a job
+    # needing both nodes runs on both.
+    continued = time.monotonic()
+    await wait_until(lambda: time.monotonic() - continued > 2 * NODE_TIMEOUT_S, 30, "time passes")
+    await wait_until(lambda: w.nodes_up() == {"node0", "node1"}, 30, "both nodes up")
+    assert await run_job(up, "after", 4) == {"node0", "node1"}
+    assert w.nodes_up() == {"node0", "node1"}
+
+
+# -- 3. a node that really stops heartbeating -----------------------------------------------
+
+
+async def test_stopped_node_is_lost_and_comes_back_when_continued(up: Up, watch: tuple[Bus, Watch]) -> None:
+    _bus, w = watch
+    daemon = up.pid_of("run", "node-daemon", "--node-id", "node1")
+    os.kill(daemon, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        await wait_until(lambda: "node1" in {n for _, n in w.lost}, 10 * NODE_TIMEOUT_S, "node1 lost")
+        lost_after = w.lost[0][0] - stopped
+        assert w.lost[0][1] == "node1" and len({n for _, n in w.lost}) == 1, w.lost
+        assert w.state.nodes["node1"].status == st.NODE_LOST
+        # The survivor still runs work meanwhile.
+        assert await run_job(up, "meanwhile", 2) == {"node0"}
+    finally:
+        os.kill(daemon, signal.SIGCONT)
+    assert lost_after >= NODE_TIMEOUT_S * 0.9, "declared lost before its heartbeats were overdue"
+    await wait_until(lambda: w.nodes_up() == {"node0", "node1"}, 30, "node1 back")
+    assert up.pid_of("run", "node-daemon", "--node-id", "node1") == daemon, "the node daemon was restarted"
+    # Its GPUs are used again: a job needing both nodes runs on both.
+    assert await run_job(up, "after", 4) == {"node0", "node1"}
+    assert w.state.nodes["node1"].gpus and len(w.state.nodes["node1"].gpus) == 2
