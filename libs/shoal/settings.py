@@ -118,10 +118,12 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Sidecars each node daemon keeps started ahead of need, so that a job placed on
     its node starts without a process start (0 turns them off)."""
     heartbeat_s: PositiveFloat = 1.0
+    """Wall seconds between a node daemon's heartbeats (it never sends them faster)."""
     lease_ttl_s: PositiveFloat = 3.0
     """Leader lease TTL of the allocator and the placer."""
     node_timeout_s: PositiveFloat = 10.0
-    """Wall seconds without heartbeat after which the allocator declares a node lost."""
+    """Wall seconds by which the log's tail may pass a node's newest heartbeat before the
+    allocator, caught up with the log, declares the node lost (:func:`shoal.cluster.lost_nodes`)."""
     mqtt_port: Port | None = None
     """Enable the embedded server's MQTT listener on this port (-1: any free port)."""
     catalog: str | None = "afs"
