@@ -20,8 +20,10 @@ What it adds to the client, and why:
   ``in_progress``, bounds redelivery with ``max_deliver`` and moves any message
   that can never succeed (garbage, invalid payload, oversized, a handler's
   :class:`PermanentError`, redeliveries exhausted) to ``<prefix>.dlq.<code>``
-  with the reason in headers, then ``term``s it. Unknown event types are acked,
-  skipped and counted: an older reader survives a newer writer.
+  with the reason in headers, then ``term``s it. Unknown event types (and a known
+  type at a newer schema version) are acked, skipped and counted: an older reader
+  survives a newer writer.
+* **No message stops a reader** (see *Poison messages* below).
 * **A leader lease** in a KV bucket whose TTL is the lease (:class:`LeaderLease`)
   and **snapshots** (state + last applied sequence) in an object store.
 * **Trace context**: W3C ``traceparent`` is injected on publish and extracted on
@@ -42,6 +44,24 @@ stream             subjects                                             use
 
 Request/reply commands are kept out of every stream on purpose: a stream that
 captured them would answer the requester with its own publish ack.
+
+Poison messages. Anything can be published on a subject the event stream captures:
+garbage bytes, a valid envelope around an invalid payload, an unknown type, a known
+type at a schema version above the reader's (a buggy or old writer, or a client
+allowed to write there). No such message may stop a service, live or while it
+replays the log at start:
+
+* :meth:`Bus.replay_batches` leaves it out of the batch (so the fold skips it),
+  counts it in :class:`BusStats`, lists it in ``Batch.skipped`` with its subject and
+  reason, and, with ``dead_letter=True`` (every service's projection), stores it in
+  the dead-letter stream once: on ``<prefix>.dlq.<code>.events.<stream seq>`` with
+  ``Nats-Expected-Last-Subject-Sequence: 0``, so however many processes replay it,
+  however often, the DLQ holds one copy (:meth:`Bus.dead_letter_skipped`).
+* A writer's ``expected_last_subject_seq`` cursor is the stream sequence of the
+  newest message on its subject *whatever it holds*: the bad message counts, or the
+  next append conflicts forever. Services move their cursors on skipped messages
+  too (``Projection`` skip listeners), and a restore reads the raw sequence and the
+  newest message that decodes separately (:meth:`Bus.last_valid_on_subject`).
 """
 
 from __future__ import annotations
@@ -51,6 +71,7 @@ import collections
 import contextlib
 import datetime as dt
 import itertools
+import math
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from enum import StrEnum
@@ -91,6 +112,9 @@ class Header(StrEnum):
 ERR_WRONG_LAST_SEQUENCE = 10071
 ERR_MESSAGE_TOO_LARGE = 10054
 ERR_STREAM_NAME_IN_USE = 10058
+
+_DLQ_PAUSE_S = 30.0
+"""After a failed dead letter of a skipped message, seconds before the next try."""
 
 
 class BusError(Exception):
@@ -201,10 +225,29 @@ class BusStats:
         self.handled = 0
 
 
+class SkippedMessage(msgspec.Struct, frozen=True):
+    """A message of the log that a replay skipped because it cannot be decoded here."""
+
+    seq: int
+    subject: str
+    code: str
+    """``malformed``, ``unknown_type``, ``future_version`` or ``too_large`` (see :mod:`shoal.codec`)."""
+    reason: str
+
+
 class Batch(list[tuple[int, Envelope]]):
-    """A replayed batch of ``(stream_seq, envelope)``; ``last_seq`` also counts skipped messages."""
+    """A replayed batch of ``(stream_seq, envelope)``.
+
+    ``last_seq`` also counts skipped messages, and ``skipped`` lists them in order:
+    a writer's expected-sequence cursor must move past a message on its subject that
+    it could not decode, or its next append conflicts forever.
+    """
 
     last_seq: int = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skipped: list[SkippedMessage] = []
 
 
 class Bus:
@@ -220,6 +263,7 @@ class Bus:
         self._ack_sub: Any = None
         self._pending: dict[int, asyncio.Future[bytes]] = {}
         self._tokens = itertools.count(1)
+        self._dlq_paused_until = -math.inf
 
     # -- connection --------------------------------------------------------------
 
@@ -367,6 +411,27 @@ class Bus:
         )
         return results[0]
 
+    async def publish_first(self, item: Envelope | Event, *, timeout_s: float = 5.0) -> PublishResult:
+        """Append one event as the first fact on its subject (a job's submission or
+        completion): with ``Nats-Expected-Last-Subject-Sequence: 0``, or, when the
+        subject holds only messages no reader can decode (see *Poison messages*
+        above), after the newest of them.
+
+        Raises:
+            ConcurrencyConflict: a message that decodes is on the subject already (or
+                one was appended meanwhile).
+            MessageTooLarge / PublishRejected: as :meth:`publish`.
+        """
+        env = item if isinstance(item, Envelope) else codec.wrap(item)
+        try:
+            return await self.publish(env, expected_last_subject_seq=0, timeout_s=timeout_s)
+        except ConcurrencyConflict:
+            last, valid = await self.last_valid_on_subject(self.names.subject(env.event))
+            if valid is not None or not last:
+                raise
+        log.warning("append_after_undecodable", event_id=env.id, type=env.type, stream_seq=last)
+        return await self.publish(env, expected_last_subject_seq=last, timeout_s=timeout_s)
+
     async def publish_many(
         self,
         items: Sequence[Envelope | Event],
@@ -467,6 +532,45 @@ class Bus:
             return 0
         return int(msg.seq or 0)
 
+    async def last_valid_on_subject(self, subject: str) -> tuple[int, tuple[int, Envelope] | None]:
+        """The stream sequence of the newest message on ``subject`` whatever it
+        contains (0 when none), and the newest ``(seq, envelope)`` there that decodes
+        (None when none does).
+
+        The first is what ``Nats-Expected-Last-Subject-Sequence`` compares with; the
+        second is the newest fact a reader can use. When the newest message does not
+        decode, the subject is walked back in growing windows of stream sequences,
+        each read forward with ``next_by_subj`` (one request per message on the
+        subject), until one decodes.
+        """
+        stream = self.names.events_stream
+        try:
+            raw = await self.js.get_last_msg(stream, subject)
+        except nats.js.errors.NotFoundError:
+            return 0, None
+        last = int(raw.seq or 0)
+        with contextlib.suppress(codec.DecodeFailure):
+            return last, (last, codec.decode(raw.data or b""))
+        high, window = last, 256
+        while high > 1:
+            low = max(1, high - window)
+            found: tuple[int, Envelope] | None = None
+            seq = low
+            while seq < high:
+                try:
+                    msg = await self.js.get_msg(stream, seq, subject=subject, next=True)
+                except nats.js.errors.NotFoundError:
+                    break
+                if int(msg.seq or 0) >= high:
+                    break
+                with contextlib.suppress(codec.DecodeFailure):
+                    found = (int(msg.seq or 0), codec.decode(msg.data or b""))
+                seq = int(msg.seq or 0) + 1
+            if found is not None:
+                return last, found
+            high, window = low, window * 4
+        return last, None
+
     async def replay_batches(
         self,
         *,
@@ -477,6 +581,7 @@ class Bus:
         filter_subjects: list[str] | None = None,
         stop: asyncio.Event | None = None,
         idle_expires_s: float = 1.0,
+        dead_letter: bool = False,
     ) -> AsyncIterator[Batch]:
         """Yield the log in order as batches of ``(stream_seq, envelope)``.
 
@@ -485,8 +590,12 @@ class Bus:
         ``stop`` is set. Without ``follow`` it ends once caught up with the log as it
         was when the replay reached its end.
 
-        Malformed messages are skipped and counted (work consumers dead-letter them);
-        unknown event types are skipped and counted.
+        A message that does not decode (malformed, unknown type, future version,
+        too large) is left out of the batch, counted in :attr:`stats`, and listed in
+        the batch's ``skipped`` with its subject and reason; with ``dead_letter`` it
+        is also stored in the dead-letter stream (once, whoever else replays it:
+        :meth:`dead_letter_skipped`). A batch with only skipped messages is still
+        yielded, so that ``last_seq`` and the writers' cursors move on.
         """
         stream = self.names.events_stream
         if start_time is not None:
@@ -556,17 +665,21 @@ class Bus:
                         out.last_seq = seq
                         try:
                             out.append((seq, decode(msg.data)))
-                        except codec.UnknownEventType:
-                            stats.unknown_skipped += 1
                         except codec.DecodeFailure as exc:
-                            stats.malformed_skipped += 1
-                            log.debug("replay_skipped_malformed", seq=seq, error=str(exc))
+                            if isinstance(exc, codec.UnknownEventType):
+                                stats.unknown_skipped += 1
+                            else:
+                                stats.malformed_skipped += 1
+                            out.skipped.append(SkippedMessage(seq, msg.subject, exc.code, str(exc)))
+                            log.debug("replay_skipped", seq=seq, code=exc.code, error=str(exc))
+                            if dead_letter:
+                                await self.dead_letter_skipped(out.skipped[-1], msg.data)
                         if pending == 0:
                             caught_up = True
                         if received >= batch:
                             request_done = True
                             break
-                    if caught_up and out and not buf:
+                    if caught_up and (out or out.skipped) and not buf:
                         # Live tail: hand events over as soon as they arrive, not at the
                         # end of the (long-poll) request.
                         yield out
@@ -625,6 +738,69 @@ class Bus:
         await self.js.publish(self.names.dlq(code), msg.data, headers=headers)
         self.stats.dead_lettered += 1
         log.warning("dead_lettered", code=code, reason=reason, subject=msg.subject, consumer=consumer)
+
+    def dlq_subject_of_skipped(self, code: str, seq: int) -> str:
+        """DLQ subject of the event-log message ``seq`` skipped by replays: one subject per
+        message, so that a store conditional on the subject being empty happens once."""
+        return f"{self.names.dlq(code)}.events.{seq}"
+
+    async def dead_letter_skipped(
+        self, skipped: SkippedMessage, data: bytes, *, timeout_s: float = 2.0
+    ) -> bool:
+        """Store a message of the event log that a replay skipped in the DLQ, once.
+
+        Every process that replays the log meets the same bad message, on every
+        start. The copy goes to :meth:`dlq_subject_of_skipped` with
+        ``Nats-Expected-Last-Subject-Sequence: 0`` (refused once the message is
+        there, however long ago) and ``Nats-Msg-Id: dlq-<stream>-<seq>`` (a copy
+        under another code within the duplicate window is dropped too), with the
+        reason in the ``Shoal-Dlq-*`` headers (consumer ``replay``).
+
+        Never raises: a refusal or a failure (no permission, no ack in ``timeout_s``)
+        is logged and the replay goes on; after one, this bus tries no dead letter of a
+        skipped message for ``_DLQ_PAUSE_S`` (a flood of bad messages must not stall a
+        reader ``timeout_s`` each). Returns whether this call stored the copy.
+        """
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._dlq_paused_until:
+            return False
+        stream = self.names.events_stream
+        headers = {
+            Header.MSG_ID.value: f"dlq-{stream}-{skipped.seq}",
+            Header.EXPECTED_LAST_SUBJECT_SEQ.value: "0",
+            Header.DLQ_CODE.value: skipped.code,
+            Header.DLQ_REASON.value: skipped.reason[:1024].replace("\r", " ").replace("\n", " "),
+            Header.DLQ_SUBJECT.value: skipped.subject,
+            Header.DLQ_STREAM_SEQ.value: str(skipped.seq),
+            Header.DLQ_CONSUMER.value: "replay",
+        }
+        subject = self.dlq_subject_of_skipped(skipped.code, skipped.seq)
+        try:
+            ack = await self.js.publish(subject, data, headers=headers, timeout=timeout_s)
+        except nats.js.errors.APIError as exc:
+            if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
+                return False  # another reader (or an earlier run) stored it
+            error = str(exc)
+        except Exception as exc:
+            error = repr(exc)
+        else:
+            error = ""
+        if error:
+            self._dlq_paused_until = loop.time() + _DLQ_PAUSE_S
+            log.warning("dead_letter_failed", subject=skipped.subject, seq=skipped.seq, error=error)
+            return False
+        if ack.duplicate:
+            return False
+        self.stats.dead_lettered += 1
+        log.warning(
+            "dead_lettered",
+            code=skipped.code,
+            reason=skipped.reason,
+            subject=skipped.subject,
+            stream_seq=skipped.seq,
+            consumer="replay",
+        )
+        return True
 
     async def consume(
         self,

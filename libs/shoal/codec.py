@@ -46,6 +46,24 @@ class UnknownEventType(DecodeFailure):
         self.envelope = envelope
 
 
+class FutureVersion(UnknownEventType):
+    """A known type whose envelope ``v`` is above this reader's version of it.
+
+    Treated as an unknown type (skipped and counted): this reader cannot know what
+    the newer version means, so it must not fold it as if it were its own.
+    """
+
+    code = "future_version"
+
+    def __init__(self, type_: str, version: int, known: int, envelope: RawEnvelope) -> None:
+        DecodeFailure.__init__(
+            self, f"{type_} schema version {version} is newer than this reader's version {known}"
+        )
+        self.type = type_
+        self.version = version
+        self.envelope = envelope
+
+
 class MessageTooLarge(DecodeFailure):
     code = "too_large"
 
@@ -93,22 +111,31 @@ def decode(data: bytes) -> Envelope:
     Raises:
         MessageTooLarge: over :data:`MAX_MESSAGE_BYTES`.
         UnknownEventType: the envelope is fine but its type is not known here.
+        FutureVersion: (an :class:`UnknownEventType`) the type is known but the
+            envelope's ``v`` is above the version this reader has.
         MalformedMessage: anything else that is wrong, with the decoder's reason.
     """
     if len(data) > MAX_MESSAGE_BYTES:
         raise MessageTooLarge(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
     try:
-        return _DEC_ENVELOPE.decode(data)
+        env = _DEC_ENVELOPE.decode(data)
     except msgspec.ValidationError as exc:
         first_error = exc
     except msgspec.DecodeError as exc:
         raise MalformedMessage(f"not a msgpack envelope: {exc}") from None
+    else:
+        known = type(env.event).version
+        if env.v > known:
+            raise FutureVersion(env.type, env.v, known, _DEC_RAW.decode(data))
+        return env
     try:
         raw = _DEC_RAW.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise MalformedMessage(f"invalid envelope: {exc}") from None
     if raw.type not in EVENT_BY_TAG:
         raise UnknownEventType(raw.type, raw)
+    if raw.v > EVENT_BY_TAG[raw.type].version:
+        raise FutureVersion(raw.type, raw.v, EVENT_BY_TAG[raw.type].version, raw)
     raise MalformedMessage(f"invalid {raw.type} payload: {first_error}")
 
 

@@ -24,12 +24,13 @@ from collections.abc import Callable
 import structlog
 
 from shoal import state as st
-from shoal.bus import Bus
+from shoal.bus import Bus, SkippedMessage
 from shoal.events import Envelope
 
 log = structlog.get_logger("shoal.projection")
 
 Listener = Callable[[int, Envelope, st.ClusterState], None]
+SkipListener = Callable[[SkippedMessage], None]
 
 
 class Projection:
@@ -40,14 +41,24 @@ class Projection:
         snapshot_name: load/save snapshots under this name (None: always replay all).
         listeners: called after each event is applied, with (seq, envelope, state);
             a listener must not block (it may set flags or put work on a queue).
+        skip_listeners: called, in log order with the events, for each message the
+            replay skipped (it does not decode here; it is counted and dead-lettered,
+            see :mod:`shoal.bus`). A writer that appends with an expected sequence
+            moves its cursor on these too.
     """
 
     def __init__(
-        self, bus: Bus, *, snapshot_name: str | None = None, listeners: list[Listener] | None = None
+        self,
+        bus: Bus,
+        *,
+        snapshot_name: str | None = None,
+        listeners: list[Listener] | None = None,
+        skip_listeners: list[SkipListener] | None = None,
     ):
         self.bus = bus
         self.snapshot_name = snapshot_name
         self.listeners = list(listeners or [])
+        self.skip_listeners = list(skip_listeners or [])
         self.state = st.ClusterState()
         self.last_seq = 0
         self.ready = asyncio.Event()
@@ -60,6 +71,10 @@ class Projection:
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener`` after each event from now on (add it before :meth:`start`)."""
         self.listeners.append(listener)
+
+    def add_skip_listener(self, listener: SkipListener) -> None:
+        """Call ``listener`` for each skipped message from now on (add it before :meth:`start`)."""
+        self.skip_listeners.append(listener)
 
     async def start(self) -> None:
         """Restore the snapshot (if any) and start following the log. Further calls
@@ -81,13 +96,24 @@ class Projection:
     async def _follow(self, target: int) -> None:
         try:
             async for batch in self.bus.replay_batches(
-                start_seq=self.last_seq + 1, follow=True, stop=self._stop, idle_expires_s=0.5
+                start_seq=self.last_seq + 1,
+                follow=True,
+                stop=self._stop,
+                idle_expires_s=0.5,
+                dead_letter=True,
             ):
                 state = self.state
+                skipped = batch.skipped
+                i = 0
                 for seq, env in batch:
+                    while i < len(skipped) and skipped[i].seq < seq:
+                        self._skipped(skipped[i])
+                        i += 1
                     st.apply(state, env)
                     for listener in self.listeners:
                         listener(seq, env, state)
+                for rest in skipped[i:]:
+                    self._skipped(rest)
                 self.last_seq = max(self.last_seq, batch.last_seq)
                 if self.last_seq >= target:
                     self.ready.set()
@@ -98,6 +124,10 @@ class Projection:
         except Exception:
             log.exception("projection_failed")
             raise
+
+    def _skipped(self, skipped: SkippedMessage) -> None:
+        for listener in self.skip_listeners:
+            listener(skipped)
 
     async def wait_ready(self, timeout_s: float = 60.0) -> None:
         await asyncio.wait_for(self.ready.wait(), timeout_s)

@@ -12,8 +12,9 @@ Publishes: ``JobSubmitted`` / ``JobCancelled`` / ``TicketsSet``, then replies
 message per problem). A rejected command publishes nothing.
 
 Idempotency: ``JobSubmitted`` is appended with ``Nats-Expected-Last-Subject-Sequence: 0``
-on ``<prefix>.job.<id>.submitted``, so however many admission replicas race, one
-submission per job id reaches the log; the loser answers as a duplicate.
+on ``<prefix>.job.<id>.submitted`` (:meth:`shoal.bus.Bus.publish_first`: after the
+newest message there when none there decodes), so however many admission replicas
+race, one submission per job id reaches the log; the loser answers as a duplicate.
 """
 
 from __future__ import annotations
@@ -150,8 +151,10 @@ class AdmissionService:
             return ev.CommandAccepted(id=decision.id, duplicate=True)
         env = codec.wrap(decision.event, at=at)
         try:
-            expected = 0 if isinstance(decision.event, ev.JobSubmitted) else None
-            result = await self.bus.publish(env, expected_last_subject_seq=expected)
+            if isinstance(decision.event, ev.JobSubmitted):
+                result = await self.bus.publish_first(env)
+            else:
+                result = await self.bus.publish(env)
         except ConcurrencyConflict:
             # Another replica submitted this job id first: decide again on the caught-up state.
             await self.projection.wait_for(await self.bus.last_seq())

@@ -61,14 +61,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import nats.js.errors
 import structlog
 from opentelemetry import trace
 from opentelemetry.context import Context
 from shoal import codec
 from shoal import events as ev
 from shoal.allocation import decide_shares, next_tick, policy_tick
-from shoal.bus import Bus, Campaign, ConcurrencyConflict
+from shoal.bus import Bus, Campaign, ConcurrencyConflict, SkippedMessage
 from shoal.clock import Clock, hold, hold_key, release
 from shoal.cluster import HEARTBEAT_FLOOR, gpus_per_node, heartbeat_counts, lost_nodes
 from shoal.events import Envelope
@@ -146,7 +145,10 @@ class AllocatorService:
         self._declared: dict[str, float] = {}
         """node id -> heartbeat stamp it was declared lost at (not declared twice)."""
         self.snapshot_every = snapshot_every
-        self.projection = Projection(bus, snapshot_name="allocator", listeners=[self._on_event])
+        self.projection = Projection(
+            bus, snapshot_name="allocator", listeners=[self._on_event], skip_listeners=[self._on_skipped]
+        )
+        self._decisions_subject = f"{bus.names.prefix}.alloc.shares_decided"
         self.dirty = asyncio.Event()
         self.trigger = ""
         self.pending: list[tuple[float, str, str | None, str | None]] = []
@@ -162,7 +164,8 @@ class AllocatorService:
         """Events of the log not yet folded into ``asof`` (stamped after its instant)."""
         self.last_decision_at = 0.0
         self.decisions_seq = 0
-        """Stream sequence of the newest SharesDecided (for the expected-sequence append)."""
+        """Stream sequence of the newest message on the decision subject, whatever it holds
+        (for the expected-sequence append; a message there that does not decode counts)."""
         self.decided = 0
         self.is_leader = False
         self._since_snapshot = 0
@@ -205,6 +208,12 @@ class AllocatorService:
         if trigger is not None:
             self.pending.append((env.at, trigger, env.id, hold_key(env.event)))
             self.dirty.set()
+
+    def _on_skipped(self, skipped: SkippedMessage) -> None:
+        # A message on the decision subject that does not decode still moves the
+        # subject's last sequence: without this every append would conflict.
+        if skipped.subject == self._decisions_subject:
+            self.decisions_seq = max(self.decisions_seq, skipped.seq)
 
     def _state_as_of(self, at: float) -> ClusterState:
         """Fold the buffered events stamped at or before ``at`` into the decision state.
@@ -425,18 +434,15 @@ class AllocatorService:
             log.warning("node_lost", node_id=node_id, last_heartbeat_at=stamp, caught_up_at=caught_up_at)
 
     async def _restore_decision_cursor(self) -> None:
-        """Read the newest ``SharesDecided`` of the log: its stream sequence (for the
-        expected-sequence append) and its instant. The listener sees only the events
+        """Read the stream sequence of the newest message on the decision subject (for
+        the expected-sequence append, whatever that message holds) and the instant of
+        the newest ``SharesDecided`` that decodes. The listeners see only the events
         after a snapshot; without this, an allocator restored from a snapshot would
         append with a stale expected sequence and never get a decision in."""
-        subject = f"{self.bus.names.prefix}.alloc.shares_decided"
-        try:
-            raw = await self.bus.js.get_last_msg(self.bus.names.events_stream, subject)
-        except nats.js.errors.NotFoundError:
-            return
-        self.decisions_seq = max(self.decisions_seq, int(raw.seq or 0))
-        env = codec.decode(raw.data or b"")
-        self.last_decision_at = max(self.last_decision_at, env.at)
+        last, valid = await self.bus.last_valid_on_subject(self._decisions_subject)
+        self.decisions_seq = max(self.decisions_seq, last)
+        if valid is not None:
+            self.last_decision_at = max(self.last_decision_at, valid[1].at)
 
     # -- the loop -----------------------------------------------------------------
 

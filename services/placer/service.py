@@ -39,7 +39,7 @@ from opentelemetry.context import Context
 from shoal import codec
 from shoal import events as ev
 from shoal.allocation import place
-from shoal.bus import Bus, Campaign, ConcurrencyConflict
+from shoal.bus import Bus, Campaign, ConcurrencyConflict, SkippedMessage
 from shoal.clock import Clock, hold, release
 from shoal.cluster import topology_from_state
 from shoal.events import Envelope
@@ -72,6 +72,8 @@ class PlacerService:
         if projection is None:
             projection = Projection(bus)
         projection.add_listener(self._on_event)
+        projection.add_skip_listener(self._on_skipped)
+        self._placements_subject = f"{bus.names.prefix}.alloc.placement_decided"
         self.projection = projection
         """The log as this service sees it; may be shared with services of the same
         process (see :mod:`shoal.projection`)."""
@@ -80,6 +82,8 @@ class PlacerService:
         self.latest_seq = 0
         """Stream sequence of ``latest`` (its stored headers carry the decision's trace)."""
         self.placements_seq = 0
+        """Stream sequence of the newest message on the placement subject, whatever it
+        holds (for the expected-sequence append)."""
         self._instant = -float("inf")
         """Instant (``decided_at``) of the newest placement."""
         self._placed_now: dict[str, tuple[ev.GpuRef, ...]] = {}
@@ -107,6 +111,11 @@ class PlacerService:
             self._placed_now = e.placements  # events are never mutated
         elif isinstance(e, ev.NodeLost | ev.NodeDrained | ev.NodeRegistered):
             self.dirty.set()
+
+    def _on_skipped(self, skipped: SkippedMessage) -> None:
+        # A message there that does not decode still moves the subject's last sequence.
+        if skipped.subject == self._placements_subject:
+            self.placements_seq = max(self.placements_seq, skipped.seq)
 
     async def place_once(self) -> ev.PlacementDecided | None:
         newest = self.latest.epoch if self.latest is not None else 0

@@ -38,7 +38,7 @@ import re
 import structlog
 from shoal import codec
 from shoal import events as ev
-from shoal.bus import Bus, Campaign, ConcurrencyConflict
+from shoal.bus import Bus, Campaign, ConcurrencyConflict, SkippedMessage
 from shoal.clock import Clock
 from shoal.events import Envelope
 from shoal.profiling import ProfileBook, ProfileParams, Reason, convergence_update, throughput_update
@@ -50,6 +50,8 @@ log = structlog.get_logger("shoal.profiler")
 
 _FINISHED = (ev.JobCompleted, ev.JobFailed, ev.JobCancelled, ev.JobRejected)
 _BENIGN = frozenset({Reason.NO_GPUS, Reason.NO_RATE, Reason.FINISHED_JOB})
+_PROFILER_SUBJECT_ENDS = (".profile.throughput_model_updated", ".profile.convergence_estimated")
+"""Ends of the subjects the profiler appends to (``<prefix>.job.<job>.<tag>``)."""
 
 
 async def _wait_any(a: asyncio.Event, b: asyncio.Event, timeout: float) -> None:
@@ -89,7 +91,7 @@ class ProfilerService:
         self.material_change = material_change
         self.lease_ttl_s = lease_ttl_s
         self.coalesce_s = coalesce_s
-        self.projection = Projection(bus, listeners=[self._on_event])
+        self.projection = Projection(bus, listeners=[self._on_event], skip_listeners=[self._on_skipped])
         self.dirty = asyncio.Event()
         self.is_leader = False
         self.published = 0
@@ -98,8 +100,11 @@ class ProfilerService:
         self.model_at: dict[tuple[str, str], float] = {}
         """(job, GPU type) -> occurred-at of the newest ThroughputModelUpdated in the log."""
         self.convergence_at: dict[str, float] = {}
-        self.subject_seq: dict[tuple[str, str], int] = {}
-        """(job, event tag) -> stream sequence of the newest profiler event on that subject."""
+        self.subject_seq: dict[str, int] = {}
+        """Subject of a profiler event -> stream sequence of the newest message on it,
+        whatever it holds (a message there that does not decode counts: the
+        expected-sequence append compares with it)."""
+        self._job_subjects = f"{bus.names.prefix}.job."
         self.held_back: dict[tuple[str, str], float] = {}
         """Updates due but too soon: (kind, key) -> when they may go out."""
 
@@ -121,14 +126,19 @@ class ProfilerService:
             self.dirty.set()
         elif isinstance(e, ev.ThroughputModelUpdated):
             self.model_at[(e.job_id, e.gpu_type)] = env.at
-            self.subject_seq[(e.job_id, env.type)] = seq
+            self.subject_seq[self.bus.names.subject(e)] = seq
         elif isinstance(e, ev.ConvergenceEstimated):
             self.convergence_at[e.job_id] = env.at
-            self.subject_seq[(e.job_id, env.type)] = seq
+            self.subject_seq[self.bus.names.subject(e)] = seq
         elif isinstance(e, _FINISHED):
             self.book.forget(e.job_id)
             self.model_at = {k: v for k, v in self.model_at.items() if k[0] != e.job_id}
             self.convergence_at.pop(e.job_id, None)
+
+    def _on_skipped(self, skipped: SkippedMessage) -> None:
+        subject = skipped.subject
+        if subject.startswith(self._job_subjects) and subject.endswith(_PROFILER_SUBJECT_ENDS):
+            self.subject_seq[subject] = max(self.subject_seq.get(subject, 0), skipped.seq)
 
     # -- deciding ---------------------------------------------------------------
 
@@ -216,7 +226,7 @@ class ProfilerService:
         newest = 0
         for env in envs:
             job_id = getattr(env.event, "job_id", "")
-            expected = self.subject_seq.get((job_id, env.type), 0)
+            expected = self.subject_seq.get(self.bus.names.subject(env.event), 0)
             try:
                 result = await self.bus.publish(env, expected_last_subject_seq=expected)
             except ConcurrencyConflict:

@@ -48,7 +48,7 @@ import structlog
 from msgspec import Struct
 from shoal import codec
 from shoal import events as ev
-from shoal.bus import Bus, Campaign, ConcurrencyConflict
+from shoal.bus import Bus, Campaign, ConcurrencyConflict, SkippedMessage
 from shoal.clock import Clock
 from shoal.events import Envelope
 from shoal.fairness.hetero import generation_order
@@ -247,11 +247,14 @@ class TraderService:
         self.generation_rank = generation_rank
         self.lease_ttl_s = lease_ttl_s
         self.coalesce_s = coalesce_s
-        self.projection = Projection(bus, listeners=[self._on_event])
+        self.projection = Projection(bus, listeners=[self._on_event], skip_listeners=[self._on_skipped])
         self.dirty = asyncio.Event()
         self.is_leader = False
         self.subject_seq: dict[str, int] = {}
-        """Event tag -> stream sequence of the newest event on its subject."""
+        """Subject -> stream sequence of the newest message on it, whatever it holds (a
+        message there that does not decode counts: the expected-sequence append compares
+        with it)."""
+        self._subjects = {f"{bus.names.prefix}.{tag}" for tag in ("trade.executed", "trade.undone")}
         self.last_round: float | None = None
         self.last_trade_at: float | None = None
         """Occurred-at of the newest TradeExecuted in the log (a new leader keeps the pace)."""
@@ -263,11 +266,15 @@ class TraderService:
     def _on_event(self, seq: int, env: Envelope, state: ClusterState) -> None:
         e = env.event
         if isinstance(e, ev.TradeExecuted | ev.TradeUndone):
-            self.subject_seq[env.type] = seq
+            self.subject_seq[self.bus.names.subject(e)] = seq
             if isinstance(e, ev.TradeExecuted):
                 self.last_trade_at = max(self.last_trade_at or env.at, env.at)
         elif isinstance(e, _CHURN):
             self.dirty.set()
+
+    def _on_skipped(self, skipped: SkippedMessage) -> None:
+        if skipped.subject in self._subjects:
+            self.subject_seq[skipped.subject] = max(self.subject_seq.get(skipped.subject, 0), skipped.seq)
 
     def market(self) -> Market:
         return market(
@@ -278,7 +285,7 @@ class TraderService:
         )
 
     async def _append(self, env: Envelope) -> bool:
-        expected = self.subject_seq.get(env.type, 0)
+        expected = self.subject_seq.get(self.bus.names.subject(env.event), 0)
         try:
             result = await self.bus.publish(env, expected_last_subject_seq=expected)
         except ConcurrencyConflict:

@@ -448,10 +448,8 @@ class EmulatedTrainer:
         # The allocator releases it once it has decided on the completion.
         hold(self.clock, done_key(self.job_id))
         try:
-            await self._publish(
-                ev.JobCompleted(job_id=self.job_id, iterations=int(total)),
-                at=finish,
-                expected_last_subject_seq=0,
+            await self.bus.publish_first(
+                codec.wrap(ev.JobCompleted(job_id=self.job_id, iterations=int(total)), at=finish)
             )
         except ConcurrencyConflict:
             pass  # another sidecar of this job completed it first

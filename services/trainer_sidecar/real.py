@@ -303,9 +303,8 @@ class RealSidecar:
         if ctl.progress is not None:
             await self._emit(ctl.progress_event())
         try:
-            await self.bus.publish(
-                codec.wrap(ev.JobCompleted(job_id=self.job_id, iterations=step), at=time.time()),
-                expected_last_subject_seq=0,
+            await self.bus.publish_first(
+                codec.wrap(ev.JobCompleted(job_id=self.job_id, iterations=step), at=time.time())
             )
         except ConcurrencyConflict:
             pass  # another sidecar of this job completed it first
