@@ -11,7 +11,10 @@ envelope alone to tell an *unknown* type (skipped and counted: an older reader
 survives a newer writer) from a *malformed* payload (a clear error, dead-lettered).
 
 Evolution rules: add optional fields with defaults; never reuse or retype a field;
-a breaking change is a new tag (plus an upcaster in :mod:`shoal.codec`).
+a breaking change is a new tag (plus an upcaster in :mod:`shoal.codec`). A reader
+skips (counts and dead-letters) an envelope whose ``v`` is above its own ``version``
+of the type, as it does an unknown type: raising ``version`` hides the events from
+every older reader.
 
 Subjects are per aggregate (``<prefix>.job.<job_id>.<name>``,
 ``<prefix>.node.<node_id>.<name>``, ``<prefix>.alloc.<name>`` …) so a writer can
