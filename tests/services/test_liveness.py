@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import nats.errors
 import pytest
 from shoal import codec
 from shoal import events as ev
 from shoal import state as st
 from shoal.bus import Bus
-from shoal.client import Client
+from shoal.client import Client, NoAdmissionError
 from shoal.commands.run import CLI_ARGV as CLI
 from shoal.projection import Projection
 from shoal.settings import default_node_id
@@ -156,11 +157,19 @@ async def watch(up: Up) -> AsyncIterator[tuple[Bus, Watch]]:
 async def run_job(up: Up, job_id: str, gpus: int, timeout_s: float = 60) -> set[str]:
     """Submit a job of ``gpus`` GPUs, wait for it to complete; the nodes it ran on."""
     placed_on: set[str] = set()
+    spec = ev.JobSpec(user="alice", min_gpus=gpus, max_gpus=gpus, requested_gpus=gpus, total_iterations=40)
     async with await Client.connect(up.url, "shoal", **up.admin()) as client:
-        await client.submit(
-            ev.JobSpec(user="alice", min_gpus=gpus, max_gpus=gpus, requested_gpus=gpus, total_iterations=40),
-            job_id=job_id,
-        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                await client.submit(spec, job_id=job_id)
+                break
+            except NoAdmissionError as exc:
+                # Just started: admission may not listen yet (nobody got the command).
+                if not isinstance(exc.__cause__, nats.errors.NoRespondersError):
+                    raise
+                assert time.monotonic() < deadline, "admission never answered"
+                await asyncio.sleep(0.2)
 
         async def follow() -> str:
             last = ""
