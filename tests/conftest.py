@@ -10,8 +10,10 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
+from shoal.auth import CredentialStore, Role
 from shoal.bus import Bus
 from shoal.nats_server import EmbeddedNats
 
@@ -20,14 +22,42 @@ _prefixes = itertools.count(1)
 
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
+    """The session's server, with authentication on as everywhere (:mod:`shoal.auth`):
+    the admin identity, whose seed file every test process uses through
+    ``NATS_CREDS`` (as an operator's shell would), plus whatever identities a test
+    adds with :func:`add_identity`. Permissions are for any single-token prefix."""
     store = tmp_path_factory.mktemp("jetstream")
-    with EmbeddedNats(store_dir=store) as server:
-        yield server
+    creds = CredentialStore(tmp_path_factory.mktemp("creds"))
+    admin = creds.ensure("admin")
+    previous = os.environ.get("NATS_CREDS")
+    os.environ["NATS_CREDS"] = str(admin)
+    try:
+        with EmbeddedNats(store_dir=store, creds_dir=creds.directory, prefix="*") as server:
+            yield server
+    finally:
+        if previous is None:
+            os.environ.pop("NATS_CREDS", None)
+        else:
+            os.environ["NATS_CREDS"] = previous
+
+
+def add_identity(server: EmbeddedNats, role: Role, subject: str = "", **kw: Any) -> str:
+    """A new identity on the session server (reloaded to admit it); its seed file."""
+    assert server.creds_dir is not None
+    path = CredentialStore(server.creds_dir).ensure(role, subject, **kw)
+    server.reload()
+    return str(path)
 
 
 @pytest.fixture
 def nats_url(nats_server: EmbeddedNats) -> str:
     return nats_server.url
+
+
+@pytest.fixture
+def admin_creds() -> str:
+    """The admin's seed file (see :func:`nats_server`)."""
+    return os.environ["NATS_CREDS"]
 
 
 @pytest.fixture
@@ -37,7 +67,7 @@ def prefix() -> str:
 
 @pytest.fixture
 async def bus(nats_url: str, prefix: str) -> AsyncIterator[Bus]:
-    b = await Bus.connect(nats_url, prefix=prefix)
+    b = await Bus.connect(nats_url, prefix=prefix, creds=os.environ["NATS_CREDS"])
     try:
         yield b
     finally:

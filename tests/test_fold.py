@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -86,7 +87,7 @@ def test_unknown_event_objects_are_ignored() -> None:
 async def test_replay_equals_live(nats_url: str, history: list[ev.Envelope]) -> None:
     """A consumer that folds the live tail ends with the digest a fresh replay computes."""
     prefix = f"live{next(_counter)}"
-    bus = await Bus.connect(nats_url, prefix=prefix)
+    bus = await Bus.connect(nats_url, prefix=prefix, creds=os.environ["NATS_CREDS"])
     try:
         live = st.ClusterState()
         stop = asyncio.Event()

@@ -127,7 +127,7 @@ async def test_replay_skips_counts_and_dead_letters_each_bad_message_once(
         assert stored == data
 
     # Another process replaying the same log (and this one again) stores nothing more.
-    other = await Bus.connect(nats_url, prefix=prefix)
+    other = await Bus.connect(nats_url, prefix=prefix, creds=os.environ["NATS_CREDS"])
     try:
         state, seen = await fold_log(other, st.ClusterState(), st.apply)
         assert seen == last and sorted(state.jobs) == ["a", "b"]

@@ -45,6 +45,15 @@ class Limits(Struct, frozen=True, kw_only=True):
     max_gpus_per_user: int = 0
     enforce_users: bool = False
     """Reject users that have no ``UserRegistered`` event."""
+    entrypoints: tuple[tuple[str, ...], ...] = ()
+    """The commands an operator allows real-mode jobs to run: a job's ``entrypoint`` must
+    begin with one of these argv prefixes (e.g. ``("python", "/opt/jobs/train.py")``;
+    its further arguments are the job's). Empty: no job may name an entrypoint, which
+    is right for an emulated installation and the safe default for a real one."""
+    job_env: tuple[str, ...] = ()
+    """Names of ``spec.env`` variables a job may set besides ``SHOAL_TRAIN_*`` (the
+    training options): without a limit, ``LD_PRELOAD`` or ``PYTHONPATH`` would run
+    code of the submitter's choosing inside an allowed command."""
 
 
 class Accepted(Struct, frozen=True):
@@ -118,6 +127,27 @@ def known_gpu_types(state: ClusterState) -> set[str]:
     return {g.gpu_type for n in state.nodes.values() for g in n.gpus}
 
 
+def check_command(spec: ev.JobSpec, limits: Limits) -> Rejected | None:
+    """Refuse a job whose ``entrypoint`` no operator allowed (``entrypoint_not_allowed``)
+    or whose ``env`` sets a variable outside ``SHOAL_TRAIN_*`` and ``limits.job_env``
+    (``env_not_allowed``): what a node runs comes from the operator, never from an
+    arbitrary string in a submission (:class:`Limits`)."""
+    if spec.entrypoint and not any(
+        prefix and spec.entrypoint[: len(prefix)] == prefix for prefix in limits.entrypoints
+    ):
+        allowed = ", ".join(" ".join(p) for p in limits.entrypoints) or "none configured"
+        message = (
+            f"entrypoint {' '.join(spec.entrypoint)[:200]!r} is not allowed here; "
+            f"it must begin with one of the operator's entrypoints ({allowed})"
+        )
+        return Rejected("entrypoint_not_allowed", message)
+    bad = sorted(k for k in spec.env if not k.startswith("SHOAL_TRAIN_") and k not in limits.job_env)
+    if bad:
+        errors = tuple(f"job env variable {k[:64]!r} is not allowed" for k in bad)
+        return Rejected("env_not_allowed", "; ".join(errors), errors)
+    return None
+
+
 def decide_submit(state: ClusterState, cmd: ev.SubmitJob, job_id: str, limits: Limits) -> Accepted | Rejected:
     """Accept a submission as a ``JobSubmitted`` event, or reject it with a reason.
 
@@ -136,6 +166,9 @@ def decide_submit(state: ClusterState, cmd: ev.SubmitJob, job_id: str, limits: L
     errors = validate_spec(spec, known_gpu_types=known_gpu_types(state), cluster_gpus=state.total_gpus())
     if errors:
         return Rejected("invalid_spec", "; ".join(errors), tuple(errors))
+    refusal = check_command(spec, limits)
+    if refusal is not None:
+        return refusal
     user = state.users.get(spec.user)
     if limits.enforce_users and (user is None or not user.registered):
         return Rejected("unknown_user", f"user {spec.user!r} is not registered")

@@ -39,7 +39,7 @@ stream             subjects                                             use
 ``P_CTL``          ``p.ctl.>``                                          durable commands to
                                                                          node daemons/sidecars
 ``P_DLQ``          ``p.dlq.>``                                          dead letters
-(no stream)        ``p.cmd.<name>``                                     request/reply commands
+(no stream)        ``p.cmd.<name>.<sender>``                            request/reply commands
 =================  ===================================================  ======================
 
 Request/reply commands are kept out of every stream on purpose: a stream that
@@ -72,6 +72,7 @@ import contextlib
 import datetime as dt
 import itertools
 import math
+import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from enum import StrEnum
@@ -125,6 +126,19 @@ class NoServerError(BusError):
     """No NATS server reachable at the given URL."""
 
 
+class AuthFailed(NoServerError):
+    """The server refused the connection's credentials (or requires some)."""
+
+
+def _auth_hint(url: str, creds: str | None) -> str:
+    if creds:
+        return f"the NATS server at {url} refused the credentials in {creds}"
+    return (
+        f"the NATS server at {url} requires credentials: set NATS_CREDS to an nkey seed file "
+        "(`shoal up` keeps them in <state dir>/creds)"
+    )
+
+
 class PublishRejected(BusError):
     """JetStream refused a publish."""
 
@@ -134,6 +148,10 @@ class PublishRejected(BusError):
         self.err_code = err_code
         self.subject = subject
         self.event_id = event_id
+
+
+class PermissionDenied(PublishRejected):
+    """The server refused the publish: this identity may not publish on the subject."""
 
 
 class ConcurrencyConflict(PublishRejected):
@@ -201,9 +219,11 @@ class Names:
         self.ctl_subjects = [f"{prefix}.ctl.>"]
         self.dlq_subjects = [f"{prefix}.dlq.>"]
 
-    def cmd(self, name: str) -> str:
-        """Request/reply subject of a command, e.g. ``shoal.cmd.submit_job``."""
-        return f"{self.prefix}.cmd.{name}"
+    def cmd(self, name: str, sender: str = "@admin") -> str:
+        """Request/reply subject of a command sent as ``sender``, e.g.
+        ``shoal.cmd.submit_job.alice``; the default is the admin's token
+        (:data:`shoal.auth.ADMIN_TOKEN`), which only the admin identity may use."""
+        return f"{self.prefix}.cmd.{name}.{sender}"
 
     def ctl(self, *tokens: str) -> str:
         return ".".join((self.prefix, "ctl", *tokens))
@@ -262,8 +282,28 @@ class Bus:
         self._ack_prefix: str | None = None
         self._ack_sub: Any = None
         self._pending: dict[int, asyncio.Future[bytes]] = {}
+        self._pending_subject: dict[int, str] = {}
         self._tokens = itertools.count(1)
         self._dlq_paused_until = -math.inf
+        self.identity: str | None = None
+        """The name of the identity this connection authenticated as (:mod:`shoal.auth`)."""
+        self.permission_errors: collections.deque[str] = collections.deque(maxlen=64)
+        """The subjects of the latest permissions violations the server reported."""
+
+    def on_permission_violation(self, subject: str) -> None:
+        """Fail at once every pending publish to ``subject`` (the server dropped it).
+
+        The client library reports the subject lower-cased, so subjects compare so."""
+        subject = subject.lower()
+        self.permission_errors.append(subject)
+        for token, pending_subject in list(self._pending_subject.items()):
+            if pending_subject.lower() == subject:
+                fut = self._pending.pop(token, None)
+                self._pending_subject.pop(token, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(
+                        PermissionDenied(f"permissions violation for publish to {subject!r}", subject=subject)
+                    )
 
     # -- connection --------------------------------------------------------------
 
@@ -278,20 +318,43 @@ class Bus:
         max_reconnect_attempts: int = -1,
         initial_connect_timeout_s: float = 5.0,
         declare: bool = True,
+        creds: str | None = None,
     ) -> Bus:
         """Connect (with reconnects) and, by default, declare the streams.
 
+        Args:
+            creds: an nkey seed file (:mod:`shoal.auth`) to authenticate with; its
+                identity's inbox prefix is used for replies. None: no authentication.
+
         Raises:
             NoServerError: nothing answers at ``url``.
+            AuthFailed: the server refused the credentials (or wants some).
         """
+        holder: list[Bus] = []
+        refused = asyncio.Event()
 
         async def _error_cb(exc: Exception) -> None:
-            log.warning("nats_error", error=str(exc))
+            text = str(exc)
+            if isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in text.lower():
+                refused.set()
+            if "permissions violation" in text.lower():
+                match = re.search(r'publish to "([^"]+)"', text, re.IGNORECASE)
+                if match and holder:
+                    holder[0].on_permission_violation(match.group(1))
+            log.warning("nats_error", error=text)
 
+        from shoal.auth import inbox_prefix, name_of_creds
+
+        auth: dict[str, Any] = {}
+        if creds:
+            if not os.access(creds, os.R_OK):
+                raise AuthFailed(f"cannot read the credentials file {creds}")
+            auth = {"nkeys_seed": str(creds), "inbox_prefix": inbox_prefix(name_of_creds(creds))}
         try:
             # nats-py keeps retrying a first connect for as long as reconnects are
-            # allowed; bound the first connect so a missing server is a clear error.
-            nc = await asyncio.wait_for(
+            # allowed; bound the first connect so a missing server is a clear error,
+            # and stop at the first refusal of the credentials.
+            connecting = asyncio.ensure_future(
                 nats.connect(
                     servers=[url],
                     name=name,
@@ -300,12 +363,31 @@ class Bus:
                     max_reconnect_attempts=max_reconnect_attempts,
                     reconnect_time_wait=0.5,
                     error_cb=_error_cb,
-                ),
-                initial_connect_timeout_s,
+                    **auth,
+                )
             )
-        except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
+            refusal = asyncio.ensure_future(refused.wait())
+            done, _ = await asyncio.wait(
+                {connecting, refusal}, timeout=initial_connect_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            refusal.cancel()
+            if connecting not in done:
+                connecting.cancel()
+                with contextlib.suppress(BaseException):
+                    await connecting
+                if refused.is_set():
+                    raise AuthFailed(_auth_hint(url, creds))
+                raise TimeoutError
+            nc = connecting.result()
+        except nats.errors.Error as exc:
+            if "authorization" in str(exc).lower() or isinstance(exc, nats.errors.AuthorizationError):
+                raise AuthFailed(_auth_hint(url, creds)) from None
+            raise NoServerError(f"no NATS server reachable at {url}: {exc or type(exc).__name__}") from None
+        except (OSError, TimeoutError) as exc:
             raise NoServerError(f"no NATS server reachable at {url}: {exc or type(exc).__name__}") from None
         bus = cls(nc, prefix)
+        bus.identity = name_of_creds(creds) if creds else None
+        holder.append(bus)
         if declare:
             await bus.declare()
         return bus
@@ -319,6 +401,11 @@ class Bus:
         if not self.nc.is_closed:
             with contextlib.suppress(Exception):
                 await self.nc.drain()
+
+    @property
+    def may_delete_consumers(self) -> bool:
+        """Whether this identity may delete consumers (not clients and nodes: :mod:`shoal.auth`)."""
+        return not (self.identity or "").startswith(("user-", "node-"))
 
     async def __aenter__(self) -> Bus:
         return self
@@ -334,10 +421,20 @@ class Bus:
         except nats.js.errors.BadRequestError as exc:
             if exc.err_code != ERR_STREAM_NAME_IN_USE:
                 raise
-            await self.js.update_stream(config)
+            try:
+                await self.js.update_stream(config)
+            except (TimeoutError, nats.errors.TimeoutError):
+                # Only the admin may update a stream (shoal.auth): the server dropped the
+                # request. The stream exists, which is what a service needs.
+                log.warning("stream_update_not_permitted", stream=config.name)
 
     async def declare(self) -> None:
-        """Create (or update to the current config) the streams and buckets. Idempotent."""
+        """Create (or update to the current config) the streams and buckets. Idempotent.
+
+        A node, sidecar or client identity may not create streams (:mod:`shoal.auth`):
+        for them this does nothing; the admin (``shoal up``) or a service creates them."""
+        if (self.identity or "").startswith(("user-", "node-", "sidecar-")):
+            return
         n = self.names
         await self._ensure_stream(
             api.StreamConfig(
@@ -381,6 +478,7 @@ class Bus:
 
     async def _on_ack(self, msg: Msg) -> None:
         token = int(msg.subject.rsplit(".", 1)[1])
+        self._pending_subject.pop(token, None)
         fut = self._pending.pop(token, None)
         if fut is not None and not fut.done():
             fut.set_result(msg.data)
@@ -472,6 +570,7 @@ class Bus:
                 token = next(self._tokens)
                 fut: asyncio.Future[bytes] = loop.create_future()
                 self._pending[token] = fut
+                self._pending_subject[token] = subject
                 futs.append(fut)
                 headers = {Header.MSG_ID.value: event_id, **trace}
                 if expected_last_subject_seq is not None:
@@ -482,6 +581,11 @@ class Bus:
             except TimeoutError:
                 for f in futs:
                     f.cancel()
+                denied = [s for s, _d, _i in chunk if s.lower() in self.permission_errors]
+                if denied:
+                    raise PermissionDenied(
+                        f"permissions violation for publish to {denied[0]!r}", subject=denied[0]
+                    ) from None
                 raise PublishRejected(f"no ack within {timeout_s}s for a burst of {len(chunk)}") from None
             for (subject, _data, event_id), reply in zip(chunk, replies, strict=True):
                 out.append(self._check_ack(reply, subject, event_id))
@@ -494,6 +598,8 @@ class Bus:
 
     @staticmethod
     def _check_ack(reply: bytes | BaseException, subject: str, event_id: str) -> PublishResult | BusError:
+        if isinstance(reply, BusError):
+            return reply
         if isinstance(reply, BaseException):
             return PublishRejected(str(reply), subject=subject, event_id=event_id)
         try:
@@ -689,8 +795,10 @@ class Bus:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-            with contextlib.suppress(Exception):
-                await self.js.delete_consumer(stream, consumer)
+            if self.may_delete_consumers:
+                with contextlib.suppress(Exception):
+                    await self.js.delete_consumer(stream, consumer)
+            # else the server removes the consumer after its inactive_threshold
 
     async def replay(self, **kwargs: Any) -> AsyncIterator[tuple[int, Envelope]]:
         """Like :meth:`replay_batches`, one ``(seq, envelope)`` at a time."""

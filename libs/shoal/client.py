@@ -37,6 +37,7 @@ import nats.js.errors
 from shoal import codec
 from shoal import events as ev
 from shoal import state as st
+from shoal.auth import ADMIN_TOKEN, user_of_creds
 from shoal.bus import Batch, Bus
 
 #: The fields a job spec may have (a mapping with any other key is refused).
@@ -138,30 +139,46 @@ class Client:
     def __init__(self, bus: Bus, *, timeout_s: float = 10.0) -> None:
         self.bus = bus
         self.timeout_s = timeout_s
+        self.user = user_of_creds(bus.identity) if bus.identity else None
+        """The user this client authenticated as; None for the admin (or no credentials),
+        who sends commands as ``@admin`` and may act for any user."""
 
     @classmethod
     async def connect(
-        cls, url: str | None = None, prefix: str | None = None, *, timeout_s: float = 10.0
+        cls,
+        url: str | None = None,
+        prefix: str | None = None,
+        *,
+        timeout_s: float = 10.0,
+        creds: str | None = None,
     ) -> Client:
-        """Connect to NATS. Without ``url``/``prefix`` they are found the way the CLI finds
-        them (``NATS_URL``, ``SHOAL_PREFIX``, the server ``shoal up`` started).
+        """Connect to NATS. Without ``url``/``prefix``/``creds`` they are found the way
+        the CLI finds them (``NATS_URL``, ``SHOAL_PREFIX``, ``NATS_CREDS``, the server and
+        admin credentials of the ``shoal up`` running for the state directory).
 
         Raises:
             shoal.bus.NoServerError: nothing answers at the URL.
+            shoal.bus.AuthFailed: the server refused the credentials (or wants some).
         """
-        if url is None or prefix is None:
+        if url is None or prefix is None or creds is None:
             from shoal.bus import NoServerError
             from shoal.cli import CommandError as CliError
             from shoal.commands import _connect
 
             try:
+                creds = creds or _connect.resolve_creds(url_given=url is not None)
                 url = url or _connect.resolve_url()
                 prefix = prefix or _connect.resolve_prefix()
             except CliError as exc:
                 raise NoServerError(str(exc)) from None
         await _probe(url, timeout_s=min(timeout_s, 5.0))
-        bus = await Bus.connect(url, prefix=prefix, name="shoal-client", declare=False)
+        bus = await Bus.connect(url, prefix=prefix, name="shoal-client", declare=False, creds=creds)
         return cls(bus, timeout_s=timeout_s)
+
+    @property
+    def sender(self) -> str:
+        """The command-subject token this client sends as (:func:`shoal.auth.command_subject`)."""
+        return self.user or ADMIN_TOKEN
 
     async def close(self) -> None:
         await self.bus.close()
@@ -175,7 +192,7 @@ class Client:
     # -- commands ------------------------------------------------------------------
 
     async def _request(self, name: str, payload: bytes) -> ev.CommandAccepted:
-        subject = self.bus.names.cmd(name)
+        subject = self.bus.names.cmd(name, self.sender)
         try:
             msg = await self.bus.nc.request(subject, payload, timeout=self.timeout_s)
         except nats.errors.MaxPayloadError:
@@ -209,7 +226,10 @@ class Client:
     ) -> ev.CommandAccepted:
         """Like :meth:`submit`, returning the whole acceptance (``duplicate`` tells a
         re-submission of the same job id apart)."""
-        body: dict[str, Any] = {"type": "cmd.submit_job", "spec": spec_to_wire(spec)}
+        wire = spec_to_wire(spec)
+        if self.user is not None and not wire.get("user"):
+            wire["user"] = self.user  # a user's job is its own unless it says otherwise
+        body: dict[str, Any] = {"type": "cmd.submit_job", "spec": wire}
         if job_id is not None:
             body["job_id"] = check_job_id(job_id)
         try:

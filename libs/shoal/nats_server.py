@@ -9,6 +9,13 @@ parent leaves no orphan server behind.
 
 The MQTT listener is optional: it needs a ``server_name`` and JetStream, which we
 always set.
+
+Authentication: with ``creds_dir`` (a :class:`shoal.auth.CredentialStore`) the
+server admits only the identities in that store, each with the subject permissions
+of its role (:func:`shoal.auth.permissions` for ``prefix``); :meth:`reload` applies
+identities added since start without a restart. Without it the server is open,
+which only code that builds a server by hand asks for: ``shoal up``, ``shoal demo``
+and the test fixtures always pass one.
 """
 
 from __future__ import annotations
@@ -85,6 +92,9 @@ class EmbeddedNats:
         max_payload: int = 1024 * 1024,
         host: str = "127.0.0.1",
         debug: bool = False,
+        creds_dir: str | os.PathLike[str] | None = None,
+        prefix: str = "shoal",
+        sync_interval: str | None = None,
     ) -> None:
         self._own_store = store_dir is None
         self.store_dir = Path(store_dir) if store_dir is not None else None
@@ -94,6 +104,9 @@ class EmbeddedNats:
         self.max_payload = max_payload
         self.host = host
         self.debug = debug
+        self.creds_dir = Path(creds_dir) if creds_dir is not None else None
+        self.prefix = prefix
+        self.sync_interval = sync_interval
         self.proc: subprocess.Popen[bytes] | None = None
         self._workdir: Path | None = None
         self.client_port: int | None = None
@@ -114,11 +127,29 @@ class EmbeddedNats:
             f"max_payload: {self.max_payload}",
             "jetstream {",
             f'  store_dir: "{self.store_dir}"',
+            *([f"  sync_interval: {self.sync_interval}"] if self.sync_interval else []),
             "}",
         ]
         if self.mqtt_port is not None:
             lines += ["mqtt {", f'  host: "{self.host}"', f"  port: {self.mqtt_port}", "}"]
-        return "\n".join(lines) + "\n"
+        text = "\n".join(lines) + "\n"
+        if self.creds_dir is not None:
+            from shoal.auth import CredentialStore, authorization_block
+
+            text += authorization_block(CredentialStore(self.creds_dir).identities(), self.prefix)
+        return text
+
+    def reload(self) -> None:
+        """Rewrite the configuration (identities added to ``creds_dir`` since start) and
+        have the running server reload it (SIGHUP)."""
+        if self.proc is None or self._workdir is None:
+            raise NatsServerError("server not started")
+        conf = self._workdir / "nats.conf"
+        tmp = conf.with_suffix(".tmp")
+        tmp.write_text(self._config())
+        os.chmod(tmp, 0o600)
+        tmp.replace(conf)
+        self.proc.send_signal(signal.SIGHUP)
 
     def start(self, timeout_s: float = 15.0) -> EmbeddedNats:
         """Start the server and wait until it accepts clients.
@@ -134,6 +165,7 @@ class EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self._workdir / "nats.conf"
         conf.write_text(self._config())
+        os.chmod(conf, 0o600)
         log_path = self._workdir / "nats.log"
         args = [binary, "-c", str(conf), "--ports_file_dir", str(self._workdir), "-l", str(log_path)]
         if self.debug:

@@ -130,17 +130,43 @@ def resolve_nats_url(settings: Settings) -> str:
     raise StartupError(f"{NO_SERVER} (looked for a running `shoal up` in {settings.state_dir})")
 
 
-async def connect_bus(settings: Settings, name: str, *, declare: bool = True) -> Bus:
-    """A connected bus for ``settings`` (streams declared unless ``declare=False``).
+CREDS_DIR = "creds"
+NATS_VARIABLES = ("NATS_URL", "NATS_CREDS")
+"""NATS tooling's own variables, which shoal's settings honour (and which win over the
+``SHOAL_*`` ones): a parent that hands its children settings removes them first."""
+
+
+def resolve_creds(settings: Settings, identity: str) -> str | None:
+    """The nkey seed file this process authenticates with: ``settings.nats_creds``
+    (``NATS_CREDS``/``SHOAL_NATS_CREDS``) if set, else ``identity``'s file in the
+    credentials of a live ``shoal up`` for ``settings.state_dir``, else None (no
+    authentication: a server that requires it then refuses with a clear error)."""
+    if settings.nats_creds:
+        return settings.nats_creds
+    if settings.nats_url is None and read_up_info(settings.state_dir) is not None:
+        path = Path(settings.state_dir) / CREDS_DIR / f"{identity}.nk"
+        if path.exists():
+            return str(path)
+    return None
+
+
+async def connect_bus(
+    settings: Settings, name: str, *, declare: bool = True, identity: str | None = None
+) -> Bus:
+    """A connected bus for ``settings`` (streams declared unless ``declare=False``),
+    authenticated as :func:`resolve_creds` finds (``identity`` defaults to ``name``).
 
     Raises:
-        StartupError: no server configured, or none reachable.
+        StartupError: no server configured, none reachable, or credentials refused.
     """
-    from shoal.bus import Bus, NoServerError
+    from shoal.bus import AuthFailed, Bus, NoServerError
 
     url = resolve_nats_url(settings)
+    creds = resolve_creds(settings, identity or name)
     try:
-        return await Bus.connect(url, prefix=settings.prefix, name=name, declare=declare)
+        return await Bus.connect(url, prefix=settings.prefix, name=name, declare=declare, creds=creds)
+    except AuthFailed as exc:
+        raise StartupError(str(exc)) from None
     except NoServerError as exc:
         raise StartupError(f"{exc} (set NATS_URL or run `shoal up`)") from None
 
@@ -190,7 +216,7 @@ def run_in_session(argv: list[str], settings: Settings) -> int:
 
     from shoal.supervisor import _die_with_parent
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_") and k != "NATS_URL"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_") and k not in NATS_VARIABLES}
     env.update(settings.to_env())
     if settings.nats_url:
         env["NATS_URL"] = settings.nats_url

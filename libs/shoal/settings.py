@@ -83,6 +83,12 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
     nats_url: str | None = None
     """NATS server URL. Unset: the embedded server that `shoal up` runs for ``state_dir``."""
+    nats_creds: str | None = None
+    """nkey seed file this process authenticates with (``NATS_CREDS`` also sets it; see
+    :mod:`shoal.auth`). Unset: the file of this process's identity in ``<state_dir>/creds``
+    when `shoal up` runs there, else no credentials."""
+    sidecar_creds: str | None = None
+    """A node daemon's: the seed file its sidecars authenticate with (role ``sidecar``)."""
     prefix: Prefix = "shoal"
     """Subject/stream prefix of one installation (several can share a NATS server)."""
     state_dir: str = ""
@@ -136,6 +142,11 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Wall seconds between progress reports of an emulated trainer."""
     drain_timeout_s: PositiveFloat = 10.0
     """How long a service may take to drain in-flight work after SIGTERM."""
+    entrypoints: tuple[tuple[str, ...], ...] = ()
+    """Admission's: argv prefixes real-mode jobs may run (``SHOAL_ENTRYPOINTS`` is JSON,
+    e.g. ``[["python", "/opt/jobs/train.py"]]``); empty: no job may name an entrypoint."""
+    job_env: tuple[str, ...] = ()
+    """Admission's: ``spec.env`` names a job may set besides ``SHOAL_TRAIN_*`` (JSON list)."""
     trace_jsonl: str | None = None
     """Append every finished span as one JSON line to this file."""
 
@@ -169,6 +180,8 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         if env.get("NATS_URL", "").strip():
             # NATS tooling's own variable wins, as in the CLI's server lookup (commands/_connect).
             values["nats_url"] = env["NATS_URL"].strip()
+        if env.get("NATS_CREDS", "").strip():
+            values["nats_creds"] = env["NATS_CREDS"].strip()
         for name, value in overrides.items():
             if value is None:
                 continue
@@ -192,7 +205,7 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 continue
             if isinstance(value, bool):
                 out[key] = "true" if value else "false"
-            elif isinstance(value, dict):
+            elif isinstance(value, dict | tuple | list):
                 out[key] = json.dumps(value, sort_keys=True)
             elif isinstance(value, float):
                 out[key] = repr(value)
@@ -259,11 +272,11 @@ def _parse_text(source: str, text: str, tp: Any, name: str) -> Any:
         if low in _FALSE:
             return False
         raise SettingsError(f"{source}={text!r}: expected a boolean (true/false, 1/0, yes/no, on/off)")
-    if typing.get_origin(base) is dict:
+    if typing.get_origin(base) in (dict, tuple, list):
         try:
             parsed = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise SettingsError(f"{source}={text!r}: expected a JSON object ({exc})") from None
+            raise SettingsError(f"{source}={text!r}: expected JSON ({exc})") from None
         return _convert(source, parsed, tp)
     return _convert(source, text, tp, shown=text)
 

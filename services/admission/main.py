@@ -27,7 +27,11 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         await projection.start()
         resources.push_async_callback(projection.stop)
         await projection.wait_ready()
-        service = AdmissionService(bus, projection, admission.Limits(), clock=clock)
+        limits = admission.Limits(entrypoints=settings.entrypoints, job_env=settings.job_env)
+        # The MQTT bridge runs when the installation has an MQTT listener (`shoal up --mqtt`).
+        service = AdmissionService(
+            bus, projection, limits, clock=clock, mqtt_bridge=settings.mqtt_port is not None
+        )
         await service.start()
         resources.push_async_callback(service.stop)
         await stop.wait()

@@ -11,7 +11,10 @@ topic's). Queue group ``admission-mqtt``, so bridge replicas share the load.
 
 Decides: nothing itself. It turns the payload into the same ``cmd.submit_job``
 request any NATS client sends (JSON, ``Content-Type: application/json``) and asks
-admission on ``<prefix>.cmd.submit_job``: one path, one set of rules.
+admission on ``<prefix>.cmd.submit_job.<user>``: one path, one set of rules. The
+topic's user is the device's: with authentication on, the server lets an MQTT
+user publish only on its own submit topic and read only its own result topic
+(:mod:`shoal.auth`).
 
 Publishes: the outcome as JSON on ``<prefix>.mqtt.result.<user>`` — MQTT topic
 ``<prefix>/mqtt/result/<user>``: admission's reply (``type`` ``reply.accepted`` with
@@ -151,7 +154,7 @@ class MqttBridge:
         body: dict[str, Any] = {"type": "cmd.submit_job", "spec": spec}
         if job_id is not None:
             body["job_id"] = job_id
-        subject = self.subjects.names.cmd("submit_job")
+        subject = self.subjects.names.cmd("submit_job", user)
         try:
             reply = await self.nc.request(
                 subject, json.dumps(body).encode(), timeout=self.timeout_s, headers={"Content-Type": JSON}

@@ -1,7 +1,12 @@
 """admission: the front door for commands.
 
-Consumes: request/reply commands on ``<prefix>.cmd.submit_job``, ``cmd.cancel_job``
-and ``cmd.set_tickets`` (queue group ``admission``, so replicas share the load).
+Consumes: request/reply commands on ``<prefix>.cmd.submit_job.<sender>``,
+``cmd.cancel_job.<sender>`` and ``cmd.set_tickets.<sender>`` (queue group
+``admission``, so replicas share the load). ``<sender>`` is the user the command is
+sent as; the server lets each client identity publish only with its own user there
+(:mod:`shoal.auth`), so admission reads the authenticated user from the subject and
+refuses a command that user may not send (``user_mismatch``, ``not_owner``,
+``forbidden``) before deciding anything.
 A request is msgpack, or JSON when the request carries the header
 ``Content-Type: application/json`` (and then the reply is JSON too).
 
@@ -27,6 +32,7 @@ import structlog
 from nats.aio.msg import Msg
 from shoal import admission, codec
 from shoal import events as ev
+from shoal.auth import ADMIN_TOKEN, authorize_command, command_subject
 from shoal.bus import Bus, ConcurrencyConflict, Header, PublishRejected
 from shoal.clock import Clock, WallClock
 from shoal.ids import new_ulid
@@ -71,7 +77,9 @@ class AdmissionService:
     async def start(self) -> None:
         for name in COMMANDS:
             self._subs.append(
-                await self.bus.nc.subscribe(self.bus.names.cmd(name), queue="admission", cb=self._on_request)
+                await self.bus.nc.subscribe(
+                    command_subject(self.bus.names.prefix, name, "*"), queue="admission", cb=self._on_request
+                )
             )
         if self.mqtt_bridge is not None:
             await self.mqtt_bridge.start()
@@ -89,7 +97,8 @@ class AdmissionService:
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(service="admission", subject=msg.subject)
         try:
-            reply = await self.handle(msg.data, msg.subject.rsplit(".", 1)[-1], as_json)
+            command, sender = msg.subject.rsplit(".", 2)[-2:]
+            reply = await self.handle(msg.data, command, as_json, sender=sender)
         except Exception as exc:  # never leave a client hanging
             log.exception("admission_failed")
             reply = ev.CommandRejected(code="internal", message=f"admission failed: {exc}")
@@ -99,9 +108,11 @@ class AdmissionService:
             await msg.respond(codec.encode_reply(reply, json=as_json))
 
     async def handle(
-        self, data: bytes, command: str, as_json: bool = False
+        self, data: bytes, command: str, as_json: bool = False, *, sender: str = ADMIN_TOKEN
     ) -> ev.CommandAccepted | ev.CommandRejected:
-        """Decode, decide, publish; return the reply."""
+        """Decode, authorize (``sender``: the user the server authenticated, from the
+        command subject; :func:`shoal.auth.authorize_command`), decide, publish; return
+        the reply."""
         try:
             cmd = codec.decode_command(data, json=as_json)
         except codec.MessageTooLarge as exc:
@@ -115,6 +126,13 @@ class AdmissionService:
             return ev.CommandRejected(
                 code="wrong_subject", message=f"a {cmd.name} command was sent to the {command} subject"
             )
+        owner = None
+        if isinstance(cmd, ev.CancelJob) and cmd.job_id in self.projection.state.jobs:
+            owner = self.projection.state.jobs[cmd.job_id].spec.user
+        refusal = authorize_command(cmd, sender, owner)
+        if refusal is not None:
+            log.info("command_refused", code=refusal[0], sender=sender, command=command)
+            return ev.CommandRejected(code=refusal[0], message=refusal[1], errors=(refusal[1],))
         # One decision at a time per process, so a decision always sees the previous one's event.
         async with self._lock:
             return await self._decide_and_publish(cmd)

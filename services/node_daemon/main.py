@@ -33,9 +33,10 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import msgspec
 from shoal import events as ev
 from shoal.gpus import discover_nvml, fake_gpus
-from shoal.runtime import StartupError, connect_bus, make_clock, resolve_nats_url
+from shoal.runtime import StartupError, connect_bus, make_clock, resolve_creds, resolve_nats_url
 from shoal.settings import Settings
 from shoal_services.node_daemon.service import NodeDaemon
 
@@ -108,14 +109,19 @@ def sidecar_argv(
     return real_argv
 
 
-def sidecar_env(settings: Settings, nats_url: str) -> dict[str, str]:
+def sidecar_env(settings: Settings, nats_url: str, sidecar_creds: str | None = None) -> dict[str, str]:
     """The ``SHOAL_*`` variables a sidecar needs to see this daemon's installation: its
-    settings (flags included) and the server it resolved (``NATS_URL`` too, which
-    would otherwise win over ``SHOAL_NATS_URL``)."""
+    settings (flags included), the server it resolved (``NATS_URL`` too, which would
+    otherwise win over ``SHOAL_NATS_URL``) and the sidecars' own credentials (never the
+    daemon's: a sidecar is the narrower ``sidecar`` role of :mod:`shoal.auth`)."""
     env = settings.to_env()
     env["SHOAL_NATS_URL"] = env["NATS_URL"] = nats_url
-    for name in ("SHOAL_NODE_ID", "SHOAL_FAKE_GPUS", "SHOAL_SIDECAR_SPARES"):  # daemon-only settings
+    # daemon-only settings
+    for name in ("SHOAL_NODE_ID", "SHOAL_FAKE_GPUS", "SHOAL_SIDECAR_SPARES", "SHOAL_SIDECAR_CREDS"):
         env.pop(name, None)
+    env.pop("SHOAL_NATS_CREDS", None)
+    if sidecar_creds:
+        env["SHOAL_NATS_CREDS"] = env["NATS_CREDS"] = sidecar_creds
     return env
 
 
@@ -125,11 +131,17 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     clock = make_clock(settings)
     node_id = settings.resolved_node_id()
     url = resolve_nats_url(settings)
+    creds = resolve_creds(settings, f"node-{node_id}")
     # Sidecars are children of this process (started by NodeDaemon, which passes no
     # environment of its own), so they inherit ours: export this daemon's settings.
-    os.environ.update(sidecar_env(settings, url))
+    sidecar_creds = settings.sidecar_creds or resolve_creds(
+        msgspec.structs.replace(settings, nats_creds=None), f"sidecar-{node_id}"
+    )
+    os.environ.pop("NATS_CREDS", None)
+    os.environ.update(sidecar_env(settings, url, sidecar_creds))
+    settings = msgspec.structs.replace(settings, nats_creds=creds)
     async with contextlib.AsyncExitStack() as resources:
-        bus = await connect_bus(settings, f"node-daemon-{node_id}")
+        bus = await connect_bus(settings, f"node-daemon-{node_id}", identity=f"node-{node_id}")
         resources.push_async_callback(bus.close)
         daemon = NodeDaemon(
             bus,

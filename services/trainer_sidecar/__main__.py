@@ -109,8 +109,10 @@ async def _read_orders(
 
 async def main_async(args: argparse.Namespace) -> int:
     label = "spare" if args.job == SPARE_JOB else args.job
+    # Credentials of the sidecar role (shoal.auth), exported by the node daemon.
+    creds = os.environ.get("SHOAL_NATS_CREDS") or os.environ.get("NATS_CREDS") or None
     bus = await Bus.connect(
-        args.nats_url, prefix=args.prefix, name=f"sidecar-{label}-{args.node}", declare=False
+        args.nats_url, prefix=args.prefix, name=f"sidecar-{label}-{args.node}", declare=False, creds=creds
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -56,7 +56,9 @@ def configure(argv: Sequence[str]) -> Serve:
         async with contextlib.AsyncExitStack() as resources:
             spare = args.job == SPARE_JOB
             label = "spare" if spare else args.job
-            bus = await connect_bus(settings, f"sidecar-{label}-{args.node}", declare=False)
+            bus = await connect_bus(
+                settings, f"sidecar-{label}-{args.node}", declare=False, identity=f"sidecar-{args.node}"
+            )
             resources.push_async_callback(bus.close)
             stdin = await open_stdin()
             signal_ready(args.ready_fd)

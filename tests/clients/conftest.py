@@ -53,6 +53,7 @@ async def client(bus: Bus, service: AdmissionService) -> Client:
 def cli_env(nats_url: str, prefix: str, tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NATS_", "SHOAL_"))}
     env.update(NATS_URL=nats_url, SHOAL_PREFIX=prefix, SHOAL_STATE_DIR=str(tmp_path / "state"))
+    env["NATS_CREDS"] = os.environ["NATS_CREDS"]  # the admin's, as an operator's shell has it
     return env
 
 

@@ -19,6 +19,7 @@ import pytest
 from shoal import admission
 from shoal import events as ev
 from shoal import state as st
+from shoal.auth import CredentialStore
 from shoal.bus import Bus
 from shoal.nats_server import EmbeddedNats
 from shoal.projection import Projection
@@ -29,9 +30,21 @@ pytestmark = pytest.mark.integration
 _prefixes = itertools.count(1)
 
 
+#: MQTT devices authenticate with a user name and password (MQTT has no nkeys): the
+#: server admits these, each allowed only its own submit and result topics.
+PASSWORDS = {"alice": "alice-secret", "mallory": "mallory-secret"}
+
+
 @pytest.fixture(scope="module")
 def mqtt_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
-    with EmbeddedNats(store_dir=tmp_path_factory.mktemp("mqtt-js"), mqtt_port=-1) as server:
+    creds = CredentialStore(tmp_path_factory.mktemp("mqtt-creds"))
+    creds.ensure("admin")
+    for user, password in PASSWORDS.items():
+        creds.ensure("client", user, mqtt_password=password)
+    with EmbeddedNats(
+        store_dir=tmp_path_factory.mktemp("mqtt-js"), mqtt_port=-1, creds_dir=creds.directory, prefix="*"
+    ) as server:
+        server.admin_creds = str(creds.path("admin"))  # type: ignore[attr-defined]
         assert server.mqtt_listen_port, "the MQTT listener did not come up"
         yield server
 
@@ -58,7 +71,11 @@ class Installation:
 
 @pytest.fixture
 async def inst(mqtt_server: EmbeddedNats) -> AsyncIterator[Installation]:
-    bus = await Bus.connect(mqtt_server.url, prefix=f"mq{next(_prefixes)}")
+    bus = await Bus.connect(
+        mqtt_server.url,
+        prefix=f"mq{next(_prefixes)}",
+        creds=mqtt_server.admin_creds,  # type: ignore[attr-defined]
+    )
     await bus.publish_many(
         [
             ev.NodeRegistered(
@@ -86,7 +103,13 @@ SPEC = {"model": "resnet50", "min_gpus": 1, "max_gpus": 4, "requested_gpus": 2, 
 
 async def mqtt_roundtrip(inst: Installation, user: str, payload: bytes, *, qos: int = 1) -> dict[str, Any]:
     """Subscribe to the user's result topic, publish one submission, return the result."""
-    async with aiomqtt.Client("127.0.0.1", inst.port, protocol=aiomqtt.ProtocolVersion.V311) as mq:
+    async with aiomqtt.Client(
+        "127.0.0.1",
+        inst.port,
+        protocol=aiomqtt.ProtocolVersion.V311,
+        username=user,
+        password=PASSWORDS[user],
+    ) as mq:
         await mq.subscribe(inst.result_topic(user), qos=qos)  # returns after the SUBACK
         await mq.publish(inst.submit_topic(user), payload, qos=qos)
         async with asyncio.timeout(30):
@@ -192,6 +215,10 @@ async def test_mosquitto_clients(inst: Installation, tmp_path: Path) -> None:
             str(inst.port),
             "-V",
             "mqttv311",
+            "-u",
+            user,
+            "-P",
+            PASSWORDS[user],
             "-q",
             "1",
             "-t",
@@ -217,6 +244,10 @@ async def test_mosquitto_clients(inst: Installation, tmp_path: Path) -> None:
             str(inst.port),
             "-V",
             "mqttv311",
+            "-u",
+            user,
+            "-P",
+            PASSWORDS[user],
             "-q",
             "1",
             "-t",

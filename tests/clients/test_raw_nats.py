@@ -21,16 +21,19 @@ CLIENT = textwrap.dedent(
     """
     import asyncio
     import json
+    import os
 
     import nats
 
 
     async def main(url, prefix):
-        nc = await nats.connect(url)
+        # The admin's nkey seed (NATS_CREDS): it may send any command, set_tickets included.
+        nc = await nats.connect(url, nkeys_seed=os.environ["NATS_CREDS"])
         headers = {"Content-Type": "application/json"}
 
         async def request(command, body):
-            msg = await nc.request(f"{prefix}.cmd.{command}", json.dumps(body).encode(), timeout=5, headers=headers)
+            subject = f"{prefix}.cmd.{command}.@admin"
+            msg = await nc.request(subject, json.dumps(body).encode(), timeout=5, headers=headers)
             return json.loads(msg.data)
 
         spec = {"user": "alice", "model": "resnet50", "min_gpus": 1, "max_gpus": 2,

@@ -241,7 +241,10 @@ async def test_no_admission_service_is_a_clear_error(bus: Bus) -> None:
         await client.submit(SPEC)
     other = Client(
         await Bus.connect(
-            bus.nc.connected_url.geturl() if bus.nc.connected_url else "", prefix="absent-x", declare=False
+            bus.nc.connected_url.geturl() if bus.nc.connected_url else "",
+            prefix="absent-x",
+            declare=False,
+            creds=os.environ["NATS_CREDS"],
         )
     )
     try:

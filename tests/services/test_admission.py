@@ -148,10 +148,10 @@ async def test_a_client_with_only_nats_py_and_json(
     """The documented wire contract works from a program that does not import shoal."""
     client = textwrap.dedent(
         f"""
-        import asyncio, json, sys
+        import asyncio, json, os, sys
         import nats
         async def main():
-            nc = await nats.connect({nats_url!r})
+            nc = await nats.connect({nats_url!r}, nkeys_seed=os.environ["NATS_CREDS"])
             body = {{"type": "cmd.submit_job", "job_id": "plain-1",
                      "spec": {{"user": "alice", "model": "resnet50", "min_gpus": 1, "max_gpus": 2,
                               "requested_gpus": 1, "total_iterations": 100}}}}

@@ -81,8 +81,8 @@ def wait_line(proc: subprocess.Popen[str], prefix: str, timeout_s: float) -> str
     raise AssertionError(f"no line starting with {prefix!r} from shoal up; got {seen}")
 
 
-async def run_job(url: str) -> str:
-    async with await Client.connect(url, "shoal") as client:
+async def run_job(url: str, creds: str) -> str:
+    async with await Client.connect(url, "shoal", creds=creds) as client:
         deadline = time.monotonic() + 30
         while len(await client.nodes()) < 2:
             assert time.monotonic() < deadline, "node daemons did not register"
@@ -112,7 +112,7 @@ async def run_job(url: str) -> str:
 def test_up_runs_a_job_and_stops_cleanly(tmp_path: Path) -> None:
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) drains every
     child once: each service logs a clean stop and `shoal up` exits 0."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_") and k != "NATS_URL"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
     env["SHOAL_STATE_DIR"] = str(tmp_path / "state")
     proc = subprocess.Popen(
         [
@@ -145,7 +145,10 @@ def test_up_runs_a_job_and_stops_cleanly(tmp_path: Path) -> None:
         state_env = {"SHOAL_STATE_DIR": env["SHOAL_STATE_DIR"]}
         assert resolve_nats_url(Settings.load(state_env)) == url
         assert _connect.resolve_url(env=state_env) == url
-        asyncio.run(run_job(url))
+        admin = tmp_path / "state" / "creds" / "admin.nk"
+        assert _connect.resolve_creds(env=state_env) == str(admin)
+        assert admin.stat().st_mode & 0o077 == 0, "credentials readable by others"
+        asyncio.run(run_job(url, str(admin)))
         family = descendants(proc.pid)
         # the server, admission, allocator, placer, two node daemons, and the job's sidecar(s)
         assert len(family) >= 6, family

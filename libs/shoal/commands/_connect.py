@@ -15,6 +15,9 @@ Resolution order for the NATS URL, first found wins:
 4. otherwise a clear error: ``no NATS server: set NATS_URL or run `shoal up```.
 
 The subject prefix comes from ``--prefix``, else ``SHOAL_PREFIX``, else ``shoal``.
+
+Credentials (:func:`resolve_creds`): ``--creds``, ``NATS_CREDS``, ``SHOAL_NATS_CREDS``,
+else the admin seed of the ``shoal up`` found in step 3.
 """
 
 from __future__ import annotations
@@ -46,6 +49,13 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         default=None,
         help="NATS server (default: $NATS_URL, $SHOAL_NATS_URL, else the server `shoal up` started)",
+    )
+    group.add_argument(
+        "--creds",
+        metavar="FILE",
+        default=None,
+        help="nkey seed file to authenticate with (default: $NATS_CREDS, $SHOAL_NATS_CREDS, else the "
+        "admin credentials of the `shoal up` running for the state directory)",
     )
     group.add_argument(
         "--prefix",
@@ -115,6 +125,33 @@ def resolve_url(flag: str | None = None, env: Mapping[str, str] | None = None) -
     raise CommandError(NO_SERVER)
 
 
+def resolve_creds(
+    flag: str | None = None, env: Mapping[str, str] | None = None, *, url_given: bool = False
+) -> str | None:
+    """The nkey seed file to authenticate with: ``--creds``, else ``NATS_CREDS``, else
+    ``SHOAL_NATS_CREDS``, else (when the server is the one ``shoal up`` runs for the
+    state directory, i.e. no URL was given) that installation's admin seed,
+    ``<state dir>/creds/admin.nk``, readable by its owner only; else None.
+
+    Raises:
+        CommandError: a named file that cannot be read.
+    """
+    env = os.environ if env is None else env
+    for value in (flag, env.get("NATS_CREDS"), env.get("SHOAL_NATS_CREDS")):
+        if value:
+            if not os.access(value, os.R_OK):
+                raise CommandError(f"cannot read the credentials file {value}")
+            return value
+    if url_given or env.get("NATS_URL") or env.get("SHOAL_NATS_URL"):
+        return None
+    directory = state_dir(env)
+    info = read_up_info(directory)
+    admin = Path(str(info.get("creds_dir") or directory / "creds")) / "admin.nk" if info else None
+    if admin is not None and os.access(admin, os.R_OK):
+        return str(admin)
+    return None
+
+
 def resolve_prefix(flag: str | None = None, env: Mapping[str, str] | None = None) -> str:
     """The subject prefix to use; checked, so a typo is an error, not an empty log.
 
@@ -138,13 +175,17 @@ async def connect(args: argparse.Namespace) -> Client:
     Raises:
         CommandError: no server configured, or none reachable at the URL.
     """
-    from shoal.bus import NoServerError
+    from shoal.bus import AuthFailed, NoServerError
     from shoal.client import Client
 
-    url = resolve_url(getattr(args, "nats_url", None))
+    flag_url = getattr(args, "nats_url", None)
+    creds = resolve_creds(getattr(args, "creds", None), url_given=bool(flag_url))
+    url = resolve_url(flag_url)
     prefix = resolve_prefix(getattr(args, "prefix", None))
     try:
-        return await Client.connect(url, prefix, timeout_s=getattr(args, "timeout", 10.0))
+        return await Client.connect(url, prefix, timeout_s=getattr(args, "timeout", 10.0), creds=creds)
+    except AuthFailed as exc:
+        raise CommandError(str(exc)) from None
     except NoServerError as exc:
         raise CommandError(f"{exc} (set NATS_URL or run `shoal up`)") from None
 

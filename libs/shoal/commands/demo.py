@@ -375,7 +375,9 @@ async def _demo(
             if inst.skipped:
                 print(f"not in this build, skipped: {', '.join(inst.skipped)}", file=out, flush=True)
             try:
-                bus = await Bus.connect(inst.url, prefix=settings.prefix, name="shoal-demo")
+                bus = await Bus.connect(
+                    inst.url, prefix=settings.prefix, name="shoal-demo", creds=inst.admin_creds
+                )
             except NoServerError as exc:
                 raise CommandError(f"{exc} (check NATS_URL)") from None
             try:
@@ -595,7 +597,13 @@ async def _delete_installation(settings: Any) -> None:
     from shoal.bus import Bus
 
     try:
-        bus = await Bus.connect(settings.nats_url, prefix=settings.prefix, name="shoal-demo", declare=False)
+        bus = await Bus.connect(
+            settings.nats_url,
+            prefix=settings.prefix,
+            name="shoal-demo",
+            declare=False,
+            creds=settings.nats_creds,
+        )
     except Exception:
         return
     try:

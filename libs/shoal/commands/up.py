@@ -155,6 +155,8 @@ class Installation:
         self.specs = specs
         self.skipped = skipped
         """Control-plane services not in this build (not started)."""
+        self.admin_creds: str | None = None
+        """The admin's seed file (the embedded server's; ``settings.nats_creds`` otherwise)."""
 
     def unclean_exits(self) -> dict[str, int]:
         """Children whose last exit status was neither 0 nor still running."""
@@ -162,25 +164,59 @@ class Installation:
         return {n: c for n, c in codes.items() if c not in (0, None)}
 
 
+def ensure_credentials(creds_dir: Path, *, nodes: int) -> None:
+    """Make (if missing) the identities of a local installation (:mod:`shoal.auth`):
+    the admin, every control-plane service, and a node and a sidecar identity for each
+    of the ``nodes`` emulated nodes ``node0`` …"""
+    from shoal.auth import SERVICE_ROLES, CredentialStore
+
+    store = CredentialStore(creds_dir)
+    store.ensure("admin")
+    for role in SERVICE_ROLES:
+        store.ensure(role)
+    for i in range(nodes):
+        store.ensure("node", f"node{i}")
+        store.ensure("sidecar", f"node{i}")
+
+
 def service_specs(
-    settings: Any, url: str, *, nodes: int, gpus_per_node: int, gpu_type: str
+    settings: Any,
+    url: str,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    gpu_type: str,
+    creds_dir: Path | None = None,
 ) -> tuple[list[Any], list[str]]:
     """(process specs, skipped services): every available control-plane service
     (``shoal run <service>``) and ``nodes`` emulated node daemons, all with ``settings``
-    as ``SHOAL_*`` variables and ``url`` as their server."""
+    as ``SHOAL_*`` variables and ``url`` as their server. With ``creds_dir`` each
+    process gets the seed file of its own identity (``SHOAL_NATS_CREDS``, and a node
+    daemon ``SHOAL_SIDECAR_CREDS`` for its sidecars); without, they all use
+    ``settings.nats_creds`` (an operator's NATS cluster)."""
     from shoal.supervisor import ProcessSpec
 
     child_env = {**settings.to_env(), "SHOAL_NATS_URL": url}
+
+    def env_of(identity: str, **more: str) -> dict[str, str]:
+        if creds_dir is None:
+            return child_env
+        return {**child_env, "SHOAL_NATS_CREDS": str(creds_dir / f"{identity}.nk"), **more}
+
     cli = [*CLI_ARGV, "run"]
     specs: list[ProcessSpec] = []
     skipped: list[str] = []
     for name in CONTROL_PLANE:
         if service_available(name):
-            specs.append(ProcessSpec(name=name, argv=(*cli, name), env=child_env))
+            specs.append(ProcessSpec(name=name, argv=(*cli, name), env=env_of(name)))
         else:
             skipped.append(name)
     for i in range(nodes):
         node_id = f"node{i}"
+        node_env = env_of(
+            f"node-{node_id}",
+            **({"SHOAL_SIDECAR_CREDS": str(creds_dir / f"sidecar-{node_id}.nk")} if creds_dir else {}),
+        )
         specs.append(
             ProcessSpec(
                 name=f"node-daemon-{node_id}",
@@ -194,7 +230,7 @@ def service_specs(
                     "--gpu-type",
                     gpu_type,
                 ),
-                env=child_env,
+                env=node_env,
             )
         )
     return specs, skipped
@@ -228,7 +264,7 @@ async def installation(
     import msgspec
 
     from shoal.nats_server import EmbeddedNats, NatsServerError
-    from shoal.runtime import read_up_info, remove_up_info, write_up_info
+    from shoal.runtime import CREDS_DIR, NATS_VARIABLES, read_up_info, remove_up_info, write_up_info
     from shoal.supervisor import Supervisor
 
     state_dir = Path(settings.state_dir)
@@ -241,10 +277,17 @@ async def installation(
         settings = msgspec.structs.replace(settings, clock_origin=time.time())
 
     server: EmbeddedNats | None = None
+    creds_dir: Path | None = None
     if settings.nats_url:
         url = settings.nats_url
+        admin_creds = settings.nats_creds
     else:
-        server = EmbeddedNats(store_dir=store_dir, mqtt_port=settings.mqtt_port)
+        creds_dir = state_dir / CREDS_DIR
+        ensure_credentials(creds_dir, nodes=nodes)
+        admin_creds = str(creds_dir / "admin.nk")
+        server = EmbeddedNats(
+            store_dir=store_dir, mqtt_port=settings.mqtt_port, creds_dir=creds_dir, prefix=settings.prefix
+        )
         try:
             server.start()
         except NatsServerError as exc:
@@ -255,11 +298,13 @@ async def installation(
             "note: --mqtt applies to the embedded server only; NATS_URL is set, so it is ignored", flush=True
         )
     try:
-        await _declare(url, settings.prefix)
+        await _declare(url, settings.prefix, admin_creds)
         specs, skipped = service_specs(
-            settings, url, nodes=nodes, gpus_per_node=gpus_per_node, gpu_type=gpu_type
+            settings, url, nodes=nodes, gpus_per_node=gpus_per_node, gpu_type=gpu_type, creds_dir=creds_dir
         )
-        base_env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_") and k != "NATS_URL"}
+        base_env = {
+            k: v for k, v in os.environ.items() if not k.startswith("SHOAL_") and k not in NATS_VARIABLES
+        }
         supervisor = Supervisor(specs, base_env=base_env, stdout=stdout, stderr=stderr)
         write_up_info(
             state_dir,
@@ -267,10 +312,13 @@ async def installation(
             prefix=settings.prefix,
             server_pid=server.proc.pid if server is not None and server.proc is not None else None,
             mqtt_port=server.mqtt_listen_port if server is not None else None,
+            creds_dir=str(creds_dir) if creds_dir is not None else None,
         )
         try:
             await supervisor.start()
-            yield Installation(settings, url, server, supervisor, specs, skipped)
+            inst = Installation(settings, url, server, supervisor, specs, skipped)
+            inst.admin_creds = admin_creds
+            yield inst
         finally:
             await supervisor.stop(timeout_s=settings.drain_timeout_s + 5.0)
     finally:
@@ -293,6 +341,15 @@ async def _up(args: argparse.Namespace, settings: Any) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     state_dir = Path(settings.state_dir)
+    reload_server: list[Any] = []
+
+    def on_hangup() -> None:
+        # `shoal creds add` added an identity: admit it without a restart.
+        for server in reload_server:
+            server.reload()
+            print("credentials reloaded", flush=True)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hangup)
     try:
         async with installation(
             settings,
@@ -302,6 +359,8 @@ async def _up(args: argparse.Namespace, settings: Any) -> int:
             store_dir=state_dir / "jetstream",
         ) as inst:
             server = inst.server
+            if server is not None:
+                reload_server.append(server)
             print(f"NATS: {inst.url}", flush=True)
             if server is not None and server.mqtt_listen_port is not None:
                 print(f"MQTT: mqtt://127.0.0.1:{server.mqtt_listen_port}", flush=True)
@@ -312,11 +371,13 @@ async def _up(args: argparse.Namespace, settings: Any) -> int:
             if inst.skipped:
                 print(f"not in this build, skipped: {', '.join(inst.skipped)}")
             print(f"state dir: {state_dir}")
+            if inst.admin_creds:
+                print(f"credentials: {Path(inst.admin_creds).parent} (admin: {inst.admin_creds})")
             print("running; Ctrl-C to stop", flush=True)
             await stop.wait()
             print("stopping …", flush=True)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
     unclean = inst.unclean_exits()
     if unclean:
@@ -325,12 +386,12 @@ async def _up(args: argparse.Namespace, settings: Any) -> int:
     return 0
 
 
-async def _declare(url: str, prefix: str) -> None:
-    """Create the streams once, before the services start (each would race to)."""
+async def _declare(url: str, prefix: str, creds: str | None) -> None:
+    """Create the streams once, as the admin, before the services start (each would race to)."""
     from shoal.bus import Bus, NoServerError
 
     try:
-        bus = await Bus.connect(url, prefix=prefix, name="shoal-up")
+        bus = await Bus.connect(url, prefix=prefix, name="shoal-up", creds=creds)
     except NoServerError as exc:
         raise CommandError(f"{exc} (check NATS_URL)") from None
     await bus.close()

@@ -88,8 +88,13 @@ def dying_with_parent(argv: Sequence[str]) -> list[str]:
 def worker_env(
     request: LaunchRequest, device_index: int, base: Mapping[str, str] | None = None
 ) -> dict[str, str]:
-    """The full environment of a worker started on this node for ``request``."""
+    """The full environment of a worker started on this node for ``request``.
+
+    The sidecar's NATS credentials are left out: a worker runs the job's own code and
+    talks only to its sidecar, never to the bus (:mod:`shoal.auth`)."""
     env = {**(os.environ if base is None else base), **request.env}
+    for secret in ("NATS_CREDS", "SHOAL_NATS_CREDS", "SHOAL_SIDECAR_CREDS"):
+        env.pop(secret, None)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["CUDA_VISIBLE_DEVICES"] = str(device_index) if request.device == "cuda" else ""
     return env

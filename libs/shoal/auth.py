@@ -1,0 +1,377 @@
+"""Who may do what on the bus: roles, identities, subject permissions, credentials.
+
+shoal authenticates every connection with NATS's own mechanism: each identity is an
+**nkey** (an Ed25519 key pair; the server knows only the public key, the process
+holds the seed in a file readable by its owner only), and the server enforces a
+**subject permission** list per identity. Nothing in shoal's code decides whether a
+publish is allowed: the server refuses it (a permissions violation) before anything
+reaches the log. This module is pure: it computes the identities and their
+permissions; :mod:`shoal.nats_server` writes them into the server's configuration,
+and :class:`CredentialStore` keeps the seeds on disk.
+
+Roles (``docs/security.md`` has the threat model)
+=================================================
+
+``admin``
+    Everything: the operator (``shoal up``'s own connection, the local CLI, stream
+    declaration, tickets, drains, repairs). Acts for any user (command token ``@admin``).
+``client`` (one identity per user ``U``)
+    Sends commands on ``<p>.cmd.<command>.U`` only, so admission knows the sender is
+    ``U`` from the subject the server let through; reads the event log (every
+    job's events) through JetStream consumers. Never publishes an event, never
+    purges or deletes a stream, KV bucket or consumer.
+``admission``, ``allocator``, ``placer``, ``profiler``, ``trader``
+    Each appends only the event types it owns (:data:`EVENT_OWNERS`): only the
+    allocator appends ``SharesDecided``, only the placer ``PlacementDecided``. They may
+    create (not update, purge or delete) streams, keep durable consumers, and write
+    their own leader-lease key.
+``node`` (one identity per node ``N``)
+    Publishes only ``N``'s ``NodeRegistered``, ``NodeHeartbeat`` and ``GpuHealth``;
+    reads the log (its orders are the placements in it).
+``sidecar`` (one identity per node ``N``, for the sidecars that node runs)
+    Publishes what a trainer reports about a job (progress, completion, the
+    reconfiguration phases) and talks to the sidecars of the same job on other
+    nodes (``<p>.sidecar.>``), with its per-job leader lease. It is not narrowed to
+    one job: the node daemon starts sidecars for whatever job is placed on it, and
+    static server configuration cannot mint an identity per job (see
+    ``docs/security.md``).
+
+Every identity reads replies only on its own inbox prefix (``_INBOX.<name>.``), so
+no one can read, or answer, another identity's requests.
+
+Prefix wildcards: :func:`permissions` takes the installation's prefix; the test
+fixtures' shared server, where each test has a prefix of its own, uses ``*``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from shoal import events as ev
+
+Role = Literal["admin", "client", "admission", "allocator", "placer", "profiler", "trader", "node", "sidecar"]
+SERVICE_ROLES: tuple[Role, ...] = ("admission", "allocator", "placer", "profiler", "trader")
+ROLES: tuple[Role, ...] = ("admin", "client", *SERVICE_ROLES, "node", "sidecar")
+
+ADMIN_TOKEN = "@admin"
+"""Command-subject token of the admin: acts for any user (not a valid user name)."""
+
+COMMANDS = ("submit_job", "cancel_job", "set_tickets")
+
+#: Which role appends which event type. An event type nobody owns cannot be appended
+#: by anyone but the admin (a test checks that every event type has an owner).
+EVENT_OWNERS: dict[Role, tuple[type[ev.Event], ...]] = {
+    "admission": (ev.JobSubmitted, ev.JobRejected, ev.JobCancelled, ev.TicketsSet, ev.UserRegistered),
+    "allocator": (ev.SharesDecided, ev.NodeLost),
+    "placer": (ev.PlacementDecided, ev.ReconfigurationRequested),
+    "profiler": (ev.ThroughputModelUpdated, ev.ConvergenceEstimated),
+    "trader": (ev.TradeExecuted, ev.TradeUndone),
+    "node": (ev.NodeRegistered, ev.NodeHeartbeat, ev.GpuHealth),
+    "sidecar": (
+        ev.JobStarted,
+        ev.ProgressReported,
+        ev.JobCompleted,
+        ev.JobFailed,
+        ev.ReconfigurationStarted,
+        ev.ReconfigurationPhase,
+        ev.ReconfigurationCompleted,
+        ev.ReconfigurationCancelled,
+        ev.ReconfigurationFailed,
+    ),
+    "admin": (ev.NodeDrained,),
+}
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
+
+
+class AuthError(ValueError):
+    """An identity or credentials file that cannot be used; the message says why."""
+
+
+class Identity(msgspec.Struct, frozen=True, kw_only=True):
+    """One authenticated party: its role, what it stands for (the user of a client,
+    the node of a node or sidecar) and its public nkey."""
+
+    name: str
+    role: Role
+    subject: str = ""
+    """The user (``client``) or node id (``node``, ``sidecar``); empty otherwise."""
+    public_key: str = ""
+    mqtt_password_hash: str = ""
+    """bcrypt hash of a ``client``'s MQTT password (MQTT cannot use nkeys); empty: no MQTT."""
+
+
+def identity_name(role: Role, subject: str = "") -> str:
+    """The file and inbox name of an identity: ``admin``, ``allocator``, ``user-alice``,
+    ``node-n1``, ``sidecar-n1``.
+
+    Raises:
+        AuthError: an unknown role, or a subject a role needs but lacks.
+    """
+    if role not in ROLES:
+        raise AuthError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+    if role in ("client", "node", "sidecar"):
+        if not _NAME.match(subject or ""):
+            raise AuthError(
+                f"a {role} identity needs a name of 1-64 letters, digits, '_' or '-', got {subject!r}"
+            )
+        return f"{'user' if role == 'client' else role}-{subject}"
+    return role
+
+
+def inbox_prefix(name: str) -> str:
+    """The reply-subject prefix an identity uses (and alone may subscribe under)."""
+    return f"_INBOX.{name}"
+
+
+def event_subject(cls: type[ev.Event], prefix: str, key: str = "*") -> str:
+    """The subject (pattern) events of ``cls`` are published on, for one key or ``*``."""
+    tag = cls.__struct_config__.tag
+    assert isinstance(tag, str)
+    if cls.key_field is None:
+        return f"{prefix}.{tag}"
+    head, _, tail = tag.partition(".")
+    name = tail if head == cls.aggregate else tag
+    return f"{prefix}.{cls.aggregate}.{key}.{name}"
+
+
+# JetStream API subjects (https://docs.nats.io/reference/reference-protocols/nats_api_reference).
+_JS_READ = [
+    "$JS.API.INFO",
+    "$JS.API.STREAM.INFO.*",
+    "$JS.API.STREAM.NAMES",
+    "$JS.API.STREAM.LIST",
+    "$JS.API.STREAM.MSG.GET.*",
+    "$JS.API.DIRECT.GET.*",
+    "$JS.API.DIRECT.GET.*.>",
+    "$JS.API.CONSUMER.CREATE.*",
+    "$JS.API.CONSUMER.CREATE.*.>",
+    "$JS.API.CONSUMER.INFO.*.*",
+    "$JS.API.CONSUMER.MSG.NEXT.*.*",
+]
+"""Read the log through ephemeral consumers and direct gets."""
+
+_JS_SERVICE = [
+    "$JS.API.STREAM.CREATE.*",
+    "$JS.API.CONSUMER.DURABLE.CREATE.*.*",
+    "$JS.API.CONSUMER.DELETE.*.*",
+    "$JS.API.CONSUMER.NAMES.*",
+    "$JS.ACK.>",
+    "$JS.FC.>",
+]
+"""What a service (or sidecar) needs besides reading: create a stream that is not there
+yet (never update, purge or delete one), keep durable work consumers and ack them."""
+
+_JS_DENY = [
+    "$JS.API.STREAM.PURGE.*",
+    "$JS.API.STREAM.DELETE.*",
+    "$JS.API.STREAM.UPDATE.*",
+    "$JS.API.STREAM.MSG.DELETE.*",
+    "$JS.API.STREAM.SNAPSHOT.*",
+    "$JS.API.STREAM.RESTORE.*",
+    "$JS.API.ACCOUNT.PURGE.*",
+    "$JS.API.SERVER.>",
+    "$JS.API.META.>",
+]
+"""Destructive JetStream API calls; never allowed to anyone but the admin."""
+
+
+def _token(prefix: str) -> str:
+    return prefix if prefix == "*" else re.sub(r"[^A-Za-z0-9]", "_", prefix).upper()
+
+
+def permissions(identity: Identity, prefix: str = "shoal") -> dict[str, Any]:
+    """The NATS permission block (``publish``/``subscribe`` allow and deny lists,
+    ``allow_responses``) of ``identity`` in the installation with subject ``prefix``
+    (``*``: any single-token prefix)."""
+    role = identity.role
+    if role == "admin":
+        return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
+    p = prefix
+    sub: list[str] = [f"{inbox_prefix(identity.name)}.>"]
+    pub: list[str] = list(_JS_READ)
+    deny_pub: list[str] = list(_JS_DENY)
+    out: dict[str, Any] = {}
+    if role == "client":
+        user = identity.subject
+        pub += [f"{p}.cmd.{c}.{user}" for c in COMMANDS]
+        # MQTT devices of this user (NATS maps MQTT topic a/b/c to subject a.b.c).
+        pub.append(f"{p}.mqtt.submit.{user}")
+        sub.append(f"{p}.mqtt.result.{user}")
+        deny_pub.append("$JS.API.CONSUMER.DELETE.*.*")
+        deny_pub.append("$JS.API.CONSUMER.DURABLE.CREATE.*.*")
+    elif role == "node":
+        node = identity.subject
+        pub += [event_subject(cls, p, node) for cls in EVENT_OWNERS["node"]]
+        pub.append(f"{p}.dlq.>")  # a reader dead-letters what it cannot decode (shoal.bus)
+    else:
+        pub += _JS_SERVICE
+        pub += [event_subject(cls, p) for cls in EVENT_OWNERS[role]]
+        pub.append(f"{p}.dlq.>")
+        # Leader leases (KV bucket <TOKEN>_LEASES_<ttl>MS), one key per role.
+        lease_key = "train.>" if role == "sidecar" else role
+        pub.append(f"$KV.*.{lease_key}")
+        if role == "sidecar":
+            pub += [f"{p}.sidecar.>", "$KV.*.>"]  # the job's own meta bucket (rendezvous)
+            sub.append(f"{p}.sidecar.>")
+        else:
+            # Snapshots (object store): chunks are replaced, so old ones are purged.
+            # Deny beats allow in NATS, so the blanket purge denial gives way to an allow
+            # list that names only the snapshot bucket's stream.
+            pub += [f"$O.{_token(p)}_SNAPSHOTS.>", f"$JS.API.STREAM.PURGE.OBJ_{_token(p)}_SNAPSHOTS"]
+            deny_pub.remove("$JS.API.STREAM.PURGE.*")
+        if role == "admission":
+            sub += [f"{p}.cmd.>", f"{p}.mqtt.submit.*"]
+            pub += [f"{p}.cmd.submit_job.*", f"{p}.mqtt.result.*"]
+            out["allow_responses"] = True
+    out["publish"] = {"allow": pub, "deny": deny_pub}
+    out["subscribe"] = {"allow": sub}
+    return out
+
+
+def authorization_block(identities: Iterable[Identity], prefix: str = "shoal") -> str:
+    """The ``authorization { users: [...] }`` section of a nats-server configuration
+    (JSON, which the server's configuration format accepts)."""
+    users: list[dict[str, Any]] = []
+    for ident in identities:
+        perms = permissions(ident, prefix)
+        if ident.public_key:
+            users.append({"nkey": ident.public_key, "permissions": perms})
+        if ident.mqtt_password_hash:
+            users.append({"user": ident.subject, "password": ident.mqtt_password_hash, "permissions": perms})
+    return "authorization: " + json.dumps({"users": users}, indent=2) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# Credentials on disk
+# ---------------------------------------------------------------------------
+
+MANIFEST = "identities.json"
+
+
+class CredentialStore:
+    """A directory of nkey seeds (``<name>.nk``, mode 0600) and a manifest of the
+    identities (public keys only), in a directory of mode 0700.
+
+    ``shoal up`` keeps one in ``<state_dir>/creds``; processes find their seed there or
+    through ``NATS_CREDS``/``SHOAL_NATS_CREDS``.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+
+    def _manifest(self) -> dict[str, Identity]:
+        path = self.directory / MANIFEST
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return {}
+        items = msgspec.json.decode(raw, type=list[Identity])
+        return {i.name: i for i in items}
+
+    def identities(self) -> list[Identity]:
+        """Every identity the store holds, by name."""
+        return sorted(self._manifest().values(), key=lambda i: i.name)
+
+    def path(self, name: str) -> Path:
+        """The seed file of identity ``name``."""
+        return self.directory / f"{name}.nk"
+
+    def ensure(self, role: Role, subject: str = "", *, mqtt_password: str | None = None) -> Path:
+        """The seed file of the identity for ``role``/``subject``, made if missing.
+
+        Raises:
+            AuthError: the role or subject is not valid.
+        """
+        import nkeys
+
+        name = identity_name(role, subject)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.directory, 0o700)
+        manifest = self._manifest()
+        seed_path = self.path(name)
+        ident = manifest.get(name)
+        if ident is None or not seed_path.exists():
+            seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+            public = nkeys.from_seed(bytearray(seed)).public_key.decode()
+            _write_private(seed_path, seed + b"\n")
+            ident = Identity(name=name, role=role, subject=subject, public_key=public)
+        if mqtt_password is not None:
+            import bcrypt
+
+            hashed = bcrypt.hashpw(mqtt_password.encode(), bcrypt.gensalt(rounds=10)).decode()
+            ident = msgspec.structs.replace(ident, mqtt_password_hash=hashed)
+        if manifest.get(name) != ident:
+            manifest[name] = ident
+            _write_private(
+                self.directory / MANIFEST,
+                msgspec.json.format(msgspec.json.encode(sorted(manifest.values(), key=lambda i: i.name))),
+            )
+        return seed_path
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically, readable by the owner only."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def name_of_creds(path: str | os.PathLike[str]) -> str:
+    """The identity name a seed file stands for (its file name without ``.nk``)."""
+    return Path(path).name.removesuffix(".nk")
+
+
+def user_of_creds(path: str | os.PathLike[str] | None) -> str | None:
+    """The user a client seed file authenticates as; ``None`` for the admin or no file."""
+    if path is None:
+        return None
+    name = name_of_creds(path)
+    return name.removeprefix("user-") if name.startswith("user-") else None
+
+
+# ---------------------------------------------------------------------------
+# Who may send which command
+# ---------------------------------------------------------------------------
+
+
+def command_subject(prefix: str, command: str, sender: str) -> str:
+    """``<prefix>.cmd.<command>.<sender>``: the subject a command is sent on; the
+    server lets a client publish only with its own user as ``sender``
+    (:func:`permissions`), the admin with any, ``@admin`` included."""
+    return f"{prefix}.cmd.{command}.{sender}"
+
+
+def authorize_command(cmd: ev.Command, sender: str, job_owner: str | None = None) -> tuple[str, str] | None:
+    """Whether ``sender`` (the command subject's last token) may send ``cmd``:
+    None when it may, else ``(code, message)``.
+
+    Rules: the admin (``@admin``) may send anything. A user submits only as itself
+    (``user_mismatch``), cancels only its own jobs (``not_owner``; ``job_owner`` is the
+    job's user, None for an unknown job, which admission reports itself), and may
+    not set tickets (``forbidden``)."""
+    if sender == ADMIN_TOKEN:
+        return None
+    if isinstance(cmd, ev.SubmitJob):
+        if cmd.spec.user != sender:
+            return (
+                "user_mismatch",
+                f"authenticated as user {sender!r}, but the job spec names user {cmd.spec.user!r}",
+            )
+        return None
+    if isinstance(cmd, ev.CancelJob):
+        if job_owner is not None and job_owner != sender:
+            return ("not_owner", f"job {cmd.job_id!r} belongs to another user; {sender!r} may not cancel it")
+        return None
+    return ("forbidden", f"{cmd.name} is an administrator's command; user {sender!r} may not send it")

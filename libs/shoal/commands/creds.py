@@ -1,0 +1,91 @@
+"""``shoal creds``: the identities of the installation ``shoal up`` runs here.
+
+``shoal creds add user alice`` makes user ``alice``'s nkey seed file in
+``<state dir>/creds`` (mode 0600; hand it to alice, who sets ``NATS_CREDS`` to it)
+and has the running ``shoal up`` reload its server so the identity is admitted at
+once. ``--mqtt-password`` also admits alice's MQTT devices with that password.
+``shoal creds add node gpu-7`` makes the identities of a node daemon run elsewhere
+(``node-gpu-7.nk`` for the daemon, ``sidecar-gpu-7.nk`` for its sidecars).
+``shoal creds list`` shows every identity and its role. Only whoever can read the
+state directory (its owner) can do this: the files are the credentials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from shoal.cli import CommandError
+
+_KINDS = ("user", "node", "admin", "admission", "allocator", "placer", "profiler", "trader")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("creds", help="add or list the identities of the local installation")
+    sub = p.add_subparsers(dest="creds_command", metavar="<add|list>")
+    add = sub.add_parser("add", help="make an identity's nkey seed file and admit it")
+    add.add_argument("kind", choices=_KINDS, help="a user, a node (its daemon and sidecars), or a service")
+    add.add_argument("name", nargs="?", default="", help="the user's or node's name")
+    add.add_argument(
+        "--mqtt-password", default=None, help="(users) also admit MQTT devices with this password"
+    )
+    add.set_defaults(func=_add)
+    ls = sub.add_parser("list", help="every identity and its role")
+    ls.set_defaults(func=_list)
+    p.set_defaults(func=lambda _args: p.print_help() or 2)
+
+
+def _store() -> Any:
+    from shoal.auth import CredentialStore
+    from shoal.commands._connect import state_dir
+    from shoal.runtime import CREDS_DIR
+
+    return CredentialStore(state_dir() / CREDS_DIR)
+
+
+def _add(args: argparse.Namespace) -> int:
+    from shoal.auth import AuthError
+    from shoal.commands._connect import state_dir
+    from shoal.runtime import read_up_info
+
+    store = _store()
+    try:
+        if args.kind == "user":
+            paths = [store.ensure("client", args.name, mqtt_password=args.mqtt_password)]
+        elif args.kind == "node":
+            paths = [store.ensure("node", args.name), store.ensure("sidecar", args.name)]
+        else:
+            if args.name:
+                raise CommandError(f"a {args.kind} identity takes no name")
+            paths = [store.ensure(args.kind)]
+    except (AuthError, PermissionError) as exc:
+        raise CommandError(str(exc)) from None
+    for path in paths:
+        print(path)
+    info = read_up_info(state_dir())
+    if info is not None:
+        # `shoal up` reloads its server's configuration on SIGHUP (new identities admitted).
+        os.kill(int(info["pid"]), signal.SIGHUP)
+    return 0
+
+
+def _list(_args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("name", "role", "for", "mqtt", "seed file", box=None)
+    store = _store()
+    for ident in store.identities():
+        seed = store.path(ident.name)
+        table.add_row(
+            ident.name,
+            ident.role,
+            ident.subject,
+            "yes" if ident.mqtt_password_hash else "",
+            str(seed) if Path(seed).exists() else "(missing)",
+        )
+    Console(soft_wrap=True).print(table)
+    return 0

@@ -1,0 +1,145 @@
+"""The pure side of authentication: who owns which event, each role's permissions,
+command authorization, the entrypoint allowlist and the credential files."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import msgspec
+import pytest
+from shoal import admission, auth
+from shoal import events as ev
+from shoal.state import ClusterState
+
+
+def event_types() -> list[type[ev.Event]]:
+    out: list[type[ev.Event]] = []
+    todo = list(ev.Event.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        out.append(cls)
+        todo += cls.__subclasses__()
+    return out
+
+
+def test_every_event_type_has_exactly_one_owner() -> None:
+    owners: dict[type[ev.Event], list[str]] = {}
+    for role, classes in auth.EVENT_OWNERS.items():
+        for cls in classes:
+            owners.setdefault(cls, []).append(role)
+    assert {c for c in event_types() if isinstance(c.__struct_config__.tag, str)} == set(owners)
+    assert all(len(roles) == 1 for roles in owners.values()), owners
+
+
+def allowed(perms: dict[str, object], kind: str, subject: str) -> bool:
+    """NATS's rule: an allow pattern matches and no deny pattern does."""
+
+    def match(pattern: str, subj: str) -> bool:
+        p, s = pattern.split("."), subj.split(".")
+        for i, tok in enumerate(p):
+            if tok == ">":
+                return len(s) > i
+            if i >= len(s) or (tok != "*" and tok != s[i]):
+                return False
+        return len(p) == len(s)
+
+    block = perms[kind]
+    assert isinstance(block, dict)
+    return any(match(a, subject) for a in block.get("allow", [])) and not any(
+        match(d, subject) for d in block.get("deny", [])
+    )
+
+
+@pytest.mark.parametrize(
+    ("role", "who", "subject", "ok"),
+    [
+        ("allocator", "", "shoal.alloc.shares_decided", True),
+        ("placer", "", "shoal.alloc.shares_decided", False),
+        ("placer", "", "shoal.alloc.placement_decided", True),
+        ("allocator", "", "shoal.alloc.placement_decided", False),
+        ("admission", "", "shoal.job.j1.submitted", True),
+        ("admission", "", "shoal.job.j1.completed", False),
+        ("sidecar", "n1", "shoal.job.j1.completed", True),
+        ("sidecar", "n1", "shoal.job.j1.submitted", False),
+        ("node", "n1", "shoal.node.n1.heartbeat", True),
+        ("node", "n1", "shoal.node.n2.heartbeat", False),
+        ("node", "n1", "shoal.node.n1.lost", False),
+        ("client", "alice", "shoal.cmd.submit_job.alice", True),
+        ("client", "alice", "shoal.cmd.submit_job.bob", False),
+        ("client", "alice", "shoal.cmd.set_tickets.@admin", False),
+        ("client", "alice", "shoal.job.j1.completed", False),
+        ("client", "alice", "$JS.API.STREAM.PURGE.SHOAL_EVENTS", False),
+        ("client", "alice", "$JS.API.CONSUMER.DELETE.SHOAL_EVENTS.allocator", False),
+        ("client", "alice", "$JS.API.CONSUMER.MSG.NEXT.SHOAL_EVENTS.x", True),
+        ("allocator", "", "$JS.API.STREAM.PURGE.SHOAL_EVENTS", False),
+        ("allocator", "", "$JS.API.STREAM.PURGE.OBJ_SHOAL_SNAPSHOTS", True),
+        ("allocator", "", "$JS.API.STREAM.DELETE.SHOAL_EVENTS", False),
+        ("allocator", "", "$KV.SHOAL_LEASES_3000MS.allocator", True),
+        ("allocator", "", "$KV.SHOAL_LEASES_3000MS.placer", False),
+    ],
+)
+def test_publish_permissions(role: auth.Role, who: str, subject: str, ok: bool) -> None:
+    ident = auth.Identity(name=auth.identity_name(role, who), role=role, subject=who)
+    assert allowed(auth.permissions(ident, "shoal"), "publish", subject) is ok
+
+
+def test_subscriptions_are_limited_to_own_inbox() -> None:
+    alice = auth.Identity(name="user-alice", role="client", subject="alice")
+    perms = auth.permissions(alice)
+    assert allowed(perms, "subscribe", "_INBOX.user-alice.x.y")
+    assert not allowed(perms, "subscribe", "_INBOX.user-bob.x.y")
+    assert not allowed(perms, "subscribe", "shoal.cmd.submit_job.bob")
+    adm = auth.permissions(auth.Identity(name="admission", role="admission"))
+    assert allowed(adm, "subscribe", "shoal.cmd.submit_job.bob")
+    assert adm.get("allow_responses") is True
+
+
+def test_authorize_command() -> None:
+    spec = ev.JobSpec(user="alice", total_iterations=5)
+    submit = ev.SubmitJob(spec=spec)
+    assert auth.authorize_command(submit, "alice") is None
+    assert auth.authorize_command(submit, auth.ADMIN_TOKEN) is None
+    assert auth.authorize_command(submit, "bob")[0] == "user_mismatch"  # type: ignore[index]
+    cancel = ev.CancelJob(job_id="j1")
+    assert auth.authorize_command(cancel, "alice", job_owner="alice") is None
+    assert auth.authorize_command(cancel, "bob", job_owner="alice")[0] == "not_owner"  # type: ignore[index]
+    tickets = ev.SetTickets(user="alice", tickets=5)
+    assert auth.authorize_command(tickets, "alice")[0] == "forbidden"  # type: ignore[index]
+    assert auth.authorize_command(tickets, auth.ADMIN_TOKEN) is None
+
+
+def test_entrypoints_come_from_the_operator() -> None:
+    state = ClusterState()
+    job = {"user": "alice", "total_iterations": 5}
+    run = ev.SubmitJob(
+        spec=msgspec.convert({**job, "entrypoint": ["python", "/opt/train.py", "--lr", "1"]}, ev.JobSpec)
+    )
+    closed = admission.decide_submit(state, run, "j1", admission.Limits())
+    assert isinstance(closed, admission.Rejected) and closed.code == "entrypoint_not_allowed"
+    limits = admission.Limits(entrypoints=(("python", "/opt/train.py"),), job_env=("NCCL_DEBUG",))
+    assert isinstance(admission.decide_submit(state, run, "j1", limits), admission.Accepted)
+    other = ev.SubmitJob(spec=msgspec.convert({**job, "entrypoint": ["python", "-c", "x"]}, ev.JobSpec))
+    assert admission.decide_submit(state, other, "j2", limits).code == "entrypoint_not_allowed"  # type: ignore[union-attr]
+    env = {"SHOAL_TRAIN_RECOVERY": "approximate", "NCCL_DEBUG": "INFO"}
+    fine = ev.SubmitJob(spec=msgspec.convert({**job, "env": env}, ev.JobSpec))
+    assert isinstance(admission.decide_submit(state, fine, "j3", limits), admission.Accepted)
+    bad = ev.SubmitJob(spec=msgspec.convert({**job, "env": {"LD_PRELOAD": "/x.so"}}, ev.JobSpec))
+    assert admission.decide_submit(state, bad, "j4", limits).code == "env_not_allowed"  # type: ignore[union-attr]
+
+
+def test_credential_store(tmp_path: Path) -> None:
+    store = auth.CredentialStore(tmp_path / "creds")
+    seed = store.ensure("client", "alice", mqtt_password="pw")
+    assert seed.read_bytes().startswith(b"SU")
+    assert stat.S_IMODE(seed.stat().st_mode) == 0o600
+    assert stat.S_IMODE(store.directory.stat().st_mode) == 0o700
+    assert store.ensure("client", "alice") == seed  # kept, not remade
+    [alice] = store.identities()
+    assert (alice.role, alice.subject, alice.public_key[:1]) == ("client", "alice", "U")
+    assert alice.mqtt_password_hash.startswith("$2")
+    block = auth.authorization_block(store.identities())
+    assert alice.public_key in block and "pw" not in block.replace(alice.mqtt_password_hash, "")
+    with pytest.raises(auth.AuthError):
+        store.ensure("client", "bad.name")
+    assert auth.user_of_creds(seed) == "alice"
