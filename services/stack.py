@@ -153,6 +153,7 @@ class EmulatedStack:
             catalog=self.catalog,
             network_packing=c.network_packing,
             node_timeout_s=max(10.0, 5 * c.heartbeat_s),
+            heartbeat_s=c.heartbeat_s,
         )
         self.allocator = allocator
         self.tasks += [asyncio.create_task(allocator.run(stop)), asyncio.create_task(placer.run(stop))]
