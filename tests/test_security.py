@@ -1,0 +1,90 @@
+"""Issue 20's attacks against an installation started as a user starts it (``shoal up``
+with ``--mqtt``, identities added with ``shoal creds add``): every one is refused, and
+the legitimate path keeps working. The same audit writes ``benchmarks/reports/security.md``
+(``python benchmarks/security.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiomqtt
+import pytest
+from shoal import events as ev
+from shoal.audit import Target, _forge, local_installation, run_audit
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    with local_installation(str(tmp_path_factory.mktemp("sec") / "state")) as t:
+        yield t
+
+
+def test_every_attack_is_refused_and_the_legitimate_path_works(target: Target) -> None:
+    outcomes, (legit_ok, legit_how) = asyncio.run(run_audit(target))
+    accepted = [(o.attack, o.how) for o in outcomes if not o.refused]
+    assert not accepted, accepted
+    assert len(outcomes) >= 20
+    assert legit_ok, legit_how
+
+
+def test_the_audit_sees_an_accepted_forgery(target: Target) -> None:
+    """The audit judges by the log, so it can fail: the admin may append a heartbeat."""
+    refused, how = asyncio.run(_forge(target, target.admin, ev.NodeHeartbeat(node_id="node0", seq=10**6)))
+    assert not refused, how
+
+
+def test_credentials_are_private(target: Target) -> None:
+    creds = Path(target.admin).parent
+    assert stat.S_IMODE(creds.stat().st_mode) == 0o700
+    for path in creds.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
+
+
+def test_mqtt_device_submits_as_itself(target: Target) -> None:
+    """`shoal up --mqtt` runs admission's MQTT bridge; a device authenticated as mallory
+    submits on its own topic and gets the outcome on its result topic."""
+
+    async def device() -> dict[str, object]:
+        async with aiomqtt.Client(
+            "127.0.0.1",
+            target.mqtt_port or 0,
+            username=target.mqtt_user,
+            password=target.mqtt_password,
+            protocol=aiomqtt.ProtocolVersion.V311,
+        ) as mq:
+            await mq.subscribe(f"shoal/mqtt/result/{target.mqtt_user}", qos=1)
+            spec = {"model": "resnet50", "max_gpus": 1, "total_iterations": 10, "job_id": "mqtt-own"}
+            await mq.publish(f"shoal/mqtt/submit/{target.mqtt_user}", json.dumps(spec), qos=1)
+            async with asyncio.timeout(30):
+                async for message in mq.messages:
+                    assert isinstance(message.payload, bytes)
+                    return json.loads(message.payload)  # type: ignore[no-any-return]
+        raise AssertionError("no result")
+
+    assert target.mqtt_port, "shoal up --mqtt printed no MQTT port"
+    result = asyncio.run(device())
+    assert result["type"] == "reply.accepted", result
+    assert result["job_id"] == "mqtt-own"
+
+
+def test_an_outsider_cannot_use_the_cli(target: Target, tmp_path: Path) -> None:
+    """Without credentials the CLI gets a clear refusal, not a traceback."""
+    import subprocess
+
+    from shoal.commands.run import CLI_ARGV
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
+    env["SHOAL_STATE_DIR"] = str(tmp_path / "elsewhere")
+    done = subprocess.run(
+        [*CLI_ARGV, "jobs", "--nats-url", target.url], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done
+    assert "requires credentials" in done.stderr
+    assert "Traceback" not in done.stderr
