@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.metadata
 import math
 import os
@@ -231,6 +232,7 @@ async def latency_case(
     probe_timeout_s: float = 60.0,
     gap_s: float = 0.05,
     coalesce_s: float | None = None,
+    creds: str | None = None,
 ) -> dict[str, Any]:
     """Submit ``probes`` jobs one at a time with ``active`` jobs already placed; return the
     submit-to-placement latencies and, for the breakdown, the admission reply and
@@ -238,12 +240,16 @@ async def latency_case(
     allocator's coalescing window (None: the service's default)."""
     if nodes * GPUS_PER_NODE < active + 1:
         raise ValueError(f"{nodes} nodes cannot place {active} + 1 one-GPU jobs")
-    bus = await Bus.connect(url, prefix=prefix)
-    client_bus = await Bus.connect(url, prefix=prefix, name="bench-client", declare=False)
+    bus = await Bus.connect(url, prefix=prefix, creds=creds)
+    client_bus = await Bus.connect(url, prefix=prefix, name="bench-client", declare=False, creds=creds)
     client = Client(client_bus, timeout_s=60.0)
     watcher = PlacementWatcher()
     stack = EmulatedStack(
-        bus, url, get_policy(policy), StackConfig(nodes=0, gpus_per_node=GPUS_PER_NODE, time_scale=1.0)
+        bus,
+        url,
+        get_policy(policy),
+        StackConfig(nodes=0, gpus_per_node=GPUS_PER_NODE, time_scale=1.0),
+        creds=creds,
     )
     try:
         await register_nodes(bus, nodes)
@@ -333,12 +339,14 @@ async def latency_case(
 # -- 2. submission throughput -------------------------------------------------------------
 
 
-async def throughput_case(url: str, prefix: str, *, n: int, window: int) -> dict[str, Any]:
+async def throughput_case(
+    url: str, prefix: str, *, n: int, window: int, creds: str | None = None
+) -> dict[str, Any]:
     """Pipeline ``n`` submissions through an admission service (its own projection, no
     allocator or placer); check that the log holds exactly one ``JobSubmitted`` per
     accepted reply."""
-    bus = await Bus.connect(url, prefix=prefix)
-    client_bus = await Bus.connect(url, prefix=prefix, name="bench-client", declare=False)
+    bus = await Bus.connect(url, prefix=prefix, creds=creds)
+    client_bus = await Bus.connect(url, prefix=prefix, name="bench-client", declare=False, creds=creds)
     client = Client(client_bus, timeout_s=120.0)
     projection = Projection(bus)
     service: AdmissionService | None = None
@@ -463,11 +471,12 @@ async def cold_start_case(
     runs: int = 3,
     runs_full: int = 1,
     policy: str = POLICY,
+    creds: str | None = None,
 ) -> dict[str, Any]:
     """Fill a log with ``events`` events, then time allocator cold starts with and without
     a snapshot; every start must reach the full fold's digest."""
     tails = sorted({t for t in tails if 0 < t < events})
-    bus = await Bus.connect(url, prefix=prefix)
+    bus = await Bus.connect(url, prefix=prefix, creds=creds)
     try:
         t0 = time.perf_counter()
         for chunk in history_chunks(events):
@@ -555,6 +564,16 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "**NOT met**"
 
 
+@contextlib.contextmanager
+def authenticated_server(tmp: str) -> Iterator[tuple[EmbeddedNats, str]]:
+    """An embedded server with authentication on, as in every installation, and the
+    admin's seed file."""
+    server = EmbeddedNats(store_dir=f"{tmp}/js", creds_dir=f"{tmp}/creds", prefix="*")
+    creds = server.admin_creds()
+    with server:
+        yield server, creds
+
+
 async def main_async(args: argparse.Namespace) -> str:
     quick = args.quick
     levels = [1, 20] if quick else args.active
@@ -566,26 +585,38 @@ async def main_async(args: argparse.Namespace) -> str:
     load_before = _load()
     started = time.perf_counter()
     latency: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp, EmbeddedNats(store_dir=tmp) as server:
+    with (
+        tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp,
+        authenticated_server(tmp) as (server, creds),
+    ):
         for k, active in enumerate(levels):
             print(f"latency: {active} active jobs, {probes} probes, {nodes} nodes …", file=sys.stderr)
             latency.append(
-                await latency_case(server.url, f"lat{k}", active=active, probes=probes, nodes=nodes)
+                await latency_case(
+                    server.url, f"lat{k}", active=active, probes=probes, nodes=nodes, creds=creds
+                )
             )
         # Diagnostic: the same with a 5 ms coalescing window (the default is none), to show
         # what a fixed window would cost every decision.
         diag_active = 100 if 100 in levels else levels[-1]
         print(f"latency: {diag_active} active jobs, coalescing window 5 ms (diagnostic) …", file=sys.stderr)
         diagnostic = await latency_case(
-            server.url, "latdiag", active=diag_active, probes=probes, nodes=nodes, coalesce_s=0.005
+            server.url,
+            "latdiag",
+            active=diag_active,
+            probes=probes,
+            nodes=nodes,
+            coalesce_s=0.005,
+            creds=creds,
         )
         load_mid = _load()
         print(f"throughput: {n_submit} pipelined submissions …", file=sys.stderr)
         tput = [
-            await throughput_case(server.url, f"tput{r}", n=n_submit, window=args.window) for r in range(runs)
+            await throughput_case(server.url, f"tput{r}", n=n_submit, window=args.window, creds=creds)
+            for r in range(runs)
         ]
         print(f"cold start: filling a {n_events}-event log …", file=sys.stderr)
-        cold = await cold_start_case(server.url, "cold", events=n_events, runs=runs)
+        cold = await cold_start_case(server.url, "cold", events=n_events, runs=runs, creds=creds)
     load_after = _load()
     total_s = time.perf_counter() - started
 

@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python benchmarks/conformance.py" + "".join(f" --case {c}" for c in args.case or ())
     rows: list[dict[str, Any]] = []
     for cfg in configs:
-        out = compare(cfg, args.nats_url)
+        out = compare(cfg, args.nats_url, os.environ.get("NATS_CREDS"))
         print({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}, file=sys.stderr)
         rows.append(out)
         if args.output != "-":

@@ -142,18 +142,24 @@ def run_sim(
 
 
 async def run_emulated(
-    jobs: Sequence[TraceJob], policy: Policy, cfg: ConformanceConfig, nats_url: str | None = None
+    jobs: Sequence[TraceJob],
+    policy: Policy,
+    cfg: ConformanceConfig,
+    nats_url: str | None = None,
+    creds: str | None = None,
 ) -> tuple[dict[str, float], list[ev.Envelope], float]:
-    """Replay ``jobs`` through the emulated stack. Without ``nats_url`` an embedded
-    server with a temporary store is started (and stopped)."""
+    """Replay ``jobs`` through the emulated stack, as the admin (``creds``). Without
+    ``nats_url`` an embedded server with a temporary store and authentication on is
+    started (and stopped)."""
     server: EmbeddedNats | None = None
     with tempfile.TemporaryDirectory() as tmp:
         if nats_url is None:
-            server = EmbeddedNats(store_dir=Path(tmp))
+            server = EmbeddedNats(store_dir=Path(tmp) / "js", creds_dir=Path(tmp) / "creds", prefix="*")
+            creds = server.admin_creds()
             server.start()
             nats_url = server.url
         try:
-            bus = await Bus.connect(nats_url, prefix=f"conf{time.time_ns() % 10**12}")
+            bus = await Bus.connect(nats_url, prefix=f"conf{time.time_ns() % 10**12}", creds=creds)
             try:
                 await bus.declare()
                 stack = EmulatedStack(
@@ -172,6 +178,7 @@ async def run_emulated(
                         spares=cfg.gpus_per_node,
                         synchronized=cfg.synchronized,
                     ),
+                    creds=creds,
                 )
                 await stack.start()
                 t0 = time.monotonic()
@@ -190,12 +197,13 @@ async def run_emulated(
     return summarize(state, [j.job_id for j in jobs], cfg.nodes * cfg.gpus_per_node), envs, wall
 
 
-def compare(cfg: ConformanceConfig, nats_url: str | None = None) -> dict[str, Any]:
-    """Run both modes on ``cfg`` and compare them (see the module docstring)."""
+def compare(cfg: ConformanceConfig, nats_url: str | None = None, creds: str | None = None) -> dict[str, Any]:
+    """Run both modes on ``cfg`` and compare them (see the module docstring); ``creds``:
+    the admin's seed file for ``nats_url``."""
     jobs = load_jobs(cfg)
     sim_summary, sim_envs = run_sim(jobs, make_policy(cfg.policy, seed=cfg.seed), cfg)
     emu_summary, emu_envs, wall = asyncio.run(
-        run_emulated(jobs, make_policy(cfg.policy, seed=cfg.seed), cfg, nats_url)
+        run_emulated(jobs, make_policy(cfg.policy, seed=cfg.seed), cfg, nats_url, creds)
     )
     a, b = share_sequence(sim_envs), share_sequence(emu_envs)
     arr_a, arr_b = share_sequence(sim_envs, "arrival"), share_sequence(emu_envs, "arrival")

@@ -62,8 +62,19 @@ class StackConfig(Struct, frozen=True, kw_only=True):
 class EmulatedStack:
     """Start and stop every service of one installation on emulated GPUs."""
 
-    def __init__(self, bus: Bus, nats_url: str, policy: Policy, config: StackConfig | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        nats_url: str,
+        policy: Policy,
+        config: StackConfig | None = None,
+        *,
+        creds: str | None = None,
+    ) -> None:
         self.bus = bus
+        self.creds = creds
+        """The seed file the sidecars authenticate with (:mod:`shoal.auth`); None: theirs
+        come from the environment."""
         self.nats_url = nats_url
         self.policy = policy
         self.config = config or StackConfig()
@@ -101,6 +112,7 @@ class EmulatedStack:
                 self.nats_url,
                 "--prefix",
                 self.bus.names.prefix,
+                *(["--creds", self.creds] if self.creds else []),
                 "--time-scale",
                 repr(self.clock.scale),
                 "--clock-origin",

@@ -143,3 +143,65 @@ def test_credential_store(tmp_path: Path) -> None:
     with pytest.raises(auth.AuthError):
         store.ensure("client", "bad.name")
     assert auth.user_of_creds(seed) == "alice"
+
+
+def self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 that is its own CA, made here (cert, key)."""
+    import datetime as dt
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "shoal-test")])
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / "server.pem", tmp_path / "server.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return cert_path, key_path
+
+
+@pytest.mark.integration
+async def test_tls_with_a_certificate_made_here(tmp_path: Path) -> None:
+    """With a certificate the server speaks only TLS: a client that verifies it with the
+    CA connects (and is still authenticated by its nkey); a plain-TCP client does not."""
+    from shoal.bus import Bus, NoServerError
+    from shoal.nats_server import EmbeddedNats
+
+    cert, key = self_signed(tmp_path)
+    store = auth.CredentialStore(tmp_path / "creds")
+    admin = str(store.ensure("admin"))
+    with EmbeddedNats(
+        store_dir=tmp_path / "js", creds_dir=store.directory, tls_cert=cert, tls_key=key
+    ) as srv:
+        assert srv.url.startswith("tls://")
+        bus = await Bus.connect(srv.url, prefix="tlstest", creds=admin, tls_ca=str(cert))
+        try:
+            await bus.publish(ev.UserRegistered(user="alice"))
+            assert await bus.last_seq() == 1
+        finally:
+            await bus.close()
+        plain = srv.url.replace("tls://", "nats://")
+        with pytest.raises(NoServerError):
+            await Bus.connect(plain, prefix="tlstest", creds=admin, initial_connect_timeout_s=2.0)

@@ -26,8 +26,10 @@ def _load() -> ModuleType:
 bench = _load()
 
 
-async def test_submission_to_placement(nats_url: str, prefix: str) -> None:
-    r = await bench.latency_case(nats_url, prefix, active=5, probes=3, nodes=3, probe_timeout_s=15)
+async def test_submission_to_placement(nats_url: str, prefix: str, admin_creds: str) -> None:
+    r = await bench.latency_case(
+        nats_url, prefix, active=5, probes=3, nodes=3, probe_timeout_s=15, creds=admin_creds
+    )
     assert len(r["placed_ms"]) == 3
     assert all(0 < ms < 15_000 for ms in r["placed_ms"])
     # The share decision comes before the placement. (Admission replies once its own
@@ -38,16 +40,18 @@ async def test_submission_to_placement(nats_url: str, prefix: str) -> None:
     assert r["decisions"] >= 1 + 3
 
 
-async def test_submission_throughput_loses_nothing(nats_url: str, prefix: str) -> None:
-    r = await bench.throughput_case(nats_url, prefix, n=20, window=8)
+async def test_submission_throughput_loses_nothing(nats_url: str, prefix: str, admin_creds: str) -> None:
+    r = await bench.throughput_case(nats_url, prefix, n=20, window=8, creds=admin_creds)
     assert r["sent"] == len(r["accepted"]) == r["logged"] == 20, (r["errors"], r["rejected"])
     assert r["logged_ids_match"]
     assert not r["rejected"] and not r["errors"] and not r["duplicates"]
     assert r["rate"] > 0
 
 
-async def test_allocator_cold_start_matches_full_fold(nats_url: str, prefix: str) -> None:
-    r = await bench.cold_start_case(nats_url, prefix, events=2_000, tails=(100, 1_000), runs=1)
+async def test_allocator_cold_start_matches_full_fold(nats_url: str, prefix: str, admin_creds: str) -> None:
+    r = await bench.cold_start_case(
+        nats_url, prefix, events=2_000, tails=(100, 1_000), runs=1, creds=admin_creds
+    )
     assert r["events"] == 2_000
     assert len(r["full_s"]) == 1
     assert sorted(r["with_snapshot_s"]) == [100, 1_000]

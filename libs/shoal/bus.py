@@ -319,12 +319,14 @@ class Bus:
         initial_connect_timeout_s: float = 5.0,
         declare: bool = True,
         creds: str | None = None,
+        tls_ca: str | None = None,
     ) -> Bus:
         """Connect (with reconnects) and, by default, declare the streams.
 
         Args:
             creds: an nkey seed file (:mod:`shoal.auth`) to authenticate with; its
                 identity's inbox prefix is used for replies. None: no authentication.
+            tls_ca: a PEM CA file: connect over TLS and verify the server against it.
 
         Raises:
             NoServerError: nothing answers at ``url``.
@@ -350,6 +352,13 @@ class Bus:
             if not os.access(creds, os.R_OK):
                 raise AuthFailed(f"cannot read the credentials file {creds}")
             auth = {"nkeys_seed": str(creds), "inbox_prefix": inbox_prefix(name_of_creds(creds))}
+        if tls_ca:
+            import ssl
+
+            try:
+                auth["tls"] = ssl.create_default_context(cafile=tls_ca)
+            except (OSError, ssl.SSLError) as exc:
+                raise NoServerError(f"cannot use the CA file {tls_ca}: {exc}") from None
         try:
             # nats-py keeps retrying a first connect for as long as reconnects are
             # allowed; bound the first connect so a missing server is a clear error,

@@ -151,10 +151,12 @@ class Client:
         *,
         timeout_s: float = 10.0,
         creds: str | None = None,
+        tls_ca: str | None = None,
     ) -> Client:
         """Connect to NATS. Without ``url``/``prefix``/``creds`` they are found the way
         the CLI finds them (``NATS_URL``, ``SHOAL_PREFIX``, ``NATS_CREDS``, the server and
-        admin credentials of the ``shoal up`` running for the state directory).
+        admin credentials of the ``shoal up`` running for the state directory). ``tls_ca``
+        (default ``NATS_CA``/``SHOAL_TLS_CA``) verifies a TLS server.
 
         Raises:
             shoal.bus.NoServerError: nothing answers at the URL.
@@ -172,7 +174,13 @@ class Client:
             except CliError as exc:
                 raise NoServerError(str(exc)) from None
         await _probe(url, timeout_s=min(timeout_s, 5.0))
-        bus = await Bus.connect(url, prefix=prefix, name="shoal-client", declare=False, creds=creds)
+        if tls_ca is None:
+            import os
+
+            tls_ca = os.environ.get("NATS_CA") or os.environ.get("SHOAL_TLS_CA") or None
+        bus = await Bus.connect(
+            url, prefix=prefix, name="shoal-client", declare=False, creds=creds, tls_ca=tls_ca
+        )
         return cls(bus, timeout_s=timeout_s)
 
     @property

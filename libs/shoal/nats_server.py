@@ -13,7 +13,8 @@ always set.
 Authentication: with ``creds_dir`` (a :class:`shoal.auth.CredentialStore`) the
 server admits only the identities in that store, each with the subject permissions
 of its role (:func:`shoal.auth.permissions` for ``prefix``); :meth:`reload` applies
-identities added since start without a restart. Without it the server is open,
+identities added since start without a restart. With ``tls_cert`` and ``tls_key``
+(PEM files) the server speaks only TLS to clients (``tls://`` URL). Without it the server is open,
 which only code that builds a server by hand asks for: ``shoal up``, ``shoal demo``
 and the test fixtures always pass one.
 """
@@ -94,6 +95,8 @@ class EmbeddedNats:
         debug: bool = False,
         creds_dir: str | os.PathLike[str] | None = None,
         prefix: str = "shoal",
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
         sync_interval: str | None = None,
     ) -> None:
         self._own_store = store_dir is None
@@ -106,6 +109,7 @@ class EmbeddedNats:
         self.debug = debug
         self.creds_dir = Path(creds_dir) if creds_dir is not None else None
         self.prefix = prefix
+        self.tls = (str(tls_cert), str(tls_key)) if tls_cert and tls_key else None
         self.sync_interval = sync_interval
         self.proc: subprocess.Popen[bytes] | None = None
         self._workdir: Path | None = None
@@ -116,7 +120,7 @@ class EmbeddedNats:
     def url(self) -> str:
         if self.client_port is None:
             raise NatsServerError("server not started")
-        return f"nats://{self.host}:{self.client_port}"
+        return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.client_port}"
 
     def _config(self) -> str:
         assert self.store_dir is not None
@@ -130,6 +134,9 @@ class EmbeddedNats:
             *([f"  sync_interval: {self.sync_interval}"] if self.sync_interval else []),
             "}",
         ]
+        if self.tls is not None:
+            # Every client connection must then be TLS (clients verify the server with a CA).
+            lines += ["tls {", f'  cert_file: "{self.tls[0]}"', f'  key_file: "{self.tls[1]}"', "}"]
         if self.mqtt_port is not None:
             lines += ["mqtt {", f'  host: "{self.host}"', f"  port: {self.mqtt_port}", "}"]
         text = "\n".join(lines) + "\n"
@@ -138,6 +145,19 @@ class EmbeddedNats:
 
             text += authorization_block(CredentialStore(self.creds_dir).identities(), self.prefix)
         return text
+
+    def admin_creds(self) -> str:
+        """The admin's seed file in ``creds_dir`` (made if missing; a server started
+        before it was made needs :meth:`reload`).
+
+        Raises:
+            NatsServerError: the server has no ``creds_dir``.
+        """
+        if self.creds_dir is None:
+            raise NatsServerError("this server has no credentials directory")
+        from shoal.auth import CredentialStore
+
+        return str(CredentialStore(self.creds_dir).ensure("admin"))
 
     def reload(self) -> None:
         """Rewrite the configuration (identities added to ``creds_dir`` since start) and

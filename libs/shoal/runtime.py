@@ -164,7 +164,9 @@ async def connect_bus(
     url = resolve_nats_url(settings)
     creds = resolve_creds(settings, identity or name)
     try:
-        return await Bus.connect(url, prefix=settings.prefix, name=name, declare=declare, creds=creds)
+        return await Bus.connect(
+            url, prefix=settings.prefix, name=name, declare=declare, creds=creds, tls_ca=settings.tls_ca
+        )
     except AuthFailed as exc:
         raise StartupError(str(exc)) from None
     except NoServerError as exc:

@@ -87,6 +87,15 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """nkey seed file this process authenticates with (``NATS_CREDS`` also sets it; see
     :mod:`shoal.auth`). Unset: the file of this process's identity in ``<state_dir>/creds``
     when `shoal up` runs there, else no credentials."""
+    tls_ca: str | None = None
+    """PEM file of the CA that signed the NATS server's certificate: connect over TLS and
+    verify the server (``NATS_CA`` also sets it). Unset: plain TCP unless the URL is
+    ``tls://`` (then the system's CAs)."""
+    tls_cert: str | None = None
+    """`shoal up`'s embedded server: its TLS certificate (PEM); with ``tls_key`` every
+    client must use TLS."""
+    tls_key: str | None = None
+    """`shoal up`'s embedded server: the TLS certificate's private key (PEM)."""
     sidecar_creds: str | None = None
     """A node daemon's: the seed file its sidecars authenticate with (role ``sidecar``)."""
     prefix: Prefix = "shoal"
@@ -182,6 +191,8 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
             values["nats_url"] = env["NATS_URL"].strip()
         if env.get("NATS_CREDS", "").strip():
             values["nats_creds"] = env["NATS_CREDS"].strip()
+        if env.get("NATS_CA", "").strip():
+            values["tls_ca"] = env["NATS_CA"].strip()
         for name, value in overrides.items():
             if value is None:
                 continue
@@ -276,7 +287,8 @@ def _parse_text(source: str, text: str, tp: Any, name: str) -> Any:
         try:
             parsed = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise SettingsError(f"{source}={text!r}: expected JSON ({exc})") from None
+            kind = "a JSON object" if typing.get_origin(base) is dict else "a JSON list"
+            raise SettingsError(f"{source}={text!r}: expected {kind} ({exc})") from None
         return _convert(source, parsed, tp)
     return _convert(source, text, tp, shown=text)
 

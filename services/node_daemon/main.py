@@ -34,11 +34,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
+import structlog
 from shoal import events as ev
 from shoal.gpus import discover_nvml, fake_gpus
 from shoal.runtime import StartupError, connect_bus, make_clock, resolve_creds, resolve_nats_url
 from shoal.settings import Settings
 from shoal_services.node_daemon.service import NodeDaemon
+
+log = structlog.get_logger("shoal.node_daemon")
 
 
 def node_gpus(settings: Settings) -> tuple[tuple[ev.GpuInfo, ...], bool]:
@@ -137,6 +140,12 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     sidecar_creds = settings.sidecar_creds or resolve_creds(
         msgspec.structs.replace(settings, nats_creds=None), f"sidecar-{node_id}"
     )
+    if sidecar_creds is None and creds is not None:
+        # No sidecar identity configured: the sidecars share the daemon's. That works
+        # only for an identity allowed to publish job events (the admin's); with a node's
+        # own identity their reports are refused (shoal.auth), so say so once.
+        log.warning("sidecars_use_the_daemon_credentials", creds=creds)
+        sidecar_creds = creds
     os.environ.pop("NATS_CREDS", None)
     os.environ.update(sidecar_env(settings, url, sidecar_creds))
     settings = msgspec.structs.replace(settings, nats_creds=creds)

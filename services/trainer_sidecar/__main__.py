@@ -110,9 +110,14 @@ async def _read_orders(
 async def main_async(args: argparse.Namespace) -> int:
     label = "spare" if args.job == SPARE_JOB else args.job
     # Credentials of the sidecar role (shoal.auth), exported by the node daemon.
-    creds = os.environ.get("SHOAL_NATS_CREDS") or os.environ.get("NATS_CREDS") or None
+    creds = args.creds or os.environ.get("SHOAL_NATS_CREDS") or os.environ.get("NATS_CREDS") or None
     bus = await Bus.connect(
-        args.nats_url, prefix=args.prefix, name=f"sidecar-{label}-{args.node}", declare=False, creds=creds
+        args.nats_url,
+        prefix=args.prefix,
+        name=f"sidecar-{label}-{args.node}",
+        declare=False,
+        creds=creds,
+        tls_ca=os.environ.get("SHOAL_TLS_CA") or os.environ.get("NATS_CA") or None,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -210,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-fd", type=int, default=None, help="write one byte to this fd once started")
     p.add_argument("--nats-url", required=True)
     p.add_argument("--prefix", default="shoal")
+    p.add_argument(
+        "--creds", default=None, help="nkey seed file (default: $SHOAL_NATS_CREDS, $NATS_CREDS; shoal.auth)"
+    )
     p.add_argument("--emulate", action="store_true", default=True)
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--clock-origin", type=float, default=None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
@@ -91,7 +92,7 @@ class Loop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
 
     async def start(self) -> None:
-        self.bus = await Bus.connect(self.url, prefix="fuzz")
+        self.bus = await Bus.connect(self.url, prefix="fuzz", creds=os.environ["NATS_CREDS"])
         await self.bus.publish_many(
             [
                 ev.NodeRegistered(

@@ -8,6 +8,8 @@ under three policies. ``python benchmarks/conformance.py`` writes the report.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from shoal import codec
 from shoal import events as ev
@@ -49,7 +51,11 @@ def test_fifty_jobs_agree_one_for_one_on_the_synchronized_clock(nats_url: str) -
     """50 jobs at 10,000× (about a minute and a half): on the synchronized clock the
     emulated stack makes the simulator's share decisions, one for one, and its job
     times agree to within rounding (see :class:`shoal.clock.SharedClock`)."""
-    out = compare(ConformanceConfig(trace="philly:0e4a51:50", policy="afs-p", time_scale=10_000.0), nats_url)
+    out = compare(
+        ConformanceConfig(trace="philly:0e4a51:50", policy="afs-p", time_scale=10_000.0),
+        nats_url,
+        os.environ["NATS_CREDS"],
+    )
     assert out["emu_completed"] == out["sim_completed"] == 50
     assert out["emu_decisions"] == out["sim_decisions"], out
     assert out["decision_agreement"] == 1.0, out
@@ -62,7 +68,7 @@ def test_free_running_clock_agrees_on_a_reduced_slice(nats_url: str) -> None:
     """Without the synchronized clock (``StackConfig.synchronized=False``, what a
     long-running ``shoal up`` uses) the emulated stack keeps time on its own."""
     cfg = ConformanceConfig(trace="philly:0e4a51:12", policy="afs-p", time_scale=1000.0, synchronized=False)
-    out = compare(cfg, nats_url)
+    out = compare(cfg, nats_url, os.environ["NATS_CREDS"])
     assert out["emu_completed"] == out["sim_completed"] == 12
     assert out["jct_rel_diff"] < 0.05, out
     # Arrivals are stamped with their trace instants, so the decisions they trigger
@@ -78,7 +84,7 @@ def test_free_running_clock_agrees_on_a_reduced_slice(nats_url: str) -> None:
 def test_contended_slices_agree_one_for_one(nats_url: str, trace: str, policy: str) -> None:
     """Slices where AFS-P rotates leases (periodic decisions) and Max-Min re-splits, at 10,000×."""
     cfg = ConformanceConfig(trace=f"philly:{trace}", policy=policy, time_scale=10_000.0)
-    out = compare(cfg, nats_url)
+    out = compare(cfg, nats_url, os.environ["NATS_CREDS"])
     assert out["emu_completed"] == out["sim_completed"] == out["jobs"]
     assert out["decision_agreement"] == 1.0, out
     assert out["jct_rel_diff"] < 0.001, out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 from typing import Any
 
 import pytest
@@ -246,7 +247,9 @@ async def test_main_serves_from_settings_until_stopped(bus: Bus, nats_url: str, 
     from shoal.settings import Settings
     from shoal_services.profiler.main import serve
 
-    settings = Settings.load(env={"SHOAL_NATS_URL": nats_url, "SHOAL_PREFIX": prefix})
+    settings = Settings.load(
+        env={"SHOAL_NATS_URL": nats_url, "NATS_CREDS": os.environ["NATS_CREDS"], "SHOAL_PREFIX": prefix}
+    )
     await bus.publish(submitted("j", max_gpus=2))
     stop = asyncio.Event()
     task = asyncio.create_task(serve(settings, stop))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import pytest
@@ -185,7 +186,9 @@ async def test_main_serves_from_settings_until_stopped(bus: Bus, nats_url: str, 
     from shoal.settings import Settings
     from shoal_services.trader.main import serve
 
-    settings = Settings.load(env={"SHOAL_NATS_URL": nats_url, "SHOAL_PREFIX": prefix})
+    settings = Settings.load(
+        env={"SHOAL_NATS_URL": nats_url, "NATS_CREDS": os.environ["NATS_CREDS"], "SHOAL_PREFIX": prefix}
+    )
     await bus.publish_many(table3())
     stop = asyncio.Event()
     task = asyncio.create_task(serve(settings, stop))

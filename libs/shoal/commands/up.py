@@ -285,8 +285,17 @@ async def installation(
         creds_dir = state_dir / CREDS_DIR
         ensure_credentials(creds_dir, nodes=nodes)
         admin_creds = str(creds_dir / "admin.nk")
+        if bool(settings.tls_cert) != bool(settings.tls_key) or (settings.tls_cert and not settings.tls_ca):
+            raise CommandError(
+                "TLS needs SHOAL_TLS_CERT, SHOAL_TLS_KEY and SHOAL_TLS_CA (the CA the services verify it with)"
+            )
         server = EmbeddedNats(
-            store_dir=store_dir, mqtt_port=settings.mqtt_port, creds_dir=creds_dir, prefix=settings.prefix
+            store_dir=store_dir,
+            mqtt_port=settings.mqtt_port,
+            creds_dir=creds_dir,
+            prefix=settings.prefix,
+            tls_cert=settings.tls_cert,
+            tls_key=settings.tls_key,
         )
         try:
             server.start()
@@ -298,7 +307,7 @@ async def installation(
             "note: --mqtt applies to the embedded server only; NATS_URL is set, so it is ignored", flush=True
         )
     try:
-        await _declare(url, settings.prefix, admin_creds)
+        await _declare(url, settings.prefix, admin_creds, settings.tls_ca)
         specs, skipped = service_specs(
             settings, url, nodes=nodes, gpus_per_node=gpus_per_node, gpu_type=gpu_type, creds_dir=creds_dir
         )
@@ -386,12 +395,12 @@ async def _up(args: argparse.Namespace, settings: Any) -> int:
     return 0
 
 
-async def _declare(url: str, prefix: str, creds: str | None) -> None:
+async def _declare(url: str, prefix: str, creds: str | None, tls_ca: str | None = None) -> None:
     """Create the streams once, as the admin, before the services start (each would race to)."""
     from shoal.bus import Bus, NoServerError
 
     try:
-        bus = await Bus.connect(url, prefix=prefix, name="shoal-up", creds=creds)
+        bus = await Bus.connect(url, prefix=prefix, name="shoal-up", creds=creds, tls_ca=tls_ca)
     except NoServerError as exc:
         raise CommandError(f"{exc} (check NATS_URL)") from None
     await bus.close()
