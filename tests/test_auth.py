@@ -77,6 +77,9 @@ def allowed(perms: dict[str, object], kind: str, subject: str) -> bool:
         ("allocator", "", "$JS.API.STREAM.DELETE.SHOAL_EVENTS", False),
         ("allocator", "", "$KV.SHOAL_LEASES_3000MS.allocator", True),
         ("allocator", "", "$KV.SHOAL_LEASES_3000MS.placer", False),
+        ("sidecar", "n1", "$KV.SHOAL_LEASES_3000MS.train.j1", True),
+        ("sidecar", "n1", "$KV.SHOAL_LEASES_TRAIN_META.train.j1", True),
+        ("sidecar", "n1", "$KV.SHOAL_LEASES_3000MS.allocator", False),
     ],
 )
 def test_publish_permissions(role: auth.Role, who: str, subject: str, ok: bool) -> None:

@@ -219,7 +219,9 @@ def permissions(identity: Identity, prefix: str = "shoal") -> dict[str, Any]:
         lease_key = "train.>" if role == "sidecar" else role
         pub.append(f"$KV.*.{lease_key}")
         if role == "sidecar":
-            pub += [f"{p}.sidecar.>", "$KV.*.>"]  # the job's own meta bucket (rendezvous)
+            # Cross-node worker starts; the job's lease and its rendezvous metadata are
+            # both keys train.<job> (lease bucket and <TOKEN>_LEASES_TRAIN_META).
+            pub.append(f"{p}.sidecar.>")
             sub.append(f"{p}.sidecar.>")
         else:
             # Snapshots (object store): chunks are replaced, so old ones are purged.
