@@ -711,24 +711,37 @@ class Bus:
         is also stored in the dead-letter stream (once, whoever else replays it:
         :meth:`dead_letter_skipped`). A batch with only skipped messages is still
         yielded, so that ``last_seq`` and the writers' cursors move on.
+
+        The consumer is ephemeral (the server removes it after 30 s without a pull
+        request, or when the server restarts). A lost consumer (its deletion
+        reported, no responder for a pull, or a stalled pull whose consumer the server
+        no longer knows) is created again from the sequence after the last one handed
+        out, so the replay goes on without gap or duplicate; while that fails it is
+        retried with a backoff (0.25 s doubling to 5 s), and each episode logs one
+        ``replay_consumer_lost`` warning and one ``replay_consumer_recreated`` line.
         """
         stream = self.names.events_stream
-        if start_time is not None:
-            cfg = api.ConsumerConfig(
-                deliver_policy=api.DeliverPolicy.BY_START_TIME,
-                opt_start_time=start_time.astimezone(dt.UTC).isoformat().replace("+00:00", "Z"),  # type: ignore[arg-type]
-            )
-        else:
-            cfg = api.ConsumerConfig(
-                deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, start_seq or 1)
-            )
-        cfg.ack_policy = api.AckPolicy.NONE
-        cfg.inactive_threshold = 30.0
-        cfg.mem_storage = True
-        cfg.max_waiting = 16
-        if filter_subjects:
-            cfg.filter_subjects = filter_subjects
-        info = await self.js.add_consumer(stream, cfg)
+
+        def config(next_seq: int | None) -> api.ConsumerConfig:
+            if next_seq is None and start_time is not None:
+                cfg = api.ConsumerConfig(
+                    deliver_policy=api.DeliverPolicy.BY_START_TIME,
+                    opt_start_time=start_time.astimezone(dt.UTC).isoformat().replace("+00:00", "Z"),  # type: ignore[arg-type]
+                )
+            else:
+                first = next_seq if next_seq is not None else max(1, start_seq or 1)
+                cfg = api.ConsumerConfig(
+                    deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first
+                )
+            cfg.ack_policy = api.AckPolicy.NONE
+            cfg.inactive_threshold = 30.0
+            cfg.mem_storage = True
+            cfg.max_waiting = 16
+            if filter_subjects:
+                cfg.filter_subjects = filter_subjects
+            return cfg
+
+        info = await self.js.add_consumer(stream, config(None))
         consumer = info.name
         inbox = self.nc.new_inbox()
         buf: collections.deque[Msg] = collections.deque()
@@ -744,39 +757,81 @@ class Bus:
         next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
         decode = codec.decode
         stats = self.stats
+        # The first stream sequence not handed out yet (None: nothing received, the
+        # consumer starts where the caller asked); a recreated consumer starts there.
+        next_seq: int | None = None
+        lost_since: float | None = None
+        backoff = 0.25
+        loop = asyncio.get_running_loop()
         try:
             caught_up = False
             while True:
                 if (stop is not None and stop.is_set()) or (caught_up and not follow):
                     return
+                if lost_since is not None:
+                    try:
+                        info = await self.js.add_consumer(stream, config(next_seq))
+                    except Exception as exc:
+                        log.debug("replay_consumer_recreate_failed", error=repr(exc), retry_in_s=backoff)
+                        if stop is not None:
+                            with contextlib.suppress(TimeoutError):
+                                await asyncio.wait_for(stop.wait(), backoff)
+                        else:
+                            await asyncio.sleep(backoff)
+                        backoff = min(5.0, backoff * 2)
+                        continue
+                    consumer = info.name
+                    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+                    log.info(
+                        "replay_consumer_recreated",
+                        stream=stream,
+                        consumer=consumer,
+                        from_seq=next_seq,
+                        after_s=round(loop.time() - lost_since, 3),
+                    )
+                    lost_since, backoff, caught_up = None, 0.25, False
                 if caught_up:
                     req = b'{"batch":%d,"expires":%d}' % (batch, int(idle_expires_s * 1e9))
                 else:
                     req = b'{"batch":%d,"no_wait":true}' % batch
-                await self.nc.publish(next_subject, req, reply=inbox)
+                lost = stalled = False
+                try:
+                    await self.nc.publish(next_subject, req, reply=inbox)
+                except Exception as exc:  # disconnected with a full reconnect buffer, …
+                    log.debug("replay_pull_failed", error=repr(exc))
+                    stalled = True
                 received = 0
                 out = Batch()
-                request_done = False
+                request_done = stalled
                 while not request_done and received < batch:
                     if not buf:
                         wake.clear()
                         try:
                             await asyncio.wait_for(wake.wait(), idle_expires_s + 5)
                         except TimeoutError:
+                            stalled = True
                             break
                     while buf:
                         msg = buf.popleft()
                         reply = msg.reply
                         if not reply:  # a status message ends this request
-                            status = (msg.headers or {}).get(Header.STATUS.value, "")
+                            headers = msg.headers or {}
+                            status = headers.get(Header.STATUS.value, "")
                             if status in ("404", "408"):
                                 caught_up = True
+                            elif status == "503" or (
+                                status == "409" and "deleted" in headers.get("Description", "").lower()
+                            ):
+                                lost = True  # no such consumer (any more)
                             elif status:
                                 log.warning("replay_status", status=status, headers=msg.headers)
                             request_done = True
                             break
-                        received += 1
                         seq, pending = _ack_reply_positions(reply)
+                        if next_seq is not None and seq < next_seq:
+                            continue  # a lost consumer's delivery, already handed out
+                        received += 1
+                        next_seq = seq + 1
                         out.last_seq = seq
                         try:
                             out.append((seq, decode(msg.data)))
@@ -801,6 +856,19 @@ class Bus:
                         out = Batch()
                 if out or (received and out.last_seq):
                     yield out
+                if stalled and not lost:
+                    # No answer at all: the server may have restarted (and forgotten the
+                    # consumer) or be unreachable; ask whether the consumer still exists.
+                    try:
+                        await self.js.consumer_info(stream, consumer, timeout=2.0)
+                    except nats.js.errors.NotFoundError:
+                        lost = True
+                    except Exception as exc:
+                        log.debug("replay_consumer_info_failed", error=repr(exc))
+                        await asyncio.sleep(min(backoff, 1.0))  # unreachable: do not spin
+                if lost:
+                    lost_since = loop.time()
+                    log.warning("replay_consumer_lost", stream=stream, consumer=consumer, resume_seq=next_seq)
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

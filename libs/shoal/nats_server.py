@@ -179,7 +179,8 @@ class EmbeddedNats:
                 come up within ``timeout_s`` (its log tail is in the message).
         """
         binary = find_nats_server()
-        self._workdir = Path(tempfile.mkdtemp(prefix="shoal-nats-"))
+        if self._workdir is None:  # else a restart (:meth:`restart`) keeps it
+            self._workdir = Path(tempfile.mkdtemp(prefix="shoal-nats-"))
         if self.store_dir is None:
             self.store_dir = self._workdir / "jetstream"
         self.store_dir.mkdir(parents=True, exist_ok=True)
@@ -259,6 +260,30 @@ class EmbeddedNats:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+    def alive(self) -> bool:
+        """Whether the server process runs."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def restart(self, timeout_s: float = 15.0) -> EmbeddedNats:
+        """Start the server again after its process died (``shoal up`` watches it): the
+        same store, the same client and MQTT ports (clients reconnect to the URL they
+        have) and the same configuration, rewritten from ``creds_dir`` as it is now.
+
+        Raises:
+            NatsServerError: it still runs, or it does not come up (see :meth:`start`).
+        """
+        if self.alive():
+            raise NatsServerError("the server still runs")
+        if self.client_port is not None:
+            self.port = self.client_port
+        if self.mqtt_listen_port is not None:
+            self.mqtt_port = self.mqtt_listen_port
+        if self._workdir is not None:
+            for stale in self._workdir.glob("nats-server_*.ports"):
+                stale.unlink(missing_ok=True)
+        self.proc = None
+        return self.start(timeout_s)
 
     def __enter__(self) -> EmbeddedNats:
         return self.start()
