@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from shoal.auth import CredentialStore, Role
 from shoal.bus import Bus
-from shoal.nats_server import EmbeddedNats
+from shoal.nats_server import EmbeddedNats, LocalCluster
 
 _prefixes = itertools.count(1)
 
@@ -47,6 +47,39 @@ def add_identity(server: EmbeddedNats, role: Role, subject: str = "", **kw: Any)
     path = CredentialStore(server.creds_dir).ensure(role, subject, **kw)
     server.reload()
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def nats_cluster(
+    nats_server: EmbeddedNats, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    """A real 3-node JetStream cluster on 127.0.0.1 (one per test module: a cluster takes
+    seconds to elect its meta leader), with the session server's identities, so the
+    admin seed of ``NATS_CREDS`` works on every node. Ready when JetStream answers."""
+    import asyncio
+
+    import nats
+
+    assert nats_server.creds_dir is not None
+    cluster = LocalCluster(tmp_path_factory.mktemp("cluster"), creds_dir=nats_server.creds_dir, prefix="*")
+
+    async def ready() -> None:
+        nc = await nats.connect(servers=cluster.urls, nkeys_seed=os.environ["NATS_CREDS"])
+        try:
+            js = nc.jetstream(timeout=1.0)
+            for _ in range(60):
+                try:
+                    await js.account_info()
+                    return
+                except Exception:
+                    await asyncio.sleep(0.25)
+            raise RuntimeError("the cluster's JetStream did not come up")
+        finally:
+            await nc.close()
+
+    with cluster:
+        asyncio.run(ready())
+        yield cluster
 
 
 @pytest.fixture

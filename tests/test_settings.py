@@ -116,3 +116,18 @@ def test_unknown_variables_are_reported_not_fatal() -> None:
     assert Settings.load(env).time_scale == 7.0
     assert unknown_variables(env) == ["SHOAL_TIME_SCLAE (did you mean SHOAL_TIME_SCALE?)"]
     assert unknown_variables({"SHOAL_POLICY": "srtf"}) == []
+
+
+def test_replicas_and_sync_interval() -> None:
+    s = Settings.load({"SHOAL_REPLICAS": "3", "SHOAL_SYNC_INTERVAL": "always"})
+    assert s.replicas == 3 and s.sync_interval == "always"
+    assert Settings.load({"SHOAL_SYNC_INTERVAL": "10s"}).sync_interval == "10s"
+    assert Settings.load({}).replicas is None and Settings.load({}).sync_interval is None
+    for env in ({"SHOAL_REPLICAS": "0"}, {"SHOAL_SYNC_INTERVAL": "often"}):
+        with pytest.raises(SettingsError, match=next(iter(env))):
+            Settings.load(env)
+
+
+def test_a_seed_list_is_kept_whole() -> None:
+    seeds = "nats://127.0.0.1:4222,nats://127.0.0.1:4223"
+    assert Settings.load({"NATS_URL": seeds}).nats_url == seeds

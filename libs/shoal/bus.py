@@ -126,6 +126,24 @@ class NoServerError(BusError):
     """No NATS server reachable at the given URL."""
 
 
+def server_list(url: str) -> list[str]:
+    """The servers of a ``NATS_URL``: one URL or a comma-separated seed list
+    (``nats://a:4222,nats://b:4222``); a server without a scheme gets ``nats://``."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    return [u if "://" in u else f"nats://{u}" for u in servers]
+
+
+def cluster_replicas(server_info: dict[str, Any]) -> int:
+    """The replica count the server's cluster supports by default: 3 when the server
+    reports a cluster of three or more servers (``connect_urls`` of its INFO), else 1.
+
+    A cluster that does not advertise its servers to clients looks like one server:
+    set ``SHOAL_REPLICAS`` there."""
+    if not server_info.get("cluster"):
+        return 1
+    return 3 if len(server_info.get("connect_urls") or []) >= 3 else 1
+
+
 class AuthFailed(NoServerError):
     """The server refused the connection's credentials (or requires some)."""
 
@@ -273,8 +291,17 @@ class Batch(list[tuple[int, Envelope]]):
 class Bus:
     """A connection to NATS plus the JetStream names of one shoal installation."""
 
-    def __init__(self, nc: NatsClient, prefix: str = "shoal", *, duplicate_window_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        nc: NatsClient,
+        prefix: str = "shoal",
+        *,
+        duplicate_window_s: float = 120.0,
+        replicas: int | None = None,
+    ) -> None:
         self.nc = nc
+        self.replicas = replicas or cluster_replicas(getattr(nc, "_server_info", None) or {})
+        """Replicas of every stream, bucket and object store this bus creates."""
         self.js: JetStreamContext = nc.jetstream()
         self.names = Names(prefix)
         self.stats = BusStats()
@@ -320,10 +347,14 @@ class Bus:
         declare: bool = True,
         creds: str | None = None,
         tls_ca: str | None = None,
+        replicas: int | None = None,
     ) -> Bus:
         """Connect (with reconnects) and, by default, declare the streams.
 
         Args:
+            url: a server URL or a comma-separated seed list of a cluster's servers.
+            replicas: replicas of the streams and buckets this bus creates; None: what
+                the server reports (:func:`cluster_replicas`).
             creds: an nkey seed file (:mod:`shoal.auth`) to authenticate with; its
                 identity's inbox prefix is used for replies. None: no authentication.
             tls_ca: a PEM CA file: connect over TLS and verify the server against it.
@@ -365,7 +396,7 @@ class Bus:
             # and stop at the first refusal of the credentials.
             connecting = asyncio.ensure_future(
                 nats.connect(
-                    servers=[url],
+                    servers=server_list(url),
                     name=name,
                     connect_timeout=connect_timeout_s,
                     allow_reconnect=True,
@@ -394,7 +425,7 @@ class Bus:
             raise NoServerError(f"no NATS server reachable at {url}: {exc or type(exc).__name__}") from None
         except (OSError, TimeoutError) as exc:
             raise NoServerError(f"no NATS server reachable at {url}: {exc or type(exc).__name__}") from None
-        bus = cls(nc, prefix)
+        bus = cls(nc, prefix, replicas=replicas)
         bus.identity = name_of_creds(creds) if creds else None
         holder.append(bus)
         if declare:
@@ -425,11 +456,16 @@ class Bus:
     # -- declaration -------------------------------------------------------------
 
     async def _ensure_stream(self, config: api.StreamConfig) -> None:
+        config.num_replicas = self.replicas
         try:
             await self.js.add_stream(config)
         except nats.js.errors.BadRequestError as exc:
             if exc.err_code != ERR_STREAM_NAME_IN_USE:
                 raise
+            # Never scale a stream down (an operator may have raised its replicas).
+            assert config.name is not None
+            existing = (await self.js.stream_info(config.name)).config.num_replicas or 1
+            config.num_replicas = max(self.replicas, existing)
             try:
                 await self.js.update_stream(config)
             except (TimeoutError, nats.errors.TimeoutError):
@@ -1098,13 +1134,30 @@ class Bus:
     async def lease(self, name: str, holder: str, ttl_s: float = 5.0) -> LeaderLease:
         """A leader lease ``name`` for ``holder`` in the lease bucket (TTL = ``ttl_s``)."""
         bucket = f"{self.names.lease_bucket}_{int(ttl_s * 1000)}MS"
-        kv = await self.js.create_key_value(
+        kv = await self.key_value(
             api.KeyValueConfig(bucket=bucket, ttl=ttl_s, history=1, storage=api.StorageType.FILE)
         )
         return LeaderLease(kv, name, holder, ttl_s)
 
+    async def key_value(self, config: api.KeyValueConfig) -> Any:
+        """The KV bucket of ``config``, created with :attr:`replicas` when missing; an
+        existing bucket is used as it is (whatever its replicas)."""
+        config.replicas = self.replicas
+        try:
+            return await self.js.create_key_value(config)
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != ERR_STREAM_NAME_IN_USE:
+                raise
+            return await self.js.key_value(config.bucket)
+
     async def _snapshot_store(self) -> Any:
-        return await self.js.create_object_store(self.names.snapshot_bucket)
+        name = self.names.snapshot_bucket
+        try:
+            return await self.js.create_object_store(name, api.ObjectStoreConfig(replicas=self.replicas))
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != ERR_STREAM_NAME_IN_USE:
+                raise
+            return await self.js.object_store(name)
 
     async def save_snapshot(self, name: str, seq: int, state: bytes, *, digest: str = "") -> None:
         """Store ``state`` (encoded) as of stream sequence ``seq`` under ``name``."""

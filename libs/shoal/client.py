@@ -110,27 +110,32 @@ def spec_to_wire(spec: ev.JobSpec | Mapping[str, Any]) -> dict[str, Any]:
 
 
 async def _probe(url: str, timeout_s: float) -> None:
-    """Fail fast when nothing listens at ``url``: nats-py keeps retrying a refused first
-    connect (right for a service, not for a person waiting at a prompt)."""
+    """Fail fast when nothing listens at ``url`` (one URL or a comma-separated seed list:
+    any one server listening will do): nats-py keeps retrying a refused first connect
+    (right for a service, not for a person waiting at a prompt)."""
     from urllib.parse import urlsplit
 
-    from shoal.bus import NoServerError
+    from shoal.bus import NoServerError, server_list
 
-    if "," in url:
-        return  # a server list: let the client pick one
-    parts = urlsplit(url if "://" in url else f"nats://{url}")
-    try:
-        host, port = parts.hostname or "127.0.0.1", parts.port or 4222
-    except ValueError as exc:
-        raise NoServerError(f"invalid NATS URL {url!r}: {exc}") from None
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
-    except (OSError, TimeoutError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or "timed out"
-        raise NoServerError(f"no NATS server reachable at {url}: {reason}") from None
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
+    reasons = []
+    for server in server_list(url) or [url]:
+        parts = urlsplit(server)
+        try:
+            host, port = parts.hostname or "127.0.0.1", parts.port or 4222
+        except ValueError as exc:
+            raise NoServerError(f"invalid NATS URL {server!r}: {exc}") from None
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+        except (OSError, TimeoutError) as exc:
+            reasons.append(
+                exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or "timed out"
+            )
+            continue
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return
+    raise NoServerError(f"no NATS server reachable at {url}: {'; '.join(reasons)}")
 
 
 class Client:

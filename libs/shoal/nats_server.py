@@ -81,6 +81,13 @@ class EmbeddedNats:
         mqtt_port: enable the MQTT listener on this port (-1 = server picks, None = off).
         server_name: required by MQTT; defaults to ``shoal-<pid>``.
         max_payload: largest message the server accepts, bytes.
+        sync_interval: JetStream's ``sync_interval`` (how often the store is fsynced, e.g.
+            ``"10s"``, or ``"always"``: before every ack); None: the server's default (2 min).
+        cluster_name: make this server one node of a cluster of that name (its
+            ``server_name`` must be unique in the cluster).
+        cluster_port: the route port (-1 = server picks; :attr:`cluster_listen_port`
+            holds the choice after start).
+        routes: route URLs of the other nodes, e.g. ``nats-route://127.0.0.1:6222``.
     """
 
     def __init__(
@@ -98,6 +105,9 @@ class EmbeddedNats:
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
         sync_interval: str | None = None,
+        cluster_name: str | None = None,
+        cluster_port: int = -1,
+        routes: tuple[str, ...] | list[str] = (),
     ) -> None:
         self._own_store = store_dir is None
         self.store_dir = Path(store_dir) if store_dir is not None else None
@@ -111,10 +121,21 @@ class EmbeddedNats:
         self.prefix = prefix
         self.tls = (str(tls_cert), str(tls_key)) if tls_cert and tls_key else None
         self.sync_interval = sync_interval
+        self.cluster_name = cluster_name
+        self.cluster_port = cluster_port
+        self.routes = tuple(routes)
+        self.cluster_listen_port: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self._workdir: Path | None = None
         self.client_port: int | None = None
         self.mqtt_listen_port: int | None = None
+
+    @property
+    def route_url(self) -> str:
+        """``nats-route://host:port`` of the started server's cluster listener."""
+        if self.cluster_listen_port is None:
+            raise NatsServerError("server not started or not clustered")
+        return f"nats-route://{self.host}:{self.cluster_listen_port}"
 
     @property
     def url(self) -> str:
@@ -137,6 +158,17 @@ class EmbeddedNats:
         if self.tls is not None:
             # Every client connection must then be TLS (clients verify the server with a CA).
             lines += ["tls {", f'  cert_file: "{self.tls[0]}"', f'  key_file: "{self.tls[1]}"', "}"]
+        if self.cluster_name is not None:
+            # Routes carry no authentication of their own: the cluster listens on ``host``
+            # (127.0.0.1 by default), so only processes of this machine can join.
+            lines += [
+                "cluster {",
+                f'  name: "{self.cluster_name}"',
+                f'  host: "{self.host}"',
+                f"  port: {self.cluster_port}",
+                "  routes: [" + ", ".join(f'"{r}"' for r in self.routes) + "]",
+                "}",
+            ]
         if self.mqtt_port is not None:
             lines += ["mqtt {", f'  host: "{self.host}"', f"  port: {self.mqtt_port}", "}"]
         text = "\n".join(lines) + "\n"
@@ -212,6 +244,9 @@ class EmbeddedNats:
                     time.sleep(0.01)
                     continue
                 self.client_port = int(ports["nats"][0].rsplit(":", 1)[1])
+                cluster = ports.get("cluster") or []
+                if cluster:
+                    self.cluster_listen_port = int(cluster[0].rsplit(":", 1)[1])
                 mqtt = ports.get("mqtt") or []
                 if mqtt:
                     self.mqtt_listen_port = int(mqtt[0].rsplit(":", 1)[1])
@@ -297,6 +332,116 @@ class EmbeddedNats:
         return self.start()
 
     async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class LocalCluster:
+    """``size`` embedded servers forming one JetStream cluster on this host (tests, benchmarks).
+
+    A JetStream cluster needs every node to list its routes when it starts, so the route
+    ports are chosen up front (free ports at the time of the call; a start that loses a
+    port to another process raises :class:`NatsServerError`). Each node keeps its store
+    in ``base_dir/<name>``, so :meth:`kill` then :meth:`restart` brings a node back with
+    its data, on the same client and route ports. All nodes share ``creds_dir``'s
+    identities, so a seed works on every node.
+    """
+
+    def __init__(
+        self,
+        base_dir: str | os.PathLike[str],
+        *,
+        size: int = 3,
+        name: str = "shoal",
+        creds_dir: str | os.PathLike[str] | None = None,
+        prefix: str = "shoal",
+        sync_interval: str | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.base_dir = Path(base_dir)
+        self.name = name
+        self.host = host
+        self._kw: dict[str, object] = {
+            "creds_dir": creds_dir,
+            "prefix": prefix,
+            "sync_interval": sync_interval,
+            "host": host,
+        }
+        self.route_ports = [_free_port(host) for _ in range(size)]
+        self.client_ports: list[int] = [-1] * size
+        self.nodes: list[EmbeddedNats | None] = [None] * size
+
+    def server_name(self, i: int) -> str:
+        return f"{self.name}-{i + 1}"
+
+    def _make(self, i: int) -> EmbeddedNats:
+        routes = [f"nats-route://{self.host}:{p}" for p in self.route_ports]
+        return EmbeddedNats(
+            self.base_dir / self.server_name(i),
+            port=self.client_ports[i],
+            server_name=self.server_name(i),
+            cluster_name=self.name,
+            cluster_port=self.route_ports[i],
+            routes=routes,
+            **self._kw,  # type: ignore[arg-type]
+        )
+
+    def start(self) -> LocalCluster:
+        """Start every node (returns once each accepts clients; JetStream may still be
+        electing its meta leader)."""
+        for i in range(len(self.nodes)):
+            self.restart(i)
+        return self
+
+    def restart(self, i: int) -> EmbeddedNats:
+        """(Re)start node ``i`` on its previous ports with its store."""
+        node = self._make(i).start()
+        assert node.client_port is not None
+        self.client_ports[i] = node.client_port
+        self.nodes[i] = node
+        return node
+
+    def kill(self, i: int) -> None:
+        """SIGKILL node ``i`` (its store stays for :meth:`restart`)."""
+        node = self.nodes[i]
+        if node is not None:
+            node.kill()
+            node.stop()
+            self.nodes[i] = None
+
+    def index_of(self, server_name: str) -> int:
+        return [self.server_name(i) for i in range(len(self.nodes))].index(server_name)
+
+    @property
+    def urls(self) -> list[str]:
+        """The client URLs of every node (running or not)."""
+        scheme = "nats"
+        return [f"{scheme}://{self.host}:{p}" for p in self.client_ports]
+
+    @property
+    def url(self) -> str:
+        """The seed list (comma-separated) as ``NATS_URL`` takes it."""
+        return ",".join(self.urls)
+
+    def stop(self) -> None:
+        for i, node in enumerate(self.nodes):
+            if node is not None:
+                node.stop()
+                self.nodes[i] = None
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()

@@ -165,7 +165,13 @@ async def connect_bus(
     creds = resolve_creds(settings, identity or name)
     try:
         return await Bus.connect(
-            url, prefix=settings.prefix, name=name, declare=declare, creds=creds, tls_ca=settings.tls_ca
+            url,
+            prefix=settings.prefix,
+            name=name,
+            declare=declare,
+            creds=creds,
+            tls_ca=settings.tls_ca,
+            replicas=settings.replicas,
         )
     except AuthFailed as exc:
         raise StartupError(str(exc)) from None

@@ -82,7 +82,15 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """
 
     nats_url: str | None = None
-    """NATS server URL. Unset: the embedded server that `shoal up` runs for ``state_dir``."""
+    """NATS server URL, or a comma-separated seed list of a cluster's servers. Unset: the
+    embedded server that `shoal up` runs for ``state_dir``."""
+    replicas: Annotated[int, Meta(ge=1, le=5)] | None = None
+    """Replicas of every stream, KV bucket and object store shoal creates. Unset: 3 when
+    the server reports a cluster of three or more servers, else 1. An existing stream is
+    never scaled down."""
+    sync_interval: Annotated[str, Meta(pattern=r"^(always|[0-9]+(ms|s|m|h))$")] | None = None
+    """`shoal up`'s embedded server: how often JetStream fsyncs its store (e.g. ``10s``), or
+    ``always`` (before every ack). Unset: nats-server's default, every 2 minutes."""
     nats_creds: str | None = None
     """nkey seed file this process authenticates with (``NATS_CREDS`` also sets it; see
     :mod:`shoal.auth`). Unset: the file of this process's identity in ``<state_dir>/creds``

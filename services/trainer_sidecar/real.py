@@ -203,7 +203,7 @@ class RealSidecar:
     async def _meta(self) -> object:
         if self._meta_kv is None:
             bucket = f"{self.bus.names.lease_bucket}_TRAIN_META"
-            self._meta_kv = await self.bus.js.create_key_value(
+            self._meta_kv = await self.bus.key_value(
                 api.KeyValueConfig(bucket=bucket, history=1, storage=api.StorageType.FILE)
             )
         return self._meta_kv

@@ -307,7 +307,7 @@ async def installation(
             "note: --mqtt applies to the embedded server only; NATS_URL is set, so it is ignored", flush=True
         )
     try:
-        await _declare(url, settings.prefix, admin_creds, settings.tls_ca)
+        await _declare(url, settings.prefix, admin_creds, settings.tls_ca, settings.replicas)
         specs, skipped = service_specs(
             settings, url, nodes=nodes, gpus_per_node=gpus_per_node, gpu_type=gpu_type, creds_dir=creds_dir
         )
@@ -340,6 +340,7 @@ async def _up(args: argparse.Namespace, settings: Any) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals: list[int] = []
+            sync_interval=settings.sync_interval,
 
     def on_signal(signum: int) -> None:
         signals.append(signum)
@@ -395,12 +396,16 @@ async def _up(args: argparse.Namespace, settings: Any) -> int:
     return 0
 
 
-async def _declare(url: str, prefix: str, creds: str | None, tls_ca: str | None = None) -> None:
+async def _declare(
+    url: str, prefix: str, creds: str | None, tls_ca: str | None = None, replicas: int | None = None
+) -> None:
     """Create the streams once, as the admin, before the services start (each would race to)."""
     from shoal.bus import Bus, NoServerError
 
     try:
-        bus = await Bus.connect(url, prefix=prefix, name="shoal-up", creds=creds, tls_ca=tls_ca)
+        bus = await Bus.connect(
+            url, prefix=prefix, name="shoal-up", creds=creds, tls_ca=tls_ca, replicas=replicas
+        )
     except NoServerError as exc:
         raise CommandError(f"{exc} (check NATS_URL)") from None
     await bus.close()
