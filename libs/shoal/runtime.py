@@ -271,6 +271,10 @@ def run_service(serve: Serve, settings: Settings, *, service_name: str = "shoal"
     for variable in unknown_variables():
         log.warning("unknown_setting_ignored", variable=variable)
     tracing = setup_tracing(service_name, trace_jsonl=settings.trace_jsonl)
+    if settings.metrics_port is not None:
+        from shoal.probes import probed
+
+        serve = probed(serve, service_name)  # /healthz, /readyz, /metrics (shoal.probes)
     try:
         return asyncio.run(_main(serve, settings, service_name))
     finally:

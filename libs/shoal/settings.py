@@ -166,6 +166,13 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Admission's: ``spec.env`` names a job may set besides ``SHOAL_TRAIN_*`` (JSON list)."""
     trace_jsonl: str | None = None
     """Append every finished span as one JSON line to this file."""
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
+    """Serve ``/healthz``, ``/readyz`` and ``/metrics`` of a service on this port (0: any
+    free port; unset: none; see :mod:`shoal.probes`). `shoal up` gives each child its
+    own: consecutive ports from this one, or free ports when it is unset or 0."""
+    metrics_host: str = "127.0.0.1"
+    """Address the probe endpoints listen on. They are read-only; listening beyond this
+    machine (e.g. a Kubernetes pod IP) is the operator's choice (docs/security.md)."""
 
     # -- loading ---------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from shoal import admission
+from shoal import admission, probes
 from shoal.projection import Projection
 from shoal.runtime import connect_bus, make_clock
 from shoal.settings import Settings
@@ -24,6 +24,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         bus = await connect_bus(settings, "admission")
         resources.push_async_callback(bus.close)
         projection = Projection(bus)
+        probes.watch(bus=bus, projection=projection)
         await projection.start()
         resources.push_async_callback(projection.stop)
         await projection.wait_ready()

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+from shoal import probes
 from shoal.runtime import StartupError, connect_bus, holder_id, make_clock
 from shoal.settings import Settings
 from shoal_services.allocator.service import AllocatorService
@@ -71,4 +72,5 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             heartbeat_s=settings.heartbeat_s,
             tick_origin=settings.clock_origin or 0.0,
         )
+        probes.watch(bus=bus, projection=service.projection, role=lambda: service.role)
         await service.run(stop)

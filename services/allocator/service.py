@@ -64,6 +64,7 @@ from typing import Any
 import structlog
 from opentelemetry import trace
 from opentelemetry.context import Context
+from prometheus_client import Counter, Histogram
 from shoal import codec
 from shoal import events as ev
 from shoal.allocation import decide_shares, next_tick, policy_tick
@@ -80,6 +81,15 @@ from shoal.telemetry import producer_span
 from shoal.view import carry_progress_forward
 
 log = structlog.get_logger("shoal.allocator")
+
+DECISIONS = Counter(
+    "shoal_allocator_decisions", "SharesDecided this process published, by trigger.", ["trigger"]
+)
+DECISION_SECONDS = Histogram(
+    "shoal_allocator_decision_seconds",
+    "Wall seconds from the start of a decision (view, policy) to its append being folded back.",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
 
 _Shares = tuple[dict[str, int], dict[str, str], dict[str, Any]]
 
@@ -168,6 +178,8 @@ class AllocatorService:
         (for the expected-sequence append; a message there that does not decode counts)."""
         self.decided = 0
         self.is_leader = False
+        self.role: str | None = None
+        """``"leader"`` or ``"standby"`` once the lease was asked for (the probes' readiness)."""
         self._since_snapshot = 0
         self._campaign: Campaign | None = None
         """The leader lease campaign (set by :meth:`run`)."""
@@ -309,6 +321,8 @@ class AllocatorService:
                 return None
             await self.projection.wait_for(result.seq)
             self.decided += 1
+            DECISIONS.labels(trigger=trigger).inc()
+            DECISION_SECONDS.observe((time.time_ns() - t0) / 1e9)
             log.info(
                 "shares_decided",
                 epoch=decision.epoch,
@@ -468,6 +482,7 @@ class AllocatorService:
             while not stop.is_set():
                 flip = await campaign.poll()
                 self.is_leader = campaign.is_leader
+                self.role = "leader" if self.is_leader else "standby"
                 if flip == "elected":
                     # A new leader re-reads the log to its end before deciding.
                     await self.projection.wait_for(await self.bus.last_seq())

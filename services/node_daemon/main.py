@@ -36,6 +36,7 @@ from pathlib import Path
 import msgspec
 import structlog
 from shoal import events as ev
+from shoal import probes
 from shoal.gpus import discover_nvml, fake_gpus
 from shoal.runtime import StartupError, connect_bus, make_clock, resolve_creds, resolve_nats_url
 from shoal.settings import Settings
@@ -120,7 +121,13 @@ def sidecar_env(settings: Settings, nats_url: str, sidecar_creds: str | None = N
     env = settings.to_env()
     env["SHOAL_NATS_URL"] = env["NATS_URL"] = nats_url
     # daemon-only settings
-    for name in ("SHOAL_NODE_ID", "SHOAL_FAKE_GPUS", "SHOAL_SIDECAR_SPARES", "SHOAL_SIDECAR_CREDS"):
+    for name in (
+        "SHOAL_NODE_ID",
+        "SHOAL_FAKE_GPUS",
+        "SHOAL_SIDECAR_SPARES",
+        "SHOAL_SIDECAR_CREDS",
+        "SHOAL_METRICS_PORT",  # the daemon's port; sidecars serve no probes
+    ):
         env.pop(name, None)
     env.pop("SHOAL_NATS_CREDS", None)
     if sidecar_creds:
@@ -147,6 +154,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         log.warning("sidecars_use_the_daemon_credentials", creds=creds)
         sidecar_creds = creds
     os.environ.pop("NATS_CREDS", None)
+    os.environ.pop("SHOAL_METRICS_PORT", None)  # sidecars serve no probes (and not on our port)
     os.environ.update(sidecar_env(settings, url, sidecar_creds))
     settings = msgspec.structs.replace(settings, nats_creds=creds)
     async with contextlib.AsyncExitStack() as resources:
@@ -163,4 +171,5 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             hostname=node_id,
             spares=settings.sidecar_spares,
         )
+        probes.watch(bus=bus, projection=daemon.projection)
         await daemon.run(stop)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from shoal import probes
 from shoal.allocation import PLACERS
 from shoal.runtime import StartupError, connect_bus, holder_id, make_clock
 from shoal.settings import Settings
@@ -34,4 +35,5 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             placer=settings.placer,
             lease_ttl_s=settings.lease_ttl_s,
         )
+        probes.watch(bus=bus, projection=service.projection, role=lambda: service.role)
         await service.run(stop)

@@ -91,6 +91,8 @@ class PlacerService:
         """The placement in force before ``_instant`` (see :meth:`_anchor`)."""
         self.dirty = asyncio.Event()
         self.is_leader = False
+        self.role: str | None = None
+        """``"leader"`` or ``"standby"`` once the lease was asked for (the probes' readiness)."""
         self._held_epochs: set[int] = set()
         """Epochs of decisions whose clock hold this placer releases once it has placed
         them or a newer one (a :class:`~shoal.clock.SharedClock` only)."""
@@ -254,6 +256,7 @@ class PlacerService:
                 renewed = campaign.due()
                 await campaign.poll()
                 self.is_leader = campaign.is_leader
+                self.role = "leader" if self.is_leader else "standby"
                 if renewed and self.is_leader:
                     self.dirty.set()  # re-check on every renewal (a lost node, a takeover)
                 with contextlib.suppress(TimeoutError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from shoal import probes
 from shoal.profiling import ProfileParams
 from shoal.runtime import connect_bus, holder_id, make_clock
 from shoal.settings import Settings
@@ -46,4 +47,5 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             material_change=float(getattr(settings, "profiler_material_change", 0.05)),
             lease_ttl_s=settings.lease_ttl_s,
         )
+        probes.watch(bus=bus, projection=service.projection, role=lambda: service.role)
         await service.run(stop)

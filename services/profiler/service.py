@@ -94,6 +94,8 @@ class ProfilerService:
         self.projection = Projection(bus, listeners=[self._on_event], skip_listeners=[self._on_skipped])
         self.dirty = asyncio.Event()
         self.is_leader = False
+        self.role: str | None = None
+        """``"leader"`` or ``"standby"`` once the lease was asked for (the probes' readiness)."""
         self.published = 0
         self.passes = 0
         """Completed decision passes (tests wait on it instead of sleeping)."""
@@ -264,6 +266,7 @@ class ProfilerService:
             while not stop.is_set():
                 flip = await campaign.poll()
                 self.is_leader = campaign.is_leader
+                self.role = "leader" if self.is_leader else "standby"
                 if flip == "elected":
                     await self.projection.wait_for(await self.bus.last_seq())
                     self.dirty.set()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from shoal import probes
 from shoal.runtime import connect_bus, holder_id, make_clock
 from shoal.settings import Settings
 from shoal_services.trader.service import TradeParams, TraderService
@@ -44,4 +45,5 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             params=params_from(settings),
             lease_ttl_s=settings.lease_ttl_s,
         )
+        probes.watch(bus=bus, projection=service.projection, role=lambda: service.role)
         await service.run(stop)

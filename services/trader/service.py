@@ -250,6 +250,8 @@ class TraderService:
         self.projection = Projection(bus, listeners=[self._on_event], skip_listeners=[self._on_skipped])
         self.dirty = asyncio.Event()
         self.is_leader = False
+        self.role: str | None = None
+        """``"leader"`` or ``"standby"`` once the lease was asked for (the probes' readiness)."""
         self.subject_seq: dict[str, int] = {}
         """Subject -> stream sequence of the newest message on it, whatever it holds (a
         message there that does not decode counts: the expected-sequence append compares
@@ -347,6 +349,7 @@ class TraderService:
             while not stop.is_set():
                 flip = await campaign.poll()
                 self.is_leader = campaign.is_leader
+                self.role = "leader" if self.is_leader else "standby"
                 if flip == "elected":
                     await self.projection.wait_for(await self.bus.last_seq())
                     # The next round is one quantum after the last trade in the log.

@@ -19,7 +19,10 @@ Choices a production user would expect:
   comes from the model catalog, and there is no GPU trading);
 * with ``--time-scale`` other than 1 every child gets the same
   ``SHOAL_CLOCK_ORIGIN`` (the start instant), so all share one virtual clock;
-* ``--nodes 0`` starts no node daemon (run real ones with ``shoal run node-daemon``).
+* ``--nodes 0`` starts no node daemon (run real ones with ``shoal run node-daemon``);
+* every child serves ``/healthz``, ``/readyz`` and ``/metrics`` (:mod:`shoal.probes`) on a
+  port of its own (:func:`probe_ports`), printed as one ``probes:`` line per child and
+  recorded under ``metrics`` in ``up.json``.
 """
 
 from __future__ import annotations
@@ -157,6 +160,8 @@ class Installation:
         """Control-plane services not in this build (not started)."""
         self.admin_creds: str | None = None
         """The admin's seed file (the embedded server's; ``settings.nats_creds`` otherwise)."""
+        self.metrics: dict[str, str] = {}
+        """Child name -> base URL of its probes (``/healthz``, ``/readyz``, ``/metrics``)."""
 
     def unclean_exits(self) -> dict[str, int]:
         """Children whose last exit status was neither 0 nor still running."""
@@ -236,6 +241,43 @@ def service_specs(
     return specs, skipped
 
 
+def probe_ports(settings: Any, specs: list[Any]) -> tuple[list[Any], dict[str, str]]:
+    """(specs, child name -> probe URL): each child gets ``SHOAL_METRICS_PORT`` of its
+    own, consecutive ports from ``settings.metrics_port`` when that is set and not 0,
+    else free ports of ``settings.metrics_host`` picked now. A port stays the child's
+    across its restarts, so a scraper's targets stay valid. Free ports are found by
+    binding them all at once and closing them: another program could take one before
+    the child binds it, and the child then exits with a start-up error saying so.
+
+    Raises:
+        CommandError: ``settings.metrics_port`` leaves too few ports below 65536.
+    """
+    import socket
+
+    import msgspec
+
+    from shoal.probes import probe_url
+
+    host, base = settings.metrics_host, settings.metrics_port or 0
+    if base:
+        if base + len(specs) - 1 > 65535:
+            raise CommandError(f"SHOAL_METRICS_PORT={base} leaves no room for {len(specs)} ports")
+        ports = [base + i for i in range(len(specs))]
+    else:
+        with contextlib.ExitStack() as held:
+            socks = []
+            for _ in specs:
+                sock = held.enter_context(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET))
+                sock.bind((host, 0))
+                socks.append(sock)
+            ports = [int(sock.getsockname()[1]) for sock in socks]
+    out = [
+        msgspec.structs.replace(spec, env={**spec.env, "SHOAL_METRICS_PORT": str(port)})
+        for spec, port in zip(specs, ports, strict=True)
+    ]
+    return out, {spec.name: probe_url(host, port) for spec, port in zip(specs, ports, strict=True)}
+
+
 @contextlib.asynccontextmanager
 async def installation(
     settings: Any,
@@ -296,6 +338,7 @@ async def installation(
             prefix=settings.prefix,
             tls_cert=settings.tls_cert,
             tls_key=settings.tls_key,
+            sync_interval=settings.sync_interval,
         )
         try:
             server.start()
@@ -311,6 +354,7 @@ async def installation(
         specs, skipped = service_specs(
             settings, url, nodes=nodes, gpus_per_node=gpus_per_node, gpu_type=gpu_type, creds_dir=creds_dir
         )
+        specs, metrics = probe_ports(settings, specs)
         base_env = {
             k: v for k, v in os.environ.items() if not k.startswith("SHOAL_") and k not in NATS_VARIABLES
         }
@@ -322,11 +366,13 @@ async def installation(
             server_pid=server.proc.pid if server is not None and server.proc is not None else None,
             mqtt_port=server.mqtt_listen_port if server is not None else None,
             creds_dir=str(creds_dir) if creds_dir is not None else None,
+            metrics=metrics,
         )
         try:
             await supervisor.start()
             inst = Installation(settings, url, server, supervisor, specs, skipped)
             inst.admin_creds = admin_creds
+            inst.metrics = metrics
             yield inst
         finally:
             await supervisor.stop(timeout_s=settings.drain_timeout_s + 5.0)
@@ -340,7 +386,6 @@ async def _up(args: argparse.Namespace, settings: Any) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals: list[int] = []
-            sync_interval=settings.sync_interval,
 
     def on_signal(signum: int) -> None:
         signals.append(signum)
@@ -378,6 +423,8 @@ async def _up(args: argparse.Namespace, settings: Any) -> int:
                 f"prefix: {settings.prefix}  policy: {settings.policy}  time scale: {settings.time_scale:g}"
             )
             print(f"services: {', '.join(s.name for s in inst.specs)}")
+            for name, probe in inst.metrics.items():
+                print(f"probes: {name} {probe} (/healthz /readyz /metrics)")
             if inst.skipped:
                 print(f"not in this build, skipped: {', '.join(inst.skipped)}")
             print(f"state dir: {state_dir}")
