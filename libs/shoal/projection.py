@@ -3,7 +3,8 @@
 Every service that needs state holds one :class:`Projection`. It starts from the
 newest snapshot (if a name is given and one exists), replays the rest of the log,
 and keeps following the live tail on the same consumer, so there is never a gap or
-a duplicate. ``ready`` is set once the projection has caught up with the log as it
+a duplicate. The follower is a :func:`shoal.tasks.critical` task: if it dies, the
+process fails (exit 1) rather than go on with a state that no longer moves. ``ready`` is set once the projection has caught up with the log as it
 was at start; ``wait_for(seq)`` gives read-your-writes after a publish.
 
 Services of one process may share a projection (the emulated stack of the
@@ -26,6 +27,7 @@ import structlog
 from shoal import state as st
 from shoal.bus import Bus, SkippedMessage
 from shoal.events import Envelope
+from shoal.tasks import critical
 
 log = structlog.get_logger("shoal.projection")
 
@@ -91,7 +93,8 @@ class Projection:
         target = await self.bus.last_seq()
         if self.last_seq >= target:
             self.ready.set()
-        self._task = asyncio.create_task(self._follow(target), name="projection")
+        # A follower that dies must not leave the service deciding on a frozen state.
+        self._task = critical(asyncio.create_task(self._follow(target), name="projection"))
 
     async def _follow(self, target: int) -> None:
         try:

@@ -6,8 +6,9 @@
 2. run ``serve(settings, stop)`` in a fresh event loop;
 3. on the first SIGTERM or SIGINT set ``stop``: the service stops taking new work,
    finishes what is in flight (handlers, decisions, acks) and returns;
-4. exit status 0 when ``serve`` returned cleanly, 1 when it raised or did not drain
-   within ``settings.drain_timeout_s`` (it is then cancelled), 2 for a start-up
+4. exit status 0 when ``serve`` returned cleanly, 1 when it raised, when a task it
+   watches died (:func:`shoal.tasks.critical`: ``stop`` is set, the service drains) or
+   it did not drain within ``settings.drain_timeout_s`` (it is then cancelled), 2 for a start-up
    error (:class:`StartupError`: no server, bad configuration) with a one-line
    message on stderr, and 128+signal when a *second* signal forces an immediate exit.
 
@@ -301,6 +302,16 @@ async def _main(serve: Serve, settings: Settings, service_name: str) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    from shoal import tasks
+
+    task_deaths: list[str] = []
+
+    def on_task_death(name: str, _exc: BaseException) -> None:
+        # A watched task died (shoal.tasks.critical): drain and exit 1, so the supervisor acts.
+        task_deaths.append(name)
+        stop.set()
+
+    remove_hook = tasks.add_fail_hook(on_task_death)
     task = asyncio.create_task(serve(settings, stop), name=f"serve-{service_name}")
     stopper = asyncio.create_task(stop.wait())
     try:
@@ -325,9 +336,13 @@ async def _main(serve: Serve, settings: Settings, service_name: str) -> int:
         except Exception:
             log.exception("service_failed")
             return EXIT_FAILED
+        if task_deaths:
+            log.error("stopped_after_task_died", tasks=task_deaths)
+            return EXIT_FAILED
         log.info("stopped", clean=True)
         return EXIT_OK
     finally:
+        remove_hook()
         stopper.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

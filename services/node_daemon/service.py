@@ -10,7 +10,9 @@ left the node, finished or was cancelled has its sidecar stopped. Reconciliation
 level-triggered: a missed message is repaired by the next one.
 
 Publishes: ``NodeRegistered`` at start, ``NodeHeartbeat`` every ``heartbeat_s`` (never
-faster: the next one is sent ``heartbeat_s`` after the previous one went out),
+faster: the next one is sent ``heartbeat_s`` after the previous one went out; a failed
+publish, e.g. while the NATS server is down, restarts the heartbeat loop after a backoff,
+:func:`shoal.tasks.keep_running`),
 ``GpuHealth`` for each GPU every few heartbeats (NVML readings, or for emulated GPUs
 utilisation 1.0 while a job holds the GPU).
 
@@ -74,6 +76,7 @@ from shoal.gpus import read_nvml
 from shoal.log import bound_job
 from shoal.projection import Projection
 from shoal.state import FINISHED_STATUSES, NODE_LOST, ClusterState
+from shoal.tasks import keep_running
 from shoal.telemetry import stored_context, tracing_enabled, with_trace_fields
 from shoal_services.trainer_sidecar import SPARE_JOB, adoption_line
 
@@ -153,6 +156,7 @@ class NodeDaemon:
         self.emulated = emulated
         self.heartbeat_s = heartbeat_s
         self.health_every = health_every
+        self._beat = 0
         self.hostname = hostname
         if projection is None:
             projection = Projection(bus)
@@ -440,9 +444,9 @@ class NodeDaemon:
                 )
 
     async def _heartbeats(self, stop: asyncio.Event) -> None:
-        beat = 0
         while not stop.is_set():
-            beat += 1
+            self._beat += 1
+            beat = self._beat
             await self._publish(ev.NodeHeartbeat(node_id=self.node_id, seq=beat))
             await self._register_again_if_lost()
             if beat % self.health_every == 1:
@@ -479,7 +483,10 @@ class NodeDaemon:
         await self._publish(self._registration())
         await self.projection.start()
         await self.projection.wait_ready()
-        beats = asyncio.create_task(self._heartbeats(stop))
+        # Heartbeats outlive a failed publish (a NATS outage): the loop is started again.
+        beats = asyncio.create_task(
+            keep_running(lambda: self._heartbeats(stop), name="heartbeats", stop=stop), name="heartbeats"
+        )
         self._refill_spares()
         try:
             self.dirty.set()

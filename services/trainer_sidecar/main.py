@@ -43,6 +43,7 @@ def configure(argv: Sequence[str]) -> Serve:
     async def serve(settings: Settings, stop: asyncio.Event) -> None:
         from shoal.models import get_catalog
         from shoal.sim.costs import get_costs
+        from shoal.tasks import critical
         from shoal_services.trainer_sidecar import SPARE_JOB
         from shoal_services.trainer_sidecar.__main__ import _read_orders, adopt_job, open_stdin, signal_ready
         from shoal_services.trainer_sidecar.emulated import EmulatedTrainer
@@ -77,7 +78,7 @@ def configure(argv: Sequence[str]) -> Serve:
                 catalog=catalog,
                 report_every_s=settings.report_every_s,
             )
-            reader = asyncio.create_task(_read_orders(trainer, stop, stdin))
+            reader = critical(asyncio.create_task(_read_orders(trainer, stop, stdin)))
             runner = asyncio.create_task(trainer.run(stop))
             stopper = asyncio.create_task(stop.wait())
             try:

@@ -444,13 +444,14 @@ async def run_with_stdin_orders(
     daemon exports (``SHOAL_TRACE_JSONL``, ``OTEL_EXPORTER_OTLP_ENDPOINT``), so that the
     sidecar's spans continue the daemon's traces.
     """
+    from shoal.tasks import critical
     from shoal.telemetry import setup_tracing, tracing_enabled
     from shoal_services.trainer_sidecar.__main__ import _read_orders
 
     tracing = None
     if not tracing_enabled():
         tracing = setup_tracing("trainer-sidecar", trace_jsonl=os.environ.get("SHOAL_TRACE_JSONL") or None)
-    reader = asyncio.create_task(_read_orders(sidecar, stop, stdin))
+    reader = critical(asyncio.create_task(_read_orders(sidecar, stop, stdin)))
     try:
         await sidecar.run(stop)
     finally:
