@@ -159,6 +159,11 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Wall seconds between progress reports of an emulated trainer."""
     drain_timeout_s: PositiveFloat = 10.0
     """How long a service may take to drain in-flight work after SIGTERM."""
+    restart_budget: NonNegInt = 5
+    """`shoal up`'s supervisor: restarts a crashed process may have within ``restart_window_s``;
+    one more crash in that window and it is given up (loudly: stderr, log, ``up.json``)."""
+    restart_window_s: PositiveFloat = 60.0
+    """The window of ``restart_budget``, wall seconds."""
     entrypoints: tuple[tuple[str, ...], ...] = ()
     """Admission's: argv prefixes real-mode jobs may run (``SHOAL_ENTRYPOINTS`` is JSON,
     e.g. ``[["python", "/opt/jobs/train.py"]]``); empty: no job may name an entrypoint."""

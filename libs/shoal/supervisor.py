@@ -1,8 +1,16 @@
 """Supervised child processes for ``shoal up`` and the demo.
 
 Each child is started with ``PR_SET_PDEATHSIG`` (it dies with us, even on
-``kill -9``), restarted with backoff when it exits unexpectedly (up to
-``max_restarts``), and stopped with SIGTERM then SIGKILL.
+``kill -9``), restarted with backoff when it exits unexpectedly, and stopped with
+SIGTERM then SIGKILL.
+
+The restart budget is per time window: a child is restarted unless it already was
+``max_restarts`` times within the last ``window_s`` seconds, so a process that
+crashes once a day is restarted forever while a crash loop is given up. Giving up is
+loud: ``child_gave_up`` is logged at error, the child is marked
+(:attr:`Child.gave_up`) and the ``on_give_up`` callback runs (``shoal up`` prints it on
+stderr and records it in ``up.json``). The backoff before a restart doubles with the
+restarts in the window (0.2 s, 0.4 s … at most 5 s).
 """
 
 from __future__ import annotations
@@ -13,7 +21,8 @@ import ctypes
 import os
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 
 import structlog
 from msgspec import Struct
@@ -38,6 +47,10 @@ class Child:
         self.spec = spec
         self.proc: asyncio.subprocess.Process | None = None
         self.restarts = 0
+        """Restarts over the child's whole life."""
+        self.recent: deque[float] = deque()
+        """Monotonic times of the restarts within the supervisor's window."""
+        self.gave_up = False
         self.task: asyncio.Task[None] | None = None
 
 
@@ -50,12 +63,16 @@ class Supervisor:
         *,
         base_env: Mapping[str, str] | None = None,
         max_restarts: int = 5,
+        window_s: float = 60.0,
+        on_give_up: Callable[[str, int], None] | None = None,
         stdout: int | None = None,
         stderr: int | None = None,
     ) -> None:
         self.children = {s.name: Child(s) for s in specs}
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.on_give_up = on_give_up
         self.stdout = stdout
         self.stderr = stderr
         self._stopping = False
@@ -78,11 +95,25 @@ class Supervisor:
             code = await child.proc.wait()
             if self._stopping or not child.spec.restart:
                 return
-            if child.restarts >= self.max_restarts:
-                log.error("child_gave_up", name=child.spec.name, returncode=code, restarts=child.restarts)
+            now = asyncio.get_running_loop().time()
+            while child.recent and child.recent[0] <= now - self.window_s:
+                child.recent.popleft()
+            if len(child.recent) >= self.max_restarts:
+                child.gave_up = True
+                log.error(
+                    "child_gave_up",
+                    name=child.spec.name,
+                    returncode=code,
+                    restarts_in_window=len(child.recent),
+                    window_s=self.window_s,
+                    restarts=child.restarts,
+                )
+                if self.on_give_up is not None:
+                    self.on_give_up(child.spec.name, code)
                 return
+            child.recent.append(now)
             child.restarts += 1
-            delay = min(5.0, 0.2 * 2**child.restarts)
+            delay = min(5.0, 0.2 * 2 ** len(child.recent))
             log.warning("child_exited_restarting", name=child.spec.name, returncode=code, delay_s=delay)
             await asyncio.sleep(delay)
             await self._start(child)

@@ -5,7 +5,11 @@ so the log survives a restart of ``shoal up``) unless ``NATS_URL``/``--nats-url`
 points at an existing NATS cluster, then every control-plane service (admission,
 profiler, allocator, placer, trader) and ``--nodes`` emulated node daemons as
 supervised child processes (``shoal run <service>``; a child that crashes is
-restarted with backoff). It prints the NATS URL and runs until SIGINT/SIGTERM, then
+restarted with backoff, at most ``SHOAL_RESTART_BUDGET`` times within
+``SHOAL_RESTART_WINDOW_S``; beyond that it is given up, which is printed on stderr,
+logged at error and listed under ``gave_up`` in ``up.json``). An embedded server whose
+process dies is started again on the same store, port and credentials, and its new
+pid written to ``up.json`` (``server_pid``). It prints the NATS URL and runs until SIGINT/SIGTERM, then
 stops the children (SIGTERM: each drains its in-flight work; SIGKILL after the drain
 timeout), then the server, and exits 0. Children die with it even on ``kill -9``
 (``PR_SET_PDEATHSIG``), so nothing is left behind.
@@ -162,6 +166,8 @@ class Installation:
         """The admin's seed file (the embedded server's; ``settings.nats_creds`` otherwise)."""
         self.metrics: dict[str, str] = {}
         """Child name -> base URL of its probes (``/healthz``, ``/readyz``, ``/metrics``)."""
+        self.gave_up: list[str] = []
+        """Children the supervisor gave up restarting (also ``gave_up`` in ``up.json``)."""
 
     def unclean_exits(self) -> dict[str, int]:
         """Children whose last exit status was neither 0 nor still running."""
@@ -358,28 +364,91 @@ async def installation(
         base_env = {
             k: v for k, v in os.environ.items() if not k.startswith("SHOAL_") and k not in NATS_VARIABLES
         }
-        supervisor = Supervisor(specs, base_env=base_env, stdout=stdout, stderr=stderr)
-        write_up_info(
-            state_dir,
-            url,
-            prefix=settings.prefix,
-            server_pid=server.proc.pid if server is not None and server.proc is not None else None,
-            mqtt_port=server.mqtt_listen_port if server is not None else None,
-            creds_dir=str(creds_dir) if creds_dir is not None else None,
-            metrics=metrics,
+        gave_up: list[str] = []
+
+        def record() -> None:
+            write_up_info(
+                state_dir,
+                url,
+                prefix=settings.prefix,
+                server_pid=server.proc.pid if server is not None and server.proc is not None else None,
+                mqtt_port=server.mqtt_listen_port if server is not None else None,
+                creds_dir=str(creds_dir) if creds_dir is not None else None,
+                metrics=metrics,
+                gave_up=gave_up,
+            )
+
+        def on_give_up(name: str, code: int) -> None:
+            gave_up.append(name)
+            print(
+                f"shoal up: gave up restarting {name}: it exited ({code}) again after "
+                f"{settings.restart_budget} restarts within {settings.restart_window_s:g} s; "
+                "it stays down until shoal up is restarted",
+                file=sys.stderr,
+                flush=True,
+            )
+            record()
+
+        supervisor = Supervisor(
+            specs,
+            base_env=base_env,
+            max_restarts=settings.restart_budget,
+            window_s=settings.restart_window_s,
+            on_give_up=on_give_up,
+            stdout=stdout,
+            stderr=stderr,
         )
+        record()
+        watcher = asyncio.create_task(_watch_server(server, record)) if server is not None else None
         try:
             await supervisor.start()
             inst = Installation(settings, url, server, supervisor, specs, skipped)
             inst.admin_creds = admin_creds
             inst.metrics = metrics
+            inst.gave_up = gave_up
             yield inst
         finally:
             await supervisor.stop(timeout_s=settings.drain_timeout_s + 5.0)
+            if watcher is not None:
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
     finally:
         remove_up_info(state_dir)
         if server is not None:
             server.stop()
+
+
+async def _watch_server(server: Any, record: Any, poll_s: float = 0.5) -> None:
+    """Restart the embedded server whenever its process dies (same store, port and
+    configuration: :meth:`~shoal.nats_server.EmbeddedNats.restart`), with a backoff
+    while it fails to come up; each death and restart is logged and printed on stderr,
+    and ``record()`` rewrites ``up.json`` (the new ``server_pid``)."""
+    import structlog
+
+    from shoal.nats_server import NatsServerError
+
+    log = structlog.get_logger("shoal.up")
+    restarts = 0
+    while True:
+        await asyncio.sleep(poll_s)  # the server is a subprocess.Popen: poll its exit
+        if server.alive():
+            continue
+        code = server.proc.returncode if server.proc is not None else None
+        log.error("nats_server_died", returncode=code)
+        print(f"shoal up: the NATS server exited ({code}); restarting it", file=sys.stderr, flush=True)
+        delay = 0.5
+        while True:
+            try:
+                await asyncio.to_thread(server.restart)
+                break
+            except NatsServerError as exc:
+                log.error("nats_server_restart_failed", error=str(exc), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(10.0, delay * 2)
+        restarts += 1
+        log.warning("nats_server_restarted", pid=server.proc.pid, url=server.url, restarts=restarts)
+        print(f"shoal up: NATS server restarted (pid {server.proc.pid}, {server.url})", file=sys.stderr)
+        record()
 
 
 async def _up(args: argparse.Namespace, settings: Any) -> int:

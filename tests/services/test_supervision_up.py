@@ -1,0 +1,137 @@
+"""`shoal up` notices (issue 21), with real processes started as a user starts them:
+
+1. its nats-server killed with SIGKILL is restarted on the same store and port, and a
+   job submitted afterwards completes, without restarting `shoal up`;
+2. a service killed more often than the old lifetime budget (5) is still restarted:
+   the restart budget is per time window (a short one here);
+3. a budget exhausted is loud: on `shoal up`'s stderr, in its log and in ``up.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from shoal.commands.run import CLI_ARGV as CLI
+
+from tests.services.test_liveness import Up, run_job, wait_until
+from tests.services.test_up import alive, descendants, wait_line
+
+pytestmark = pytest.mark.integration
+
+
+@contextlib.asynccontextmanager
+async def shoal_up(tmp_path: Path, nodes: int = 2, **settings: str) -> AsyncIterator[Up]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
+    env.update(SHOAL_STATE_DIR=str(tmp_path / "state"), SHOAL_CATALOG="", **settings)
+    argv = [
+        *CLI,
+        "up",
+        "--nodes",
+        str(nodes),
+        "--gpus-per-node",
+        "2",
+        "--time-scale",
+        "20",
+        "--policy",
+        "fifo",
+    ]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=(tmp_path / "up.err").open("w"),
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        url = await asyncio.to_thread(lambda: wait_line(proc, "NATS: ", 30).split(" ", 1)[1].strip())
+        await asyncio.to_thread(wait_line, proc, "running", 30)
+        yield Up(proc, url, tmp_path / "state" / "creds")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def up_info(tmp_path: Path) -> dict[str, Any]:
+    return dict(json.loads((tmp_path / "state" / "up.json").read_text()))
+
+
+def admission_pid(up: Up) -> int | None:
+    with contextlib.suppress(AssertionError):
+        return up.pid_of("run", "admission")
+    return None
+
+
+async def test_killed_nats_server_is_restarted_and_scheduling_resumes(tmp_path: Path) -> None:
+    async with shoal_up(tmp_path) as up:
+        old = int(up_info(tmp_path)["server_pid"])
+        assert old in descendants(up.proc.pid)
+        os.kill(old, signal.SIGKILL)
+
+        def restarted() -> bool:
+            with contextlib.suppress(OSError, ValueError):
+                pid = int(up_info(tmp_path)["server_pid"])
+                return pid != old and alive(pid)
+            return False
+
+        await wait_until(restarted, 30, "a new nats-server in up.json")
+        assert up_info(tmp_path)["url"] == up.url  # same port: clients reconnect
+        assert await run_job(up, "after-server-kill", gpus=2, timeout_s=90)
+        assert up.proc.poll() is None
+    err = (tmp_path / "up.err").read_text()
+    assert "NATS server restarted" in err, err[-2000:]
+    assert "nats_server_died" in err
+
+
+async def test_service_is_restarted_beyond_the_old_lifetime_budget(tmp_path: Path) -> None:
+    window_s = 1.0
+    async with shoal_up(
+        tmp_path, nodes=0, SHOAL_RESTART_BUDGET="2", SHOAL_RESTART_WINDOW_S=repr(window_s)
+    ) as up:
+        killed_at = 0.0
+        pid = admission_pid(up)
+        for _ in range(7):
+            assert pid is not None
+            # At most one restart within the window at each death: never over the budget.
+            await asyncio.sleep(max(0.0, killed_at + window_s - time.monotonic()))
+            os.kill(pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            await wait_until(
+                lambda previous=pid: admission_pid(up) not in (None, previous), 30, "admission restarted"
+            )
+            pid = admission_pid(up)
+        assert up_info(tmp_path)["gave_up"] == []
+    assert "gave up" not in (tmp_path / "up.err").read_text()
+
+
+async def test_exhausted_budget_is_loud(tmp_path: Path) -> None:
+    async with shoal_up(tmp_path, nodes=0, SHOAL_RESTART_BUDGET="1", SHOAL_RESTART_WINDOW_S="600") as up:
+        first = admission_pid(up)
+        assert first is not None
+        os.kill(first, signal.SIGKILL)  # the one restart of the budget
+        await wait_until(lambda: admission_pid(up) not in (None, first), 30, "admission restarted")
+        second = admission_pid(up)
+        assert second is not None
+        assert up_info(tmp_path)["gave_up"] == []
+        os.kill(second, signal.SIGKILL)  # over the budget
+        await wait_until(lambda: up_info(tmp_path)["gave_up"] == ["admission"], 30, "gave_up in up.json")
+        assert admission_pid(up) is None
+        assert up.proc.poll() is None
+        err = (tmp_path / "up.err").read_text()
+        assert "shoal up: gave up restarting admission" in err, err[-2000:]
+        assert "child_gave_up" in err
