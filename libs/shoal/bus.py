@@ -168,6 +168,11 @@ class PublishRejected(BusError):
         self.event_id = event_id
 
 
+class StreamUnavailable(PublishRejected):
+    """No stream answered the publish (its ack was a "no responders" status): on a
+    cluster, the stream is electing a new leader; nothing was stored."""
+
+
 class PermissionDenied(PublishRejected):
     """The server refused the publish: this identity may not publish on the subject."""
 
@@ -541,18 +546,28 @@ class Bus:
         expected_last_subject_seq: int | None = None,
         timeout_s: float = 5.0,
     ) -> PublishResult:
-        """Append one event to the log and wait for its ack.
+        """Append one event to the log and wait for its ack. While no stream answers (a
+        cluster electing the stream's leader) the publish is retried for ``timeout_s``.
 
         Raises:
+            StreamUnavailable: no stream answered within ``timeout_s``.
             MessageTooLarge: the encoded event is over the size limit (nothing sent).
             ConcurrencyConflict: ``expected_last_subject_seq`` did not match.
             PublishRejected: any other refusal by JetStream.
         """
         env = item if isinstance(item, Envelope) else codec.wrap(item)
-        results = await self.publish_many(
-            [env], expected_last_subject_seq=expected_last_subject_seq, timeout_s=timeout_s
-        )
-        return results[0]
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            try:
+                results = await self.publish_many(
+                    [env], expected_last_subject_seq=expected_last_subject_seq, timeout_s=timeout_s
+                )
+                return results[0]
+            except StreamUnavailable:
+                # Nothing was stored; the same Nats-Msg-Id makes a retry safe anyway.
+                if asyncio.get_running_loop().time() + 0.1 > deadline:
+                    raise
+                await asyncio.sleep(0.1)
 
     async def publish_first(self, item: Envelope | Event, *, timeout_s: float = 5.0) -> PublishResult:
         """Append one event as the first fact on its subject (a job's submission or
@@ -587,7 +602,8 @@ class Bus:
 
         Events are written ``window`` at a time without waiting, then their acks are
         collected. All acks are awaited before any error is raised, so on return or
-        raise the caller knows the fate of every event (acked ones are durable).
+        raise the caller knows the fate of every event (acked ones are stored by the
+        stream's replicas; what a power loss can still take is in docs/operations.md).
 
         Raises:
             MessageTooLarge: an event is over the size limit (nothing of the burst sent).
@@ -647,6 +663,12 @@ class Bus:
             return reply
         if isinstance(reply, BaseException):
             return PublishRejected(str(reply), subject=subject, event_id=event_id)
+        if not reply:
+            return StreamUnavailable(
+                "no stream answered (no responders: a cluster electing the stream's leader?)",
+                subject=subject,
+                event_id=event_id,
+            )
         try:
             ack = _ACK_DEC.decode(reply)
         except msgspec.DecodeError:

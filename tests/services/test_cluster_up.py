@@ -1,0 +1,96 @@
+"""`shoal up` against a real 3-node NATS cluster given as a seed list in ``NATS_URL``:
+the server leading the event stream is killed (``kill -9``) while jobs run; the
+installation goes on (submissions accepted, jobs completed, `shoal jobs` answers)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from shoal import events as ev
+from shoal.client import Client, CommandError, NoAdmissionError
+from shoal.commands.run import CLI_ARGV as CLI
+from shoal.nats_server import LocalCluster
+
+from tests.services.test_up import usable_policy, wait_line
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+async def submit_until_accepted(client: Client, job_id: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await client.submit(ev.JobSpec(user="alice", max_gpus=1, total_iterations=20), job_id=job_id)
+            return
+        except (NoAdmissionError, TimeoutError, CommandError) as exc:
+            # During the stream's leader election admission may answer log_refused
+            # (nothing was written): a user retries.
+            if isinstance(exc, CommandError) and exc.code != "log_refused":
+                raise
+            assert time.monotonic() < deadline, f"{job_id} not accepted within {timeout_s}s"
+            await asyncio.sleep(0.2)
+
+
+async def wait_completed(client: Client, job_id: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (await client.status(job_id)).status != "completed":
+        assert time.monotonic() < deadline, f"{job_id} not completed within {timeout_s}s"
+        await asyncio.sleep(0.2)
+
+
+def test_up_on_a_cluster_survives_killing_the_event_stream_leader(
+    nats_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    prefix = f"up{os.getpid()}"
+    admin = os.environ["NATS_CREDS"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
+    env.update(
+        NATS_URL=nats_cluster.url, NATS_CREDS=admin, SHOAL_PREFIX=prefix, SHOAL_STATE_DIR=str(tmp_path / "s")
+    )
+    args = ["up", "--nodes", "1", "--gpus-per-node", "2", "--time-scale", "20", "--policy", usable_policy()]
+    proc = subprocess.Popen(
+        [*CLI, *args],
+        stdout=subprocess.PIPE,
+        stderr=(tmp_path / "up.err").open("w"),
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+
+    async def scenario() -> None:
+        async with await Client.connect(nats_cluster.url, prefix, creds=admin) as client:
+            events = await client.bus.js.stream_info(client.bus.names.events_stream)
+            assert events.config.num_replicas == 3
+            await submit_until_accepted(client, "before")
+            await wait_completed(client, "before")
+            assert events.cluster is not None and events.cluster.leader
+            victim = nats_cluster.index_of(events.cluster.leader)
+            nats_cluster.kill(victim)
+            try:
+                await submit_until_accepted(client, "after")
+                await wait_completed(client, "after")
+            finally:
+                nats_cluster.restart(victim)
+        jobs = await asyncio.create_subprocess_exec(
+            *CLI, "jobs", env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        out, err = await asyncio.wait_for(jobs.communicate(), 60)
+        assert jobs.returncode == 0, err.decode()
+        assert "before" in out.decode() and "after" in out.decode()
+
+    try:
+        wait_line(proc, "running", 60)
+        asyncio.run(scenario())
+        assert proc.poll() is None, "shoal up exited"
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
