@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,3 +89,34 @@ def test_an_outsider_cannot_use_the_cli(target: Target, tmp_path: Path) -> None:
     assert done.returncode == 2, done
     assert "requires credentials" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(not shutil.which("mosquitto_pub"), reason="mosquitto clients not installed")
+def test_mosquitto_pub_job_runs_to_completion(target: Target) -> None:
+    """Debian's mosquitto_pub, authenticated as mallory, submits to `shoal up --mqtt`; the
+    job is admitted through the bridge of `shoal run admission` and runs to completion."""
+    import subprocess
+
+    from shoal.client import Client
+
+    spec = {"model": "resnet50", "max_gpus": 1, "total_iterations": 20, "job_id": "mosq-run"}
+    subprocess.run(
+        [
+            "mosquitto_pub",
+            *("-h", "127.0.0.1", "-p", str(target.mqtt_port), "-V", "mqttv311", "-q", "1"),
+            *("-u", target.mqtt_user, "-P", target.mqtt_password),
+            *("-t", f"shoal/mqtt/submit/{target.mqtt_user}", "-m", json.dumps(spec)),
+        ],
+        check=True,
+        timeout=30,
+    )
+
+    async def follow() -> list[str]:
+        async with await Client.connect(target.url, target.prefix, creds=target.admin) as client:
+            seen: list[str] = []
+            async for env in client.job_events("mosq-run"):
+                seen.append(env.type)
+            return seen
+
+    seen = asyncio.run(asyncio.wait_for(follow(), 90))
+    assert seen[0] == "job.submitted" and seen[-1] == "job.completed", seen
