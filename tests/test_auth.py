@@ -80,6 +80,12 @@ def allowed(perms: dict[str, object], kind: str, subject: str) -> bool:
         ("sidecar", "n1", "$KV.SHOAL_LEASES_3000MS.train.j1", True),
         ("sidecar", "n1", "$KV.SHOAL_LEASES_TRAIN_META.train.j1", True),
         ("sidecar", "n1", "$KV.SHOAL_LEASES_3000MS.allocator", False),
+        ("client", "alice", "shoal.query.jobs.alice", True),
+        ("client", "alice", "shoal.query.state.alice", True),
+        ("client", "alice", "shoal.query.jobs.bob", False),
+        ("client", "alice", "shoal.query.jobs.@admin", False),
+        ("node", "n1", "shoal.query.jobs.n1", False),
+        ("allocator", "", "shoal.query.jobs.allocator", False),
     ],
 )
 def test_publish_permissions(role: auth.Role, who: str, subject: str, ok: bool) -> None:
@@ -95,7 +101,14 @@ def test_subscriptions_are_limited_to_own_inbox() -> None:
     assert not allowed(perms, "subscribe", "shoal.cmd.submit_job.bob")
     adm = auth.permissions(auth.Identity(name="admission", role="admission"))
     assert allowed(adm, "subscribe", "shoal.cmd.submit_job.bob")
-    assert adm.get("allow_responses") is True
+    assert allowed(adm, "subscribe", "shoal.query.jobs.bob")
+    # a reply to each request it received, in up to QUERY_REPLY_PARTS messages
+    assert adm.get("allow_responses") == {"max": auth.QUERY_REPLY_PARTS}
+    assert not allowed(perms, "subscribe", "shoal.query.jobs.bob")
+    assert not allowed(perms, "subscribe", "shoal.query.>")
+    for role in ("allocator", "placer", "node"):
+        other = auth.permissions(auth.Identity(name=auth.identity_name(role, "n1"), role=role, subject="n1"))
+        assert not allowed(other, "subscribe", "shoal.query.jobs.alice"), role
 
 
 def test_authorize_command() -> None:

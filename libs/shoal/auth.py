@@ -18,8 +18,9 @@ Roles (``docs/security.md`` has the threat model)
 ``client`` (one identity per user ``U``)
     Sends commands on ``<p>.cmd.<command>.U`` only, so admission knows the sender is
     ``U`` from the subject the server let through; reads the event log (every
-    job's events) through JetStream consumers. Never publishes an event, never
-    purges or deletes a stream, KV bucket or consumer.
+    job's events) through JetStream consumers, and admission's view of it with
+    queries on ``<p>.query.<what>.U`` (:mod:`shoal.queries`; any job, as the log).
+    Never publishes an event, never purges or deletes a stream, KV bucket or consumer.
 ``admission``, ``allocator``, ``placer``, ``profiler``, ``trader``
     Each appends only the event types it owns (:data:`EVENT_OWNERS`): only the
     allocator appends ``SharesDecided``, only the placer ``PlacementDecided``. They may
@@ -64,6 +65,9 @@ ADMIN_TOKEN = "@admin"
 """Command-subject token of the admin: acts for any user (not a valid user name)."""
 
 COMMANDS = ("submit_job", "cancel_job", "set_tickets")
+
+QUERY_REPLY_PARTS = 64
+"""Messages admission may send in answer to one request (:data:`shoal.queries.MAX_PARTS`)."""
 
 #: Which role appends which event type. An event type nobody owns cannot be appended
 #: by anyone but the admin (a test checks that every event type has an owner).
@@ -205,6 +209,8 @@ def permissions(identity: Identity, prefix: str = "shoal") -> dict[str, Any]:
         # MQTT devices of this user (NATS maps MQTT topic a/b/c to subject a.b.c).
         pub.append(f"{p}.mqtt.submit.{user}")
         sub.append(f"{p}.mqtt.result.{user}")
+        # Reads from admission's materialised view (shoal.queries), as itself only.
+        pub.append(f"{p}.query.*.{user}")
         deny_pub.append("$JS.API.CONSUMER.DELETE.*.*")
         deny_pub.append("$JS.API.CONSUMER.DURABLE.CREATE.*.*")
     elif role == "node":
@@ -230,9 +236,11 @@ def permissions(identity: Identity, prefix: str = "shoal") -> dict[str, Any]:
             pub += [f"$O.{_token(p)}_SNAPSHOTS.>", f"$JS.API.STREAM.PURGE.OBJ_{_token(p)}_SNAPSHOTS"]
             deny_pub.remove("$JS.API.STREAM.PURGE.*")
         if role == "admission":
-            sub += [f"{p}.cmd.>", f"{p}.mqtt.submit.*"]
+            sub += [f"{p}.cmd.>", f"{p}.mqtt.submit.*", f"{p}.query.>"]
             pub += [f"{p}.cmd.submit_job.*", f"{p}.mqtt.result.*"]
-            out["allow_responses"] = True
+            # Replies only to a request it received: one per command, up to QUERY_REPLY_PARTS
+            # messages for a query whose answer is larger than one message (shoal.queries).
+            out["allow_responses"] = {"max": QUERY_REPLY_PARTS}
     out["publish"] = {"allow": pub, "deny": deny_pub}
     out["subscribe"] = {"allow": sub}
     return out

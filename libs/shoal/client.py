@@ -12,7 +12,9 @@ Commands (``submit``, ``cancel``, ``set_tickets``) go to the admission service b
 request/reply, which validates them and answers with the job id or a rejection;
 :class:`CommandError` carries the rejection's ``code`` and one message per problem,
 and a rejected command changed nothing. Reads (``jobs``, ``status``, ``nodes``,
-``state``) fold the event log, so they see exactly what every service sees.
+``state``) ask admission's materialised view of the log (:mod:`shoal.queries`) for the
+state as of at least the log's last event, and fold the log themselves when no view
+answers (see :meth:`Client.view`).
 ``job_events`` replays a job's history and then follows it live.
 
 A spec may be a :class:`~shoal.events.JobSpec` or a plain mapping of its fields (what
@@ -34,11 +36,11 @@ import msgspec
 import nats.errors
 import nats.js.errors
 
-from shoal import codec
+from shoal import codec, queries
 from shoal import events as ev
 from shoal import state as st
 from shoal.auth import ADMIN_TOKEN, user_of_creds
-from shoal.bus import Batch, Bus
+from shoal.bus import Batch, Bus, Header
 
 #: The fields a job spec may have (a mapping with any other key is refused).
 SPEC_FIELDS: frozenset[str] = frozenset(ev.JobSpec.__struct_fields__)
@@ -46,6 +48,17 @@ SPEC_FIELDS: frozenset[str] = frozenset(ev.JobSpec.__struct_fields__)
 _ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 _FINAL = (ev.JobCompleted, ev.JobFailed, ev.JobCancelled, ev.JobRejected)
+
+
+class ReadInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the newest read of a :class:`Client` came from."""
+
+    source: str
+    """``view`` (admission's materialised view) or ``replay`` (folded from the log)."""
+    seq: int = 0
+    """The stream sequence the answer reflects."""
+    reason: str = ""
+    """Why it was a replay."""
 
 
 class CommandError(Exception):
@@ -147,6 +160,8 @@ class Client:
         self.user = user_of_creds(bus.identity) if bus.identity else None
         """The user this client authenticated as; None for the admin (or no credentials),
         who sends commands as ``@admin`` and may act for any user."""
+        self.last_read: ReadInfo | None = None
+        """Where the newest :meth:`view` (``state``, ``jobs``, ``status``, ``nodes``) came from."""
 
     @classmethod
     async def connect(
@@ -324,31 +339,116 @@ class Client:
                 seq -= 1  # deleted or unreadable: the one before
         return 0, None
 
-    async def state(self) -> st.ClusterState:
-        """The cluster state now, folded from the log."""
+    async def view(
+        self,
+        what: str = "state",
+        *,
+        job_id: str = "",
+        user: str = "",
+        statuses: Iterable[str] = (),
+        active: bool = False,
+        replay: bool = False,
+    ) -> st.ClusterState:
+        """The slice of the cluster state that ``what`` names (``state``, ``jobs``,
+        ``job``, ``nodes``; :func:`shoal.queries.slice_state`), reflecting at least
+        every event in the log when the call began.
+
+        Asked of admission's materialised view (:mod:`shoal.queries`), which waits
+        until it has folded the log's last sequence as of now (so a job this client
+        just submitted is in the answer). Folded from a replay of the whole log
+        instead when ``replay`` is set, or when no view answers: nobody listens (an
+        installation older than the query endpoint, or admission is down), the view
+        is behind or refuses, or no answer comes within the client's timeout (capped
+        at 5 s). :attr:`last_read` says which it was.
+
+        Raises:
+            NoEventLogError: there is no event log for this prefix on the server.
+            CommandError: ``invalid_job_id`` for a malformed ``job_id``.
+        """
+        if what == "job":
+            check_job_id(job_id)
+        query = queries.Query(job_id=job_id, user=user or "", statuses=tuple(statuses), active=active)
+        reason = "asked for a replay"
+        if not replay:
+            try:
+                query.min_seq = await self.bus.last_seq()
+            except nats.js.errors.NotFoundError:
+                raise self._no_log() from None
+            query.wait_s = min(self.timeout_s, 5.0)
+            reply, reason = await self._query(what, query)
+            if reply is not None:
+                assert reply.state is not None
+                self.last_read = ReadInfo(source="view", seq=reply.seq)
+                return reply.state
         state = st.ClusterState()
+        seq = 0
         async for batch in self.history():
             for _, env in batch:
                 st.apply(state, env)
-        return state
+            seq = max(seq, batch.last_seq)
+        self.last_read = ReadInfo(source="replay", seq=seq, reason=reason)
+        return queries.slice_state(state, what, query)
+
+    async def _query(self, what: str, query: queries.Query) -> tuple[queries.ViewReply | None, str]:
+        """Admission's answer to ``query`` (joined from its parts), or None and why not."""
+        nc = self.bus.nc
+        subject = queries.subject(self.bus.names.prefix, what, self.sender)
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + query.wait_s + 2.0
+        try:
+            await nc.publish(subject, queries.encode_query(query), reply=inbox)
+            parts: dict[int, bytes] = {}
+            count = 1
+            while len(parts) < count:
+                try:
+                    msg = await sub.next_msg(timeout=max(0.01, deadline - loop.time()))
+                except (nats.errors.TimeoutError, TimeoutError):
+                    return None, f"no answer on {subject} within {query.wait_s + 2.0:g}s"
+                headers = msg.headers or {}
+                if headers.get(Header.STATUS.value) == "503":
+                    return None, f"no view answers on {subject} (admission is not running or is older)"
+                try:
+                    index = int(headers.get(queries.PART_HEADER, "0"))
+                    count = int(headers.get(queries.PARTS_HEADER, "1"))
+                except ValueError:
+                    return None, "an unreadable answer"
+                parts[index] = msg.data
+            try:
+                reply = queries.decode_reply(b"".join(parts[i] for i in range(count)))
+            except (msgspec.DecodeError, msgspec.ValidationError, KeyError) as exc:
+                return None, f"an unreadable answer: {exc}"
+            if reply.error or reply.state is None:
+                return None, f"the view answered {reply.error or 'nothing'}: {reply.message}"
+            return reply, ""
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def state(self) -> st.ClusterState:
+        """The whole cluster state now (:meth:`view`)."""
+        return await self.view("state")
 
     async def jobs(self) -> dict[str, st.JobState]:
-        """Every job in the log (finished ones included), by id, in submission order."""
-        return (await self.state()).jobs
+        """Every job in the log (finished ones included), by id, in submission order
+        (:meth:`view`)."""
+        return (await self.view("jobs")).jobs
 
     async def status(self, job_id: str) -> st.JobState:
-        """One job's folded state.
+        """One job's folded state (:meth:`view`).
 
         Raises:
             UnknownJobError: no such job (a ``KeyError``).
         """
-        jobs = await self.jobs()
-        if check_job_id(job_id) not in jobs:
+        jobs = (await self.view("job", job_id=check_job_id(job_id))).jobs
+        if job_id not in jobs:
             raise UnknownJobError(f"no job {job_id!r}")
         return jobs[job_id]
 
     async def nodes(self) -> dict[str, st.NodeState]:
-        return (await self.state()).nodes
+        """Every node by id (:meth:`view`)."""
+        return (await self.view("nodes")).nodes
 
     async def job_events(
         self,

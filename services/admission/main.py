@@ -1,8 +1,9 @@
 """``shoal run admission``: the admission service as its own process.
 
 Wiring only: connect, follow the log (:class:`~shoal.projection.Projection`), answer
-commands until ``stop``; then stop taking requests, let in-flight ones finish
-(``drain`` of the request subscriptions) and close the connection.
+commands and queries (:mod:`shoal_services.admission.query`) until ``stop``; then stop
+taking requests, let in-flight ones finish (``drain`` of the request subscriptions)
+and close the connection.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from shoal import admission, probes
 from shoal.projection import Projection
 from shoal.runtime import connect_bus, make_clock
 from shoal.settings import Settings
+from shoal_services.admission.query import QueryService
 from shoal_services.admission.service import AdmissionService
 
 
@@ -35,4 +37,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         )
         await service.start()
         resources.push_async_callback(service.stop)
+        # Reads (shoal jobs/status/nodes) from the same folded state (shoal.queries).
+        queries = QueryService(bus, projection)
+        await queries.start()
+        resources.push_async_callback(queries.stop)
         await stop.wait()

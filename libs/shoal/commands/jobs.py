@@ -3,8 +3,10 @@
 ``submit`` takes a YAML or JSON job file (the :class:`~shoal.events.JobSpec` fields,
 optionally ``job_id``; ``-`` reads stdin) and/or flags (flags override the file).
 It prints the job id, or ``rejected (<code>): <each problem>`` and exits 1; nothing
-was written then. Read verbs fold the event log; ``--json`` prints plain data for
-scripts. Connection flags: see :mod:`shoal.commands._connect`.
+was written then. Read verbs ask admission's materialised view for the state as of
+at least the log's last event (:meth:`shoal.client.Client.view`); with ``--replay``,
+or when no view answers (then with a note on stderr), they fold the event log
+themselves. ``--json`` prints plain data for scripts. Connection flags: see :mod:`shoal.commands._connect`.
 """
 
 from __future__ import annotations
@@ -73,12 +75,14 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--active", action="store_true", help="only pending and running jobs")
     p.add_argument("--json", action="store_true")
+    _add_replay_arg(p)
     _connect.add_connection_args(p)
     p.set_defaults(func=cmd_jobs)
 
     p = subparsers.add_parser("status", help="one job's state; --watch follows its events")
     p.add_argument("job")
     p.add_argument("--json", action="store_true")
+    _add_replay_arg(p)
     p.add_argument("--watch", action="store_true", help="print the job's events live until it ends")
     _connect.add_connection_args(p)
     p.set_defaults(func=cmd_status)
@@ -99,6 +103,7 @@ def register(subparsers: Any) -> None:
 
     p = subparsers.add_parser("nodes", help="list nodes, their GPUs and utilisation")
     p.add_argument("--json", action="store_true")
+    _add_replay_arg(p)
     _connect.add_connection_args(p)
     p.set_defaults(func=cmd_nodes)
 
@@ -272,23 +277,36 @@ def cmd_submit(args: argparse.Namespace) -> int:
 # -- reads -------------------------------------------------------------------------------
 
 
+def _add_replay_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--replay",
+        action="store_true",
+        help="fold the whole event log here instead of asking admission's view (slow on a long log)",
+    )
+
+
+async def _read(client: Client, args: argparse.Namespace, what: str, **query: Any) -> Any:
+    """:meth:`shoal.client.Client.view`; a note on stderr when it had to replay the log."""
+    state = await client.view(what, replay=args.replay, **query)
+    read = client.last_read
+    if read is not None and read.source == "replay" and not args.replay:
+        print(f"note: replayed the event log ({read.reason})", file=sys.stderr)
+    return state
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     from shoal import explain
-    from shoal.state import FINISHED_STATUSES
 
     async def body(client: Client) -> int:
-        state = await client.state()
-        ids = [
-            j
-            for j, job in state.jobs.items()
-            if (args.user is None or job.spec.user == args.user)
-            and (not args.state or job.status in args.state)
-            and (not args.active or job.status not in FINISHED_STATUSES)
-        ]
+        state = await _read(
+            client, args, "jobs", user=args.user or "", statuses=args.state or (), active=args.active
+        )
+        ids = list(state.jobs)
         if args.json:
             _connect.print_json([explain.job_row(j, state.jobs[j], state.clock) for j in ids])
         elif not ids:
-            print("no jobs" + (" match" if (args.user or args.state or args.active) and state.jobs else ""))
+            filtered = bool(args.user or args.state or args.active)
+            print("no jobs" + (" match" if filtered else ""))
         else:
             print(explain.job_table(state, ids))
         return 0
@@ -301,8 +319,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     from shoal import explain
 
     async def body(client: Client) -> int:
-        state = await client.state()
-        job = state.jobs.get(sdk.check_job_id(args.job))
+        state = await _read(client, args, "job", job_id=sdk.check_job_id(args.job))
+        job = state.jobs.get(args.job)
         if job is None:
             raise sdk.UnknownJobError(f"no job {args.job!r}")
         row = explain.job_row(args.job, job, state.clock)
@@ -360,7 +378,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     from shoal import explain
 
     async def body(client: Client) -> int:
-        state = await client.state()
+        state = await _read(client, args, "nodes")
         if args.json:
             _connect.print_json([explain.node_row(n, node, state) for n, node in sorted(state.nodes.items())])
         elif not state.nodes:
