@@ -1181,14 +1181,21 @@ class Bus:
                 raise
             return await self.js.object_store(name)
 
-    async def save_snapshot(self, name: str, seq: int, state: bytes, *, digest: str = "") -> None:
-        """Store ``state`` (encoded) as of stream sequence ``seq`` under ``name``."""
+    async def save_snapshot(
+        self, name: str, seq: int, state: bytes, *, digest: str = "", schema: int = 0
+    ) -> None:
+        """Store ``state`` (encoded, of schema version ``schema``) as of stream sequence
+        ``seq`` under ``name``."""
         store = await self._snapshot_store()
-        blob = msgspec.msgpack.encode(Snapshot(name=name, seq=seq, digest=digest, state=state))
+        blob = msgspec.msgpack.encode(Snapshot(name=name, seq=seq, digest=digest, state=state, schema=schema))
         await store.put(name, blob)
 
     async def load_snapshot(self, name: str) -> Snapshot | None:
-        """The newest snapshot stored under ``name``, or None."""
+        """The newest snapshot stored under ``name``, or None.
+
+        Raises:
+            msgspec.DecodeError: the stored object is not a snapshot (corrupt).
+        """
         store = await self._snapshot_store()
         try:
             res = await store.get(name)
@@ -1205,6 +1212,8 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     """Last stream sequence folded into ``state``."""
     digest: str = ""
     state: bytes
+    schema: int = 0
+    """Version of the encoding of ``state`` (see ``shoal.projection.SNAPSHOT_SCHEMA``)."""
 
 
 class LeaderLease:

@@ -1,9 +1,19 @@
 """A service's view of the log: snapshot + replay + live tail, folded into ClusterState.
 
 Every service that needs state holds one :class:`Projection`. It starts from the
-newest snapshot (if a name is given and one exists), replays the rest of the log,
-and keeps following the live tail on the same consumer, so there is never a gap or
-a duplicate. The follower is a :func:`shoal.tasks.critical` task: if it dies, the
+newest snapshot (if a name is given and a valid one exists), replays the rest of the
+log, and keeps following the live tail on the same consumer, so there is never a gap
+or a duplicate.
+
+Snapshots: every service reads :data:`CLUSTER_SNAPSHOT` (the leading allocator
+writes it, see ``services/allocator/service.py``), since they all fold the same log
+into the same :class:`~shoal.state.ClusterState`. A snapshot is used only when it
+passes :func:`check_snapshot` (schema not newer than :data:`SNAPSHOT_SCHEMA`, the
+decoded state has the stored digest, its sequence is not past the stream's end);
+otherwise it is ignored with a warning (``snapshot_ignored``) and the whole log is
+replayed. Once caught up, the projection logs ``projection_ready`` with the
+snapshot's sequence, how many messages it replayed (``replayed``) and the state's
+digest. The follower is a :func:`shoal.tasks.critical` task: if it dies, the
 process fails (exit 1) rather than go on with a state that no longer moves. ``ready`` is set once the projection has caught up with the log as it
 was at start; ``wait_for(seq)`` gives read-your-writes after a publish.
 
@@ -20,12 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 
+import msgspec
 import structlog
 
 from shoal import state as st
-from shoal.bus import Bus, SkippedMessage
+from shoal.bus import Bus, SkippedMessage, Snapshot
 from shoal.events import Envelope
 from shoal.tasks import critical
 
@@ -33,6 +45,37 @@ log = structlog.get_logger("shoal.projection")
 
 Listener = Callable[[int, Envelope, st.ClusterState], None]
 SkipListener = Callable[[SkippedMessage], None]
+
+CLUSTER_SNAPSHOT = "cluster"
+"""Name of the snapshot of the folded cluster state that every service starts from."""
+
+SNAPSHOT_SCHEMA = 1
+"""Version of the encoded :class:`~shoal.state.ClusterState` in a snapshot. Raise it
+when a change to the state makes older encodings decode to a wrong state; a reader
+ignores a snapshot of a newer schema than its own (and replays the log)."""
+
+
+def check_snapshot(snap: Snapshot, *, stream_last_seq: int) -> tuple[st.ClusterState | None, str]:
+    """The state of ``snap`` if it can be used, else None and why not (pure).
+
+    Usable: schema at most :data:`SNAPSHOT_SCHEMA`, a digest that the decoded state
+    reproduces, and a sequence not past ``stream_last_seq`` (a snapshot of a log that
+    was since deleted and started again describes another log).
+    """
+    if snap.schema > SNAPSHOT_SCHEMA:
+        return None, f"schema {snap.schema} is newer than this reader's {SNAPSHOT_SCHEMA}"
+    if snap.seq > stream_last_seq:
+        return None, f"sequence {snap.seq} is past the stream's last sequence {stream_last_seq}"
+    if not snap.digest:
+        return None, "no digest"
+    try:
+        state = st.decode_state(snap.state)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return None, f"state does not decode: {exc}"
+    actual = st.digest(state)
+    if actual != snap.digest:
+        return None, f"digest mismatch (stored {snap.digest[:12]}, state {actual[:12]})"
+    return state, ""
 
 
 class Projection:
@@ -69,6 +112,13 @@ class Projection:
         self._task: asyncio.Task[None] | None = None
         self._users = 0
         self.restored_from_snapshot = False
+        self.snapshot_seq = 0
+        """Sequence of the snapshot this projection started from (0: none)."""
+        self.replayed = 0
+        """Messages (events and skipped ones) read from the log since start."""
+        self.replayed_to_ready: int | None = None
+        """``replayed`` at the moment the projection caught up (None before)."""
+        self._started_at = 0.0
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener`` after each event from now on (add it before :meth:`start`)."""
@@ -84,17 +134,49 @@ class Projection:
         self._users += 1
         if self._users > 1:
             return
-        if self.snapshot_name:
-            snap = await self.bus.load_snapshot(self.snapshot_name)
-            if snap is not None:
-                self.state = st.decode_state(snap.state)
-                self.last_seq = snap.seq
-                self.restored_from_snapshot = True
+        self._started_at = time.monotonic()
+        snap = await self._load() if self.snapshot_name else None
+        # Read after the snapshot: its sequence was in the stream when it was written.
         target = await self.bus.last_seq()
+        if snap is not None:
+            self._restore(snap, target)
         if self.last_seq >= target:
-            self.ready.set()
+            self._set_ready()
         # A follower that dies must not leave the service deciding on a frozen state.
         self._task = critical(asyncio.create_task(self._follow(target), name="projection"))
+
+    async def _load(self) -> Snapshot | None:
+        name = self.snapshot_name
+        assert name is not None
+        try:
+            return await self.bus.load_snapshot(name)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("snapshot_ignored", snapshot=name, reason=f"unreadable: {exc}")
+            return None
+
+    def _restore(self, snap: Snapshot, stream_last_seq: int) -> None:
+        state, reason = check_snapshot(snap, stream_last_seq=stream_last_seq)
+        if state is None:
+            log.warning("snapshot_ignored", snapshot=self.snapshot_name, seq=snap.seq, reason=reason)
+            return
+        self.state = state
+        self.last_seq = self.snapshot_seq = snap.seq
+        self.restored_from_snapshot = True
+
+    def _set_ready(self) -> None:
+        if self.ready.is_set():
+            return
+        self.replayed_to_ready = self.replayed
+        self.ready.set()
+        log.info(
+            "projection_ready",
+            snapshot=self.snapshot_name,
+            snapshot_seq=self.snapshot_seq,
+            replayed=self.replayed,
+            last_seq=self.last_seq,
+            digest=st.digest(self.state),
+            elapsed_s=round(time.monotonic() - self._started_at, 3),
+        )
 
     async def _follow(self, target: int) -> None:
         try:
@@ -117,9 +199,10 @@ class Projection:
                         listener(seq, env, state)
                 for rest in skipped[i:]:
                     self._skipped(rest)
+                self.replayed += len(batch) + len(skipped)
                 self.last_seq = max(self.last_seq, batch.last_seq)
                 if self.last_seq >= target:
-                    self.ready.set()
+                    self._set_ready()
                 async with self._advanced:
                     self._advanced.notify_all()
         except asyncio.CancelledError:
@@ -151,7 +234,11 @@ class Projection:
             raise ValueError("this projection has no snapshot name")
         seq = self.last_seq
         await self.bus.save_snapshot(
-            self.snapshot_name, seq, st.encode_state(self.state), digest=st.digest(self.state)
+            self.snapshot_name,
+            seq,
+            st.encode_state(self.state),
+            digest=st.digest(self.state),
+            schema=SNAPSHOT_SCHEMA,
         )
         return seq
 

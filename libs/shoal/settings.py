@@ -147,6 +147,11 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     node_timeout_s: PositiveFloat = 10.0
     """Wall seconds by which the log's tail may pass a node's newest heartbeat before the
     allocator, caught up with the log, declares the node lost (:func:`shoal.cluster.lost_nodes`)."""
+    snapshot_every: Annotated[int, Meta(ge=1)] = 10_000
+    """The leading allocator writes the cluster-state snapshot that every service starts from
+    after this many folded events (see :mod:`shoal.projection`)..."""
+    snapshot_interval_s: PositiveFloat = 60.0
+    """... or after this many wall seconds when any event was folded since the last one."""
     mqtt_port: Port | None = None
     """Enable the embedded server's MQTT listener on this port (-1: any free port)."""
     catalog: str | None = "afs"

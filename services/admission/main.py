@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 
 from shoal import admission, probes
-from shoal.projection import Projection
+from shoal.projection import CLUSTER_SNAPSHOT, Projection
 from shoal.runtime import connect_bus, make_clock
 from shoal.settings import Settings
 from shoal_services.admission.query import QueryService
@@ -25,7 +25,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     async with contextlib.AsyncExitStack() as resources:
         bus = await connect_bus(settings, "admission")
         resources.push_async_callback(bus.close)
-        projection = Projection(bus)
+        projection = Projection(bus, snapshot_name=CLUSTER_SNAPSHOT)
         probes.watch(bus=bus, projection=projection)
         await projection.start()
         resources.push_async_callback(projection.stop)

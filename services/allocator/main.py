@@ -71,6 +71,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             node_timeout_s=settings.node_timeout_s,
             heartbeat_s=settings.heartbeat_s,
             tick_origin=settings.clock_origin or 0.0,
+            snapshot_every=settings.snapshot_every,
+            snapshot_interval_s=settings.snapshot_interval_s,
         )
         probes.watch(bus=bus, projection=service.projection, role=lambda: service.role)
         await service.run(stop)

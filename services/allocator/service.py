@@ -75,7 +75,7 @@ from shoal.events import Envelope
 from shoal.log import bound_job
 from shoal.models import Catalog
 from shoal.policies.base import Policy
-from shoal.projection import Projection
+from shoal.projection import CLUSTER_SNAPSHOT, Projection
 from shoal.state import ClusterState, apply, copy_state
 from shoal.telemetry import producer_span
 from shoal.view import carry_progress_forward
@@ -128,6 +128,7 @@ class AllocatorService:
         node_timeout_s: float | None = 10.0,
         heartbeat_s: float = 1.0,
         snapshot_every: int = 10_000,
+        snapshot_interval_s: float = 60.0,
         tick_origin: float = 0.0,
         tracer: trace.Tracer | None = None,
     ) -> None:
@@ -155,8 +156,15 @@ class AllocatorService:
         self._declared: dict[str, float] = {}
         """node id -> heartbeat stamp it was declared lost at (not declared twice)."""
         self.snapshot_every = snapshot_every
+        self.snapshot_interval_s = snapshot_interval_s
+        """The leader writes the cluster snapshot (:data:`~shoal.projection.CLUSTER_SNAPSHOT`,
+        which every service starts from) once ``snapshot_every`` messages were folded since
+        the last one, or ``snapshot_interval_s`` wall seconds after it if any was."""
         self.projection = Projection(
-            bus, snapshot_name="allocator", listeners=[self._on_event], skip_listeners=[self._on_skipped]
+            bus,
+            snapshot_name=CLUSTER_SNAPSHOT,
+            listeners=[self._on_event],
+            skip_listeners=[self._on_skipped],
         )
         self._decisions_subject = f"{bus.names.prefix}.alloc.shares_decided"
         self.dirty = asyncio.Event()
@@ -180,7 +188,11 @@ class AllocatorService:
         self.is_leader = False
         self.role: str | None = None
         """``"leader"`` or ``"standby"`` once the lease was asked for (the probes' readiness)."""
-        self._since_snapshot = 0
+        self._snapshot_seq = 0
+        """Sequence of the newest snapshot this allocator wrote or started from."""
+        self._snapshot_at = time.monotonic()
+        self.snapshots = 0
+        """Snapshots written by this allocator."""
         self._campaign: Campaign | None = None
         """The leader lease campaign (set by :meth:`run`)."""
         self._instant = -math.inf
@@ -202,7 +214,6 @@ class AllocatorService:
             ):
                 return
             self._heartbeat_taken[node_id] = env.at
-        self._since_snapshot += 1
         if self.asof is not None:
             self.buffer.append(env)
         if isinstance(env.event, ev.SharesDecided):
@@ -458,12 +469,30 @@ class AllocatorService:
         if valid is not None:
             self.last_decision_at = max(self.last_decision_at, valid[1].at)
 
+    async def _maybe_snapshot(self) -> None:
+        """Write the cluster snapshot when due (see :attr:`snapshot_interval_s`)."""
+        folded = self.projection.last_seq - self._snapshot_seq
+        now = time.monotonic()
+        if folded <= 0 or (
+            folded < self.snapshot_every and now - self._snapshot_at < self.snapshot_interval_s
+        ):
+            return
+        self._snapshot_at = now
+        try:
+            self._snapshot_seq = await self.projection.save_snapshot()
+        except Exception as exc:  # a missed snapshot costs only a longer replay later
+            log.warning("snapshot_failed", error=repr(exc))
+            return
+        self.snapshots += 1
+        log.info("snapshot_saved", snapshot=CLUSTER_SNAPSHOT, seq=self._snapshot_seq)
+
     # -- the loop -----------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the log; while holding the lease, decide on churn. Returns when ``stop`` is set."""
         await self.projection.start()
         await self.projection.wait_ready()
+        self._snapshot_seq = self.projection.snapshot_seq
         await self._restore_decision_cursor()
         if self._instant < self.last_decision_at:
             # Restored from a snapshot: the decisions before it were not seen one by
@@ -509,9 +538,7 @@ class AllocatorService:
                         await asyncio.sleep(self.coalesce_s)  # let a burst land first
                     self.dirty.clear()
                 await self._decide_due()
-                if self._since_snapshot >= self.snapshot_every:
-                    self._since_snapshot = 0
-                    await self.projection.save_snapshot()
+                await self._maybe_snapshot()
         finally:
             await campaign.release()
             await self.projection.stop()

@@ -74,7 +74,7 @@ from shoal.clock import Clock, hold, release
 from shoal.events import Envelope, GpuRef
 from shoal.gpus import read_nvml
 from shoal.log import bound_job
-from shoal.projection import Projection
+from shoal.projection import CLUSTER_SNAPSHOT, Projection
 from shoal.state import FINISHED_STATUSES, NODE_LOST, ClusterState
 from shoal.tasks import keep_running
 from shoal.telemetry import stored_context, tracing_enabled, with_trace_fields
@@ -159,7 +159,7 @@ class NodeDaemon:
         self._beat = 0
         self.hostname = hostname
         if projection is None:
-            projection = Projection(bus)
+            projection = Projection(bus, snapshot_name=CLUSTER_SNAPSHOT)
         projection.add_listener(self._on_event)
         self.projection = projection
         """The log as this service sees it; may be shared with services of the same
@@ -483,6 +483,12 @@ class NodeDaemon:
         await self._publish(self._registration())
         await self.projection.start()
         await self.projection.wait_ready()
+        if self.projection.restored_from_snapshot and not self.placement_seq:
+            # The listener saw only the tail: the newest placement's instant and trace.
+            subject = f"{self.bus.names.prefix}.alloc.placement_decided"
+            _, valid = await self.bus.last_valid_on_subject(subject)
+            if valid is not None and isinstance(valid[1].event, ev.PlacementDecided):
+                self.placement_seq, self.placement_decided_at = valid[0], valid[1].event.decided_at
         # Heartbeats outlive a failed publish (a NATS outage): the loop is started again.
         beats = asyncio.create_task(
             keep_running(lambda: self._heartbeats(stop), name="heartbeats", stop=stop), name="heartbeats"

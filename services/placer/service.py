@@ -44,7 +44,7 @@ from shoal.clock import Clock, hold, release
 from shoal.cluster import topology_from_state
 from shoal.events import Envelope
 from shoal.log import bound_job
-from shoal.projection import Projection
+from shoal.projection import CLUSTER_SNAPSHOT, Projection
 from shoal.state import FINISHED_STATUSES, ClusterState
 from shoal.telemetry import producer_span, stored_context, tracing_enabled
 
@@ -70,10 +70,11 @@ class PlacerService:
         self.placer = placer
         self.lease_ttl_s = lease_ttl_s
         if projection is None:
-            projection = Projection(bus)
+            projection = Projection(bus, snapshot_name=CLUSTER_SNAPSHOT)
         projection.add_listener(self._on_event)
         projection.add_skip_listener(self._on_skipped)
         self._placements_subject = f"{bus.names.prefix}.alloc.placement_decided"
+        self._shares_subject = f"{bus.names.prefix}.alloc.shares_decided"
         self.projection = projection
         """The log as this service sees it; may be shared with services of the same
         process (see :mod:`shoal.projection`)."""
@@ -247,9 +248,30 @@ class PlacerService:
         up = {n for n, node in state.nodes.items() if node.status == "up"}
         return any(g.node_id not in up for j in state.placed for g in state.jobs[j].placement)
 
+    async def _restore_cursors(self) -> None:
+        """After a snapshot the listener saw only the tail: read the newest decision and
+        placement from their subjects (the expected-sequence cursor, the decision to
+        place, the instant and GPUs of the placement in force)."""
+        last, valid = await self.bus.last_valid_on_subject(self._placements_subject)
+        self.placements_seq = max(self.placements_seq, last)
+        state = self.projection.state
+        if valid is not None and isinstance(valid[1].event, ev.PlacementDecided):
+            at = valid[1].event.decided_at
+            if at > self._instant + 1e-9:
+                current = {j: state.jobs[j].placement for j in state.placed}
+                self._instant, self._placed_now, self._placed_before = at, current, current
+        _, decision = await self.bus.last_valid_on_subject(self._shares_subject)
+        if decision is not None and isinstance(decision[1].event, ev.SharesDecided):
+            e = decision[1].event
+            if self.latest is None or e.epoch > self.latest.epoch:
+                self.latest, self.latest_at, self.latest_seq = e, decision[1].at, decision[0]
+                self.dirty.set()
+
     async def run(self, stop: asyncio.Event) -> None:
         await self.projection.start()
         await self.projection.wait_ready()
+        if self.projection.restored_from_snapshot:
+            await self._restore_cursors()
         campaign = Campaign(await self.bus.lease("placer", self.holder, ttl_s=self.lease_ttl_s))
         try:
             while not stop.is_set():

@@ -56,7 +56,7 @@ from shoal.fairness.policy import gang_size
 from shoal.fairness.shares import fair_shares_newest_first
 from shoal.fairness.trader import Trade, Undo, trading_round, undo_trades
 from shoal.models import interpolate
-from shoal.projection import Projection
+from shoal.projection import CLUSTER_SNAPSHOT, Projection
 from shoal.state import ClusterState, JobState
 from shoal.view import build_view, cluster_gpus
 
@@ -247,7 +247,9 @@ class TraderService:
         self.generation_rank = generation_rank
         self.lease_ttl_s = lease_ttl_s
         self.coalesce_s = coalesce_s
-        self.projection = Projection(bus, listeners=[self._on_event], skip_listeners=[self._on_skipped])
+        self.projection = Projection(
+            bus, snapshot_name=CLUSTER_SNAPSHOT, listeners=[self._on_event], skip_listeners=[self._on_skipped]
+        )
         self.dirty = asyncio.Event()
         self.is_leader = False
         self.role: str | None = None
@@ -277,6 +279,17 @@ class TraderService:
     def _on_skipped(self, skipped: SkippedMessage) -> None:
         if skipped.subject in self._subjects:
             self.subject_seq[skipped.subject] = max(self.subject_seq.get(skipped.subject, 0), skipped.seq)
+
+    async def _restore_cursors(self) -> None:
+        """After a snapshot the listener saw only the tail: the expected-sequence cursors
+        of the trade subjects and the newest trade's instant (from the state)."""
+        for subject in self._subjects:
+            last, _ = await self.bus.last_valid_on_subject(subject)
+            self.subject_seq[subject] = max(self.subject_seq.get(subject, 0), last)
+        trades = self.projection.state.trades.values()
+        newest = max((t.executed_at for t in trades), default=None)
+        if newest is not None:
+            self.last_trade_at = max(self.last_trade_at or newest, newest)
 
     def market(self) -> Market:
         return market(
@@ -343,6 +356,8 @@ class TraderService:
         """Follow the log; while holding the lease, trade every quantum. Returns when ``stop`` is set."""
         await self.projection.start()
         await self.projection.wait_ready()
+        if self.projection.restored_from_snapshot:
+            await self._restore_cursors()
         campaign = Campaign(await self.bus.lease("trader", self.holder, ttl_s=self.lease_ttl_s))
         scale = float(getattr(self.clock, "scale", 1.0))
         try:

@@ -137,7 +137,7 @@ async def test_restart_resumes_from_its_snapshot_and_decides_the_same(bus: Bus) 
         await bus.publish_many([job(f"j{i}", 1) for i in range(6)])
         await wait_until(lambda: len(first.projection.state.shares) == 6)
         deadline = asyncio.get_running_loop().time() + 10
-        while await bus.load_snapshot("allocator") is None:
+        while await bus.load_snapshot("cluster") is None:
             assert asyncio.get_running_loop().time() < deadline, "no snapshot saved"
             await asyncio.sleep(0.05)
     finally:
