@@ -8,6 +8,8 @@ user runs it.
 * read-your-writes: a job submitted right behind a burst of events is in the very next
   read, answered by the view (it waited for the submission's sequence);
 * with no admission running, the reads fall back to a replay (and say so);
+* an answer larger than the server's message limit arrives in parts, which the
+  admission identity's permissions allow;
 * a client identity of another user may query as itself, but may neither query as
   someone else nor subscribe to the queries (the server refuses both).
 """
@@ -28,8 +30,10 @@ from types import ModuleType
 import pytest
 from shoal import codec
 from shoal import events as ev
+from shoal import state as st
 from shoal.audit import _Conn
-from shoal.bus import Bus
+from shoal.auth import Role
+from shoal.bus import AuthFailed, Bus
 from shoal.client import Client
 from shoal.commands.run import CLI_ARGV
 from shoal.nats_server import EmbeddedNats
@@ -68,13 +72,38 @@ def child_env(url: str, prefix: str, state_dir: Path) -> dict[str, str]:
     return env
 
 
+def admitted(server: EmbeddedNats, role: Role, subject: str = "") -> str:
+    """A new identity's seed file, once the server (reloaded in the background) admits it."""
+    creds = add_identity(server, role, subject)
+
+    async def probe() -> None:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                bus = await Bus.connect(server.url, "probe", creds=creds, declare=False)
+            except AuthFailed:
+                assert time.monotonic() < deadline, f"the server never admitted {creds}"
+                await asyncio.sleep(0.05)
+                continue
+            await bus.close()
+            return
+
+    asyncio.run(probe())
+    return creds
+
+
 @pytest.fixture
-def admission(nats_url: str, prefix: str, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """``shoal run admission`` for the test's prefix, logging to a file; stopped at the end."""
+def admission(
+    nats_server: EmbeddedNats, nats_url: str, prefix: str, tmp_path: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``shoal run admission`` for the test's prefix, as the admission identity (with its
+    permissions, as ``shoal up`` runs it), logging to a file; stopped at the end."""
+    env = child_env(nats_url, prefix, tmp_path / "state")
+    env["NATS_CREDS"] = admitted(nats_server, "admission")
     with open(tmp_path / "admission.log", "wb") as out:
         proc = subprocess.Popen(
             [*CLI_ARGV, "run", "admission"],
-            env=child_env(nats_url, prefix, tmp_path / "state"),
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -190,7 +219,7 @@ async def test_another_user_may_query_as_itself_but_not_listen_to_queries(
     users' requests, and could answer them."""
     await bus.publish_many(small_history())
     await wait_for_view(nats_url, prefix, admin_creds)
-    mallory = await asyncio.to_thread(add_identity, nats_server, "client", "mallory")
+    mallory = await asyncio.to_thread(admitted, nats_server, "client", "mallory")
     async with await Client.connect(nats_url, prefix, creds=mallory) as client:
         jobs = await client.jobs()
         assert client.last_read is not None and client.last_read.source == "view"
@@ -215,3 +244,32 @@ async def test_another_user_may_query_as_itself_but_not_listen_to_queries(
         assert why is not None and "publish" in why.lower(), spoofer.errors
     finally:
         await spoofer.close()
+
+
+async def test_an_answer_over_the_message_limit_comes_in_parts(
+    nats_server: EmbeddedNats,
+    bus: Bus,
+    nats_url: str,
+    prefix: str,
+    admin_creds: str,
+    admission: subprocess.Popen[bytes],
+) -> None:
+    """5,000 jobs with long names: the whole state is several times the server's 1 MiB
+    message limit, yet ``state()`` comes from the view and equals a replay."""
+    await wait_for_view(nats_url, prefix, admin_creds)
+    await bus.publish_many(
+        [
+            ev.JobSubmitted(
+                job_id=f"big-{i:05d}",
+                spec=ev.JobSpec(user=f"u{i % 7}", name="n" * 256, max_gpus=1, total_iterations=10),
+            )
+            for i in range(5000)
+        ]
+    )
+    async with await Client.connect(nats_url, prefix, creds=admin_creds) as client:
+        viewed = await client.state()
+        assert client.last_read is not None and client.last_read.source == "view", client.last_read
+        replayed = await client.view("state", replay=True)
+    encoded = st.encode_state(viewed)
+    assert len(encoded) > 2 * nats_server.max_payload
+    assert encoded == st.encode_state(replayed)
