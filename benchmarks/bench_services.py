@@ -65,7 +65,7 @@ from shoal.events import Envelope, GpuRef
 from shoal.gpus import fake_gpus
 from shoal.nats_server import EmbeddedNats, find_nats_server
 from shoal.policies.registry import get_policy
-from shoal.projection import Projection
+from shoal.projection import CLUSTER_SNAPSHOT, SNAPSHOT_SCHEMA, Projection
 from shoal_services.admission.service import AdmissionService
 from shoal_services.allocator.service import AllocatorService
 from shoal_services.stack import EmulatedStack, StackConfig
@@ -508,13 +508,15 @@ async def cold_start_case(
             assert st.digest(svc.projection.state) == reference, "allocator replay diverged from the fold"
             full.append(secs)
 
-        # From a snapshot saved as Projection.save_snapshot saves it (name "allocator").
+        # From a snapshot saved as Projection.save_snapshot saves it (name CLUSTER_SNAPSHOT).
         with_snap: dict[int, list[float]] = {}
         snap_bytes = 0
         for seq, tail in sorted(snap_at.items(), key=lambda kv: kv[1]):
             encoded = st.encode_state(prefixes[seq])
             snap_bytes = max(snap_bytes, len(encoded))
-            await bus.save_snapshot("allocator", seq, encoded, digest=st.digest(prefixes[seq]))
+            await bus.save_snapshot(
+                CLUSTER_SNAPSHOT, seq, encoded, digest=st.digest(prefixes[seq]), schema=SNAPSHOT_SCHEMA
+            )
             for _ in range(runs):
                 secs, svc = await allocator_cold_start(bus, policy)
                 assert svc.projection.restored_from_snapshot

@@ -1196,9 +1196,12 @@ class Bus:
         Raises:
             msgspec.DecodeError: the stored object is not a snapshot (corrupt).
         """
-        store = await self._snapshot_store()
         try:
+            # Read-only (a node daemon may read snapshots, not create the bucket).
+            store = await self.js.object_store(self.names.snapshot_bucket)
             res = await store.get(name)
+        except nats.js.errors.BucketNotFoundError:
+            return None
         except nats.js.errors.ObjectNotFoundError:
             return None
         if not res.data:

@@ -153,6 +153,9 @@ class Projection:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("snapshot_ignored", snapshot=name, reason=f"unreadable: {exc}")
             return None
+        except Exception as exc:  # cannot read it (permissions, store unavailable): replay
+            log.warning("snapshot_ignored", snapshot=name, reason=f"cannot be read: {exc!r}")
+            return None
 
     def _restore(self, snap: Snapshot, stream_last_seq: int) -> None:
         state, reason = check_snapshot(snap, stream_last_seq=stream_last_seq)

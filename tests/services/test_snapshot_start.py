@@ -196,3 +196,23 @@ async def test_a_corrupt_snapshot_is_ignored_and_the_service_replays(
     assert "unreadable" in ignored["reason"]
     ready = await _logged(kids, "admission2", "projection_ready")
     assert ready["snapshot_seq"] == 0 and ready["replayed"] == ready["last_seq"]
+
+
+async def test_a_node_identity_reads_the_snapshot(bus: Bus, nats_server: Any, prefix: str) -> None:
+    """Node daemons run as role ``node``: read-only JetStream, and still start from the snapshot."""
+    from tests.conftest import add_identity
+
+    await bus.publish_many(_history(10))
+    state = st.ClusterState(shares_epoch=7)
+    await bus.save_snapshot(
+        CLUSTER_SNAPSHOT, 5, st.encode_state(state), digest=st.digest(state), schema=SNAPSHOT_SCHEMA
+    )
+    seed = add_identity(nats_server, "node", "nsnap")
+    node_bus = await Bus.connect(nats_server.url, prefix=prefix, creds=seed)
+    try:
+        snap = await node_bus.load_snapshot(CLUSTER_SNAPSHOT)
+        assert snap is not None and snap.seq == 5
+        got, _ = check_snapshot(snap, stream_last_seq=await node_bus.last_seq())
+        assert got is not None and got.shares_epoch == 7
+    finally:
+        await node_bus.close()
