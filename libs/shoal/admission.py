@@ -148,6 +148,40 @@ def check_command(spec: ev.JobSpec, limits: Limits) -> Rejected | None:
     return None
 
 
+def user_limits(state: ClusterState, user: str, limits: Limits) -> tuple[int, int]:
+    """``(max_active_jobs, max_gpus)`` for ``user``: from its ``UserRegistered`` event,
+    else the service defaults; 0 means no limit. A submission's decision depends on the
+    user's other jobs exactly when one of them is non-zero."""
+    registered = state.users.get(user)
+    max_jobs = (
+        registered.max_active_jobs if registered and registered.max_active_jobs else 0
+    ) or limits.max_active_jobs_per_user
+    max_gpus = (registered.max_gpus if registered and registered.max_gpus else 0) or limits.max_gpus_per_user
+    return max_jobs, max_gpus
+
+
+DEADLINE_HEADER = "Shoal-Deadline"
+"""Request header: the instant (Unix time in seconds, a decimal number) after which the
+requester no longer waits for the answer, so admission must not start a write."""
+
+
+def deadline_of(header: str | None, received: float, default_s: float) -> float | Rejected:
+    """The deadline of a request received at ``received`` (Unix seconds): the
+    :data:`DEADLINE_HEADER` value when there is one, else ``received + default_s``; a
+    value that is not a finite number is refused (``invalid_deadline``)."""
+    if header is None:
+        return received + default_s
+    try:
+        value = float(header)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        return Rejected(
+            "invalid_deadline", f"{DEADLINE_HEADER} {header[:64]!r} is not a Unix time in seconds"
+        )
+    return value
+
+
 def decide_submit(state: ClusterState, cmd: ev.SubmitJob, job_id: str, limits: Limits) -> Accepted | Rejected:
     """Accept a submission as a ``JobSubmitted`` event, or reject it with a reason.
 
@@ -172,10 +206,7 @@ def decide_submit(state: ClusterState, cmd: ev.SubmitJob, job_id: str, limits: L
     user = state.users.get(spec.user)
     if limits.enforce_users and (user is None or not user.registered):
         return Rejected("unknown_user", f"user {spec.user!r} is not registered")
-    max_jobs = (
-        user.max_active_jobs if user and user.max_active_jobs else 0
-    ) or limits.max_active_jobs_per_user
-    max_gpus = (user.max_gpus if user and user.max_gpus else 0) or limits.max_gpus_per_user
+    max_jobs, max_gpus = user_limits(state, spec.user, limits)
     if max_jobs or max_gpus:
         active = [
             j for j in state.jobs.values() if j.spec.user == spec.user and j.status not in FINISHED_STATUSES

@@ -173,6 +173,12 @@ class StreamUnavailable(PublishRejected):
     cluster, the stream is electing a new leader; nothing was stored."""
 
 
+class AckTimeout(PublishRejected):
+    """No ack came within the timeout: the events were sent, and the stream may or may
+    not have stored them (their ``Nats-Msg-Id`` makes a re-publish within the duplicate
+    window safe)."""
+
+
 class PermissionDenied(PublishRejected):
     """The server refused the publish: this identity may not publish on the subject."""
 
@@ -553,6 +559,7 @@ class Bus:
             StreamUnavailable: no stream answered within ``timeout_s``.
             MessageTooLarge: the encoded event is over the size limit (nothing sent).
             ConcurrencyConflict: ``expected_last_subject_seq`` did not match.
+            AckTimeout: no ack within ``timeout_s``; the event may or may not be stored.
             PublishRejected: any other refusal by JetStream.
         """
         env = item if isinstance(item, Envelope) else codec.wrap(item)
@@ -575,20 +582,26 @@ class Bus:
         subject holds only messages no reader can decode (see *Poison messages*
         above), after the newest of them.
 
+        Nothing is sent after ``timeout_s`` from the call.
+
         Raises:
             ConcurrencyConflict: a message that decodes is on the subject already (or
                 one was appended meanwhile).
             MessageTooLarge / PublishRejected: as :meth:`publish`.
         """
         env = item if isinstance(item, Envelope) else codec.wrap(item)
+        deadline = asyncio.get_running_loop().time() + timeout_s
         try:
             return await self.publish(env, expected_last_subject_seq=0, timeout_s=timeout_s)
         except ConcurrencyConflict:
             last, valid = await self.last_valid_on_subject(self.names.subject(env.event))
             if valid is not None or not last:
                 raise
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:  # no second send after the caller's time is up: nothing was stored
+            raise StreamUnavailable("no time left to append after undecodable messages", event_id=env.id)
         log.warning("append_after_undecodable", event_id=env.id, type=env.type, stream_seq=last)
-        return await self.publish(env, expected_last_subject_seq=last, timeout_s=timeout_s)
+        return await self.publish(env, expected_last_subject_seq=last, timeout_s=left)
 
     async def publish_many(
         self,
@@ -647,7 +660,7 @@ class Bus:
                     raise PermissionDenied(
                         f"permissions violation for publish to {denied[0]!r}", subject=denied[0]
                     ) from None
-                raise PublishRejected(f"no ack within {timeout_s}s for a burst of {len(chunk)}") from None
+                raise AckTimeout(f"no ack within {timeout_s}s for a burst of {len(chunk)}") from None
             for (subject, _data, event_id), reply in zip(chunk, replies, strict=True):
                 out.append(self._check_ack(reply, subject, event_id))
         errors = [r for r in out if isinstance(r, BusError)]

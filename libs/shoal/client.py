@@ -29,18 +29,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from typing import Any, cast
 
 import msgspec
 import nats.errors
 import nats.js.errors
-
 from shoal import codec, queries
 from shoal import events as ev
 from shoal import state as st
+from shoal.admission import DEADLINE_HEADER
 from shoal.auth import ADMIN_TOKEN, user_of_creds
 from shoal.bus import Batch, Bus, Header
+from shoal.ids import new_ulid
 
 #: The fields a job spec may have (a mapping with any other key is refused).
 SPEC_FIELDS: frozenset[str] = frozenset(ev.JobSpec.__struct_fields__)
@@ -154,9 +156,13 @@ async def _probe(url: str, timeout_s: float) -> None:
 class Client:
     """A connection to one shoal installation (a NATS server and a subject prefix)."""
 
-    def __init__(self, bus: Bus, *, timeout_s: float = 10.0) -> None:
+    def __init__(self, bus: Bus, *, timeout_s: float = 10.0, retries: int = 2) -> None:
         self.bus = bus
         self.timeout_s = timeout_s
+        """How long one attempt of a command waits for admission's answer; also the
+        deadline it sends (admission starts no write after it)."""
+        self.retries = retries
+        """How many times an idempotent command is sent again after no answer."""
         self.user = user_of_creds(bus.identity) if bus.identity else None
         """The user this client authenticated as; None for the admin (or no credentials),
         who sends commands as ``@admin`` and may act for any user."""
@@ -221,8 +227,10 @@ class Client:
 
     async def _request(self, name: str, payload: bytes) -> ev.CommandAccepted:
         subject = self.bus.names.cmd(name, self.sender)
+        # Admission starts no write once this client has stopped waiting (services/admission).
+        deadline = {DEADLINE_HEADER: f"{time.time() + self.timeout_s:.3f}"}
         try:
-            msg = await self.bus.nc.request(subject, payload, timeout=self.timeout_s)
+            msg = await self.bus.nc.request(subject, payload, timeout=self.timeout_s, headers=deadline)
         except nats.errors.MaxPayloadError:
             raise _rejected(
                 "too_large",
@@ -240,44 +248,80 @@ class Client:
             raise CommandError(reply)
         return reply  # type: ignore[no-any-return]
 
+    async def _send(self, name: str, payload: bytes, *, retry: bool) -> tuple[ev.CommandAccepted, int]:
+        """:meth:`_request`, sent again (the same bytes) up to ``retries`` times when no
+        answer came or admission could not confirm its write (``unconfirmed``), if
+        ``retry``: only for a command that applying twice changes nothing more than
+        applying once. Returns the acceptance and the attempt (1 for the first) it answered."""
+        attempt = 1
+        while True:
+            try:
+                return await self._request(name, payload), attempt
+            except NoAdmissionError as exc:
+                if not retry or attempt > self.retries:
+                    raise
+                if isinstance(exc.__cause__, nats.errors.NoRespondersError):
+                    await asyncio.sleep(min(0.1 * 2**attempt, 2.0))  # none listening yet: back off
+            except CommandError as exc:
+                if exc.code != "unconfirmed" or not retry or attempt > self.retries:
+                    raise
+            attempt += 1
+
     async def command(self, cmd: Any) -> ev.CommandAccepted:
-        """Send a command to admission and return its acceptance.
+        """Send a command to admission and return its acceptance. An idempotent command
+        (a submission with a ``job_id``, a cancellation, tickets) is sent again, up to
+        ``retries`` times, when no answer comes.
 
         Raises:
             CommandError: the command was rejected (nothing changed).
             NoAdmissionError: no admission service answered in time (a ``TimeoutError``).
         """
-        return await self._request(cmd.name, codec.encode_command(cmd))
+        idempotent = not isinstance(cmd, ev.SubmitJob) or cmd.job_id is not None
+        return (await self._send(cmd.name, codec.encode_command(cmd), retry=idempotent))[0]
 
     async def submit_command(
         self, spec: ev.JobSpec | Mapping[str, Any], job_id: str | None = None
     ) -> ev.CommandAccepted:
         """Like :meth:`submit`, returning the whole acceptance (``duplicate`` tells a
-        re-submission of the same job id apart)."""
+        re-submission of the same job id apart; a retry of this call that finds its own
+        earlier attempt written is not a duplicate)."""
         wire = spec_to_wire(spec)
         if self.user is not None and not wire.get("user"):
             wire["user"] = self.user  # a user's job is its own unless it says otherwise
+        # The id is the call's idempotency key: every attempt of this call carries it, so
+        # admission writes the job once however many attempts reach it.
+        generated = job_id is None
         body: dict[str, Any] = {"type": "cmd.submit_job", "spec": wire}
-        if job_id is not None:
-            body["job_id"] = check_job_id(job_id)
+        body["job_id"] = new_ulid() if job_id is None else check_job_id(job_id)
         try:
             payload = msgspec.msgpack.encode(body)
         except (TypeError, msgspec.EncodeError) as exc:
             raise _rejected("invalid_spec", f"job spec cannot be encoded: {exc}") from None
-        return await self._request(ev.SubmitJob.name, payload)
+        reply, attempt = await self._send(ev.SubmitJob.name, payload, retry=True)
+        if generated and attempt > 1 and reply.duplicate:
+            # Nobody else knows the id this call made up: an earlier attempt wrote the job.
+            reply = msgspec.structs.replace(reply, duplicate=False)
+        return reply
 
     async def submit(self, spec: ev.JobSpec | Mapping[str, Any], job_id: str | None = None) -> str:
         """Submit a job; returns its id.
 
-        Idempotent when ``job_id`` is given: submitting the same spec under the same id
-        again returns the same id and adds nothing to the log; a different spec under
-        an existing id is rejected (``job_exists``).
+        Without ``job_id`` the call makes one up (a ULID) and sends it. When no answer
+        comes within ``timeout_s`` (or admission could not confirm its write), the call
+        sends the same submission again, up to ``retries`` times: admission writes a
+        job id once, so the log holds one job whichever attempts reached it, and the
+        call returns its id. Idempotent across calls when ``job_id`` is given:
+        submitting the same spec under the same id again returns the same id and adds
+        nothing to the log; a different spec under an existing id is rejected
+        (``job_exists``).
 
         Raises:
             CommandError: the spec was rejected (e.g. ``invalid_command`` for a wrong
                 type or range, ``invalid_spec``, ``unknown_user``, ``limit_exceeded``,
                 ``too_large``); nothing was written.
-            NoAdmissionError: no admission service answered.
+            NoAdmissionError: no admission service answered any attempt (the job may
+                still be in the log if an attempt was written after all: submit again
+                with the same ``job_id`` to learn it, which writes nothing new).
         """
         return (await self.submit_command(spec, job_id)).id
 

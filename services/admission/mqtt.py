@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from typing import Any
 
 import nats.errors
 import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from shoal.admission import DEADLINE_HEADER
 from shoal.bus import Names
 from shoal.events import MAX_MESSAGE_BYTES
 
@@ -156,8 +158,13 @@ class MqttBridge:
             body["job_id"] = job_id
         subject = self.subjects.names.cmd("submit_job", user)
         try:
+            # Admission starts no write after the bridge stops waiting (it answers `unavailable`).
+            deadline = f"{time.time() + self.timeout_s:.3f}"
             reply = await self.nc.request(
-                subject, json.dumps(body).encode(), timeout=self.timeout_s, headers={"Content-Type": JSON}
+                subject,
+                json.dumps(body).encode(),
+                timeout=self.timeout_s,
+                headers={"Content-Type": JSON, DEADLINE_HEADER: deadline},
             )
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
             return _rejected(
