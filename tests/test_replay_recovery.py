@@ -38,7 +38,9 @@ async def test_deleted_consumer_is_recreated_from_the_next_sequence(nats_url: st
         stop = asyncio.Event()
 
         async def reader() -> None:
-            async for batch in reader_bus.replay_batches(follow=True, batch=64, stop=stop, idle_expires_s=0.2):
+            async for batch in reader_bus.replay_batches(
+                follow=True, batch=64, stop=stop, idle_expires_s=0.2
+            ):
                 seen.extend(seq for seq, _ in batch)
 
         task = asyncio.create_task(reader())

@@ -36,6 +36,7 @@ from typing import Any, cast
 import msgspec
 import nats.errors
 import nats.js.errors
+
 from shoal import codec, queries
 from shoal import events as ev
 from shoal import state as st
@@ -229,8 +230,15 @@ class Client:
         subject = self.bus.names.cmd(name, self.sender)
         # Admission starts no write once this client has stopped waiting (services/admission).
         deadline = {DEADLINE_HEADER: f"{time.time() + self.timeout_s:.3f}"}
+        from shoal.telemetry import inject, producer_span
+
         try:
-            msg = await self.bus.nc.request(subject, payload, timeout=self.timeout_s, headers=deadline)
+            # The trace of a command begins here: admission, the decision it causes, the
+            # placement and the reconfiguration continue it (docs/operations.md).
+            with producer_span(f"client.{name}", attributes={"shoal.sender": self.sender}):
+                msg = await self.bus.nc.request(
+                    subject, payload, timeout=self.timeout_s, headers={**(inject() or {}), **deadline}
+                )
         except nats.errors.MaxPayloadError:
             raise _rejected(
                 "too_large",

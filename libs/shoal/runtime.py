@@ -271,7 +271,8 @@ def run_service(serve: Serve, settings: Settings, *, service_name: str = "shoal"
     structlog.contextvars.bind_contextvars(service=service_name)
     for variable in unknown_variables():
         log.warning("unknown_setting_ignored", variable=variable)
-    tracing = setup_tracing(service_name, trace_jsonl=settings.trace_jsonl)
+    node = settings.resolved_node_id() if service_name in ("node-daemon", "trainer-sidecar") else None
+    tracing = setup_tracing(service_name, trace_jsonl=settings.trace_jsonl, node_id=node)
     if settings.metrics_port is not None:
         from shoal.probes import probed
 

@@ -51,6 +51,9 @@ from opentelemetry.sdk.trace.export import (
 log = structlog.get_logger("shoal.telemetry")
 
 OTLP_ENDPOINT_VAR = "OTEL_EXPORTER_OTLP_ENDPOINT"
+SERVICE_NAME_VAR = "OTEL_SERVICE_NAME"
+NODE_ATTRIBUTE = "shoal.node_id"
+"""Resource attribute naming the node a node daemon or sidecar runs on (also ``host.name``)."""
 
 
 def _hex_trace(trace_id: int) -> str:
@@ -77,6 +80,7 @@ def span_record(span: ReadableSpan, service: str) -> dict[str, Any]:
         "attributes": {k: _plain(v) for k, v in (span.attributes or {}).items()},
         "status": span.status.status_code.name.lower(),
         "pid": span.resource.attributes.get("process.pid"),
+        "node": span.resource.attributes.get(NODE_ATTRIBUTE),
     }
 
 
@@ -119,15 +123,19 @@ def make_tracer_provider(
     *,
     exporters: Sequence[SpanExporter] = (),
     batch_exporters: Sequence[SpanExporter] = (),
+    node_id: str | None = None,
 ) -> TracerProvider:
     """A tracer provider for ``service_name`` that sends spans to the given exporters.
 
     ``exporters`` get each span as it ends (simple processor); ``batch_exporters`` in
-    batches from a background thread (for network exporters).
+    batches from a background thread (for network exporters). ``node_id`` names the
+    node in the resource (``shoal.node_id`` and ``host.name``); ``OTEL_RESOURCE_ATTRIBUTES``
+    adds to the resource, as OpenTelemetry defines.
     """
-    provider = TracerProvider(
-        resource=Resource.create({"service.name": service_name, "process.pid": os.getpid()})
-    )
+    attributes: dict[str, Any] = {"service.name": service_name, "process.pid": os.getpid()}
+    if node_id:
+        attributes |= {NODE_ATTRIBUTE: node_id, "host.name": node_id}
+    provider = TracerProvider(resource=Resource.create(attributes))
     for exporter in exporters:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     for exporter in batch_exporters:
@@ -158,6 +166,7 @@ def setup_tracing(
     *,
     trace_jsonl: str | None = None,
     env: Mapping[str, str] | None = None,
+    node_id: str | None = None,
 ) -> Tracing:
     """Install the process's tracer provider, or nothing (the default).
 
@@ -165,12 +174,16 @@ def setup_tracing(
         service_name: the ``service.name`` resource attribute and the ``service`` of
             JSON-lines records.
         trace_jsonl: append spans to this file (``Settings.trace_jsonl``).
-        env: where to look for ``OTEL_EXPORTER_OTLP_ENDPOINT``; default ``os.environ``.
+        env: where to look for ``OTEL_EXPORTER_OTLP_ENDPOINT`` and ``OTEL_SERVICE_NAME``
+            (which, when set, names the service instead of ``service_name``); default
+            ``os.environ``.
+        node_id: the node a node daemon or sidecar runs on (see :func:`make_tracer_provider`).
 
     Returns:
         A handle whose ``shutdown()`` flushes pending spans (call it before exit).
     """
     env = os.environ if env is None else env
+    service_name = env.get(SERVICE_NAME_VAR, "").strip() or service_name
     exporters: list[SpanExporter] = []
     batch: list[SpanExporter] = []
     if trace_jsonl:
@@ -191,7 +204,7 @@ def setup_tracing(
             batch.append(OTLPSpanExporter())  # reads the endpoint and headers from OTEL_* variables
     if not exporters and not batch:
         return Tracing(service_name, None)
-    provider = make_tracer_provider(service_name, exporters=exporters, batch_exporters=batch)
+    provider = make_tracer_provider(service_name, exporters=exporters, batch_exporters=batch, node_id=node_id)
     trace.set_tracer_provider(provider)
     log.info("tracing_enabled", service=service_name, jsonl=trace_jsonl or None, otlp=endpoint or None)
     return Tracing(service_name, provider)

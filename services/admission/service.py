@@ -65,6 +65,7 @@ from shoal.bus import AckTimeout, Bus, ConcurrencyConflict, Header, PublishRejec
 from shoal.clock import Clock, WallClock
 from shoal.ids import new_ulid
 from shoal.projection import Projection
+from shoal.telemetry import consumer_span
 
 log = structlog.get_logger("shoal.admission")
 
@@ -206,7 +207,11 @@ class AdmissionService:
             if isinstance(deadline, admission.Rejected):
                 await respond(deadline.reply())
                 return
-            await self.handle(msg.data, command, as_json, sender=sender, deadline=deadline, respond=respond)
+            # Continue the client's trace: the event this writes carries it to the allocator.
+            with consumer_span(f"admission.{command}", headers, attributes={"shoal.sender": sender}):
+                await self.handle(
+                    msg.data, command, as_json, sender=sender, deadline=deadline, respond=respond
+                )
         except Exception as exc:  # never leave a client hanging
             log.exception("admission_failed")
             if not replied:

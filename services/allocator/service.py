@@ -77,7 +77,7 @@ from shoal.models import Catalog
 from shoal.policies.base import Policy
 from shoal.projection import CLUSTER_SNAPSHOT, Projection
 from shoal.state import ClusterState, apply, copy_state
-from shoal.telemetry import producer_span
+from shoal.telemetry import producer_span, stored_context, tracing_enabled
 from shoal.view import carry_progress_forward
 
 log = structlog.get_logger("shoal.allocator")
@@ -170,6 +170,9 @@ class AllocatorService:
         self.dirty = asyncio.Event()
         self.trigger = ""
         self.pending: list[tuple[float, str, str | None, str | None]] = []
+        self._trigger_seq: dict[str, int] = {}
+        """Stream sequence of each pending trigger event (its stored trace context is
+        the parent of the decision it causes)."""
         """Triggering events not yet decided on: (occurred-at, trigger, event id, key of
         the clock hold it was published under — a :class:`~shoal.clock.SharedClock`
         only — released once a decision has taken it in)."""
@@ -230,6 +233,7 @@ class AllocatorService:
         trigger = _TRIGGERS.get(type(env.event))
         if trigger is not None:
             self.pending.append((env.at, trigger, env.id, hold_key(env.event)))
+            self._trigger_seq[env.id] = seq
             self.dirty.set()
 
     def _on_skipped(self, skipped: SkippedMessage) -> None:
@@ -274,7 +278,12 @@ class AllocatorService:
         return min(due) if due else None
 
     async def decide_once(
-        self, trigger: str, *, at: float | None = None, causation_id: str | None = None
+        self,
+        trigger: str,
+        *,
+        at: float | None = None,
+        causation_id: str | None = None,
+        trigger_seq: int = 0,
     ) -> ev.SharesDecided | None:
         """Run the policy on the current state as of ``at`` (default: now) and publish
         the decision if it changed."""
@@ -316,9 +325,14 @@ class AllocatorService:
             # simulator, whose first decision is the first that gives a job GPUs.
             return None
         env = codec.wrap(decision, at=now, causation_id=causation_id)
+        parent = Context()
+        if trigger_seq and tracing_enabled(self.tracer):
+            # The decision continues the trace of the event that caused it (a submission
+            # that began at the client), so one trace runs from submit to reconfiguration.
+            parent = await stored_context(self.bus.js, self.bus.names.events_stream, trigger_seq)
         # The placer releases this once it has placed the decision (synchronized clock).
         hold(self.clock, f"epoch:{decision.epoch}")
-        with self._traced_decision(decision, marks):
+        with self._traced_decision(decision, marks, parent):
             try:
                 with producer_span("allocator.publish", tracer=self.tracer):
                     result = await self.bus.publish(env, expected_last_subject_seq=self.decisions_seq)
@@ -345,8 +359,11 @@ class AllocatorService:
             return decision
 
     @contextlib.contextmanager
-    def _traced_decision(self, decision: ev.SharesDecided, marks: tuple[int, int, int]) -> Iterator[None]:
-        """The trace of one decision: a root span ``allocator.decide`` from the start of
+    def _traced_decision(
+        self, decision: ev.SharesDecided, marks: tuple[int, int, int], parent: Context | None = None
+    ) -> Iterator[None]:
+        """The trace of one decision: a span ``allocator.decide`` (a child of ``parent``,
+        the trace of the event that caused the decision, else a root) from the start of
         the decision (``marks``: wall ns at start, view built, policy done), with the
         phases ``allocator.view`` and ``allocator.policy`` as children, current inside
         the block (the publish carries it on to the placer); logs get the epoch and
@@ -360,7 +377,7 @@ class AllocatorService:
             "shoal.gpus": sum(decision.shares.values()),
         }
         root = self.tracer.start_span(
-            "allocator.decide", context=Context(), attributes=attributes, start_time=t0
+            "allocator.decide", context=parent or Context(), attributes=attributes, start_time=t0
         )
         inside = trace.set_span_in_context(root)
         self.tracer.start_span("allocator.view", context=inside, start_time=t0).end(end_time=t1)
@@ -402,7 +419,11 @@ class AllocatorService:
             kinds = {p[1] for p in batch}
             trigger = next((k for k in ("arrival", "completion") if k in kinds), batch[-1][1])
             at = batch[-1][0]
-            await self.decide_once(trigger, at=at, causation_id=batch[-1][2])
+            cause = batch[-1][2]
+            trigger_seq = self._trigger_seq.get(cause or "", 0)
+            for p in batch:
+                self._trigger_seq.pop(p[2] or "", None)
+            await self.decide_once(trigger, at=at, causation_id=cause, trigger_seq=trigger_seq)
             self.last_decision_at = max(self.last_decision_at, at)
             # Hold the clock at the next periodic decision, then let go of the holds of
             # the events this decision took in (it is published under a hold of its own

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
+import msgspec
 from shoal.runtime import StartupError, connect_bus, make_clock
 from shoal.settings import Settings
 
@@ -102,12 +103,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shoal.runtime import run_service
     from shoal.settings import SettingsError
 
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
         settings = Settings.load()
-        serve = configure(sys.argv[1:] if argv is None else argv)
+        serve = configure(args)
     except (SettingsError, StartupError) as exc:
         print(f"shoal: trainer-sidecar: {exc}", file=sys.stderr, flush=True)
         return 2
+    if "--node" in args[:-1]:  # the sidecar's node names it in traces (configure checked it)
+        settings = msgspec.structs.replace(settings, node_id=args[args.index("--node") + 1])
     return run_service(serve, settings, service_name="trainer-sidecar")
 
 

@@ -450,7 +450,11 @@ async def run_with_stdin_orders(
 
     tracing = None
     if not tracing_enabled():
-        tracing = setup_tracing("trainer-sidecar", trace_jsonl=os.environ.get("SHOAL_TRACE_JSONL") or None)
+        tracing = setup_tracing(
+            "trainer-sidecar",
+            trace_jsonl=os.environ.get("SHOAL_TRACE_JSONL") or None,
+            node_id=getattr(sidecar, "node_id", None),
+        )
     reader = critical(asyncio.create_task(_read_orders(sidecar, stop, stdin)))
     try:
         await sidecar.run(stop)
