@@ -132,3 +132,25 @@ def test_reconfiguration_histograms_from_folded_events() -> None:
     assert got[("shoal_reconfiguration_phase_seconds_sum", (("phase", "restore"),))] == 2.0
     assert got[("shoal_reconfiguration_seconds_sum", ())] == 2.5
     assert got[("shoal_reconfiguration_stop_seconds_sum", ())] == 2.3
+
+
+def test_state_digest_metric_is_the_folded_state_at_its_sequence() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from shoal import codec
+
+    s = st.ClusterState()
+    st.apply(s, codec.wrap(ev.NodeRegistered(node_id="n0", gpus=[]), at=1.0))
+    health = Health("admission")
+    health.projection = SimpleNamespace(state=s, last_seq=7)  # type: ignore[assignment]
+    health.bus = SimpleNamespace(stats=SimpleNamespace(dead_lettered=0))  # type: ignore[assignment]
+    samples = [
+        x
+        for f in text_string_to_metric_families(generate_latest(health.registry).decode())
+        for x in f.samples
+        if x.name == "shoal_state_digest"
+    ]
+    assert [x.labels for x in samples] == [{"digest": st.digest(s), "seq": "7"}]
+    assert st.digest(s) != st.digest(st.ClusterState())

@@ -19,8 +19,9 @@ for a leader-elected service, its role). Without a port nothing listens and
   (``generate_latest``): the process-wide default registry (process and Python
   collectors, the allocator's decision counter and latency histogram) and this
   process's own: the gauges of the folded state (:func:`shoal.health.state_gauges`),
-  bus lag, applied and tail sequence, dead-lettered messages, readiness, lease
-  holder, and histograms of the reconfiguration phase durations and reconfiguration
+  bus lag, applied and tail sequence, the folded state's digest at that sequence
+  (``shoal_state_digest``, so a harness can compare it with a fresh fold),
+  dead-lettered messages, readiness, lease holder, and histograms of the reconfiguration phase durations and reconfiguration
   durations as the ``ReconfigurationPhase``/``ReconfigurationCompleted`` events folded
   by this process report them (every event folded, the replay included).
 
@@ -52,6 +53,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shoal import events as ev
+from shoal import state as st
 from shoal.health import Readiness, bus_lag, judge_readiness, state_gauges
 
 if TYPE_CHECKING:
@@ -201,6 +203,13 @@ class _StateCollector:
         yield GaugeMetricFamily(
             "shoal_bus_applied_seq", "The last stream sequence this process has folded.", value=applied
         )
+        folded = GaugeMetricFamily(
+            "shoal_state_digest",
+            "Always 1; labels: SHA-256 of the folded state (shoal.state.digest) and the sequence it is at.",
+            labels=["digest", "seq"],
+        )
+        folded.add_metric([st.digest(h.projection.state), str(applied)], 1)
+        yield folded
         tail = last.tail_seq if last is not None else None
         lag = bus_lag(tail, applied)
         if tail is not None and lag is not None:
