@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import time
 
 import pytest
 from shoal import codec
@@ -120,6 +121,22 @@ async def test_leader_lease_is_exclusive_and_expires(bus: Bus) -> None:
     assert not await a.renew(), "a stale holder must not be able to renew"
     await b.release()
     assert await a.try_acquire()
+
+
+async def test_campaign_paused_past_its_ttl_is_no_leader_before_it_polls(bus: Bus) -> None:
+    from shoal.bus import Campaign
+
+    a = Campaign(await bus.lease("placer", "a", ttl_s=1.0))
+    assert await a.poll() == "elected" and a.is_leader
+    time.sleep(1.2)  # the fault itself: this event loop stalls past the TTL, as under SIGSTOP
+    assert not a.is_leader, "a holder whose TTL ran out still says it leads"
+    b = Campaign(await bus.lease("placer", "b", ttl_s=1.0))
+    deadline = asyncio.get_running_loop().time() + 10
+    while await b.poll() != "elected":
+        assert asyncio.get_running_loop().time() < deadline, "lease never lapsed"
+        await asyncio.sleep(0.1)
+    assert not a.is_leader
+    assert await a.poll() == "lost" and not a.is_leader and b.is_leader
 
 
 async def test_snapshot_roundtrip(bus: Bus) -> None:

@@ -1304,7 +1304,17 @@ class Campaign:
         self.renew_every_s = lease.ttl_s / 3
         self.next_due = 0.0
         """Event-loop time at which the lease is due for renewal."""
-        self.is_leader = False
+        self._leader = False
+        self._valid_until = 0.0
+        """Event-loop time until which the last successful acquire/renew holds the lease:
+        its start plus the TTL (the server counts the TTL from later than that)."""
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this holder leads now: it won the last poll and its TTL since then has
+        not run out. A process paused (SIGSTOP) past the TTL is not a leader the moment it
+        runs again, before its next renewal answers (another holder may lead by then)."""
+        return self._leader and self._now() < self._valid_until
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
@@ -1321,19 +1331,22 @@ class Campaign:
         """Renew or try to acquire when due; ``"elected"``/``"lost"`` on a flip, else None."""
         if not self.due():
             return None
-        was = self.is_leader
-        self.is_leader = await self.lease.try_acquire()
+        was = self._leader
+        started = self._now()
+        self._leader = await self.lease.try_acquire()
+        if self._leader:
+            self._valid_until = started + self.lease.ttl_s
         self.next_due = self._now() + self.renew_every_s
-        if self.is_leader and not was:
+        if self._leader and not was:
             log.info("leader_elected", lease=self.lease.name, holder=self.lease.holder)
             return "elected"
-        if was and not self.is_leader:
+        if was and not self._leader:
             log.warning("leadership_lost", lease=self.lease.name, holder=self.lease.holder)
             return "lost"
         return None
 
     async def release(self) -> None:
-        self.is_leader = False
+        self._leader = False
         await self.lease.release()
 
 

@@ -551,6 +551,9 @@ class AllocatorService:
                     wait = min(wait, max(0.0, (wake - self.clock.now()) / scale))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.dirty.wait(), wait)
+                # After the wait (a pause may have outlived the lease): lead only if still valid.
+                self.is_leader = campaign.is_leader
+                self.role = "leader" if self.is_leader else "standby"
                 if not self.is_leader:
                     continue
                 await self._mark_lost_nodes()

@@ -283,6 +283,9 @@ class PlacerService:
                     self.dirty.set()  # re-check on every renewal (a lost node, a takeover)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.dirty.wait(), campaign.until_due())
+                # After the wait (a pause may have outlived the lease): lead only if still valid.
+                self.is_leader = campaign.is_leader
+                self.role = "leader" if self.is_leader else "standby"
                 if self.is_leader and self.dirty.is_set():
                     self.dirty.clear()
                     await self.place_once()

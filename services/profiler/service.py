@@ -275,6 +275,9 @@ class ProfilerService:
                     due = min(self.held_back.values())
                     wait = min(wait, max(0.0, (due - self.clock.now()) / scale))
                 await _wait_any(self.dirty, stop, wait)
+                # After the wait (a pause may have outlived the lease): lead only if still valid.
+                self.is_leader = campaign.is_leader
+                self.role = "leader" if self.is_leader else "standby"
                 if not self.is_leader:
                     # A standby only folds; taking over re-examines everything.
                     self.dirty.clear()

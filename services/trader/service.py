@@ -377,6 +377,9 @@ class TraderService:
                 elif self.is_leader:
                     wait = 0.0
                 await _wait_any(self.dirty, stop, wait)
+                # After the wait (a pause may have outlived the lease): lead only if still valid.
+                self.is_leader = campaign.is_leader
+                self.role = "leader" if self.is_leader else "standby"
                 if not self.is_leader or stop.is_set():
                     self.dirty.clear()  # a standby only folds; taking over re-checks
                     continue
