@@ -197,7 +197,8 @@ async def test_cancel_unknown_job_is_a_clear_error(
     rc, _, err = await run_cli("cancel", "bad.id")
     assert rc == 1 and "rejected (invalid_job_id): invalid job id 'bad.id'" in err
     rc, _, err = await run_cli("status", "nope")
-    assert rc == 1 and err == "shoal: no job 'nope'\n"
+    # This installation runs admission without its query endpoint: the CLI says it replayed.
+    assert rc == 1 and err.endswith("shoal: no job 'nope'\n"), err
     assert await bus.last_seq() == seq
 
 

@@ -111,7 +111,7 @@ def _lines(kids: Children, name: str) -> list[dict[str, Any]]:
     return out
 
 
-async def _logged(kids: Children, name: str, event: str, timeout_s: float = 40.0) -> dict[str, Any]:
+async def _logged(kids: Children, name: str, event: str, timeout_s: float = 90.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while True:
         found = [r for r in _lines(kids, name) if r.get("event") == event]
