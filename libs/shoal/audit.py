@@ -121,18 +121,24 @@ def _token(prefix: str) -> str:
 
 
 async def _forge(t: Target, creds: str | None, event: ev.Event) -> tuple[bool, str]:
-    """Publish ``event`` as-is on its subject; refused unless a message landed there."""
+    """Publish ``event`` as-is on its subject; refused unless that very envelope (by its
+    id) landed in the log. The services keep appending to shared subjects meanwhile
+    (the placer to ``alloc.placement_decided``), so a count would mistake theirs."""
+    from shoal.bus import Bus
+
     subject = codec_subject(t.prefix, event)
-    before = await _log_size(t, subject)
+    env = codec.wrap(event)
+    _, before = await _log_size(t)
     conn = await _Conn.open(t.url, creds)
     try:
-        await conn.nc.publish(subject, codec.encode(codec.wrap(event)))
+        await conn.nc.publish(subject, codec.encode(env))
         why = await conn.violation()
     finally:
         await conn.close()
-    after = await _log_size(t, subject)
-    if after[0] != before[0]:
-        return False, f"appended to {subject}"
+    async with await Bus.connect(t.url, t.prefix, creds=t.admin, declare=False) as admin:
+        async for batch in admin.replay_batches(start_seq=before + 1, filter_subjects=[subject]):
+            if any(e.id == env.id for _, e in batch):
+                return False, f"appended to {subject}"
     return True, why or "not appended"
 
 
@@ -424,6 +430,26 @@ async def run_audit(t: Target) -> tuple[list[Outcome], tuple[bool, str]]:
     return outcomes, await legitimate_path(t)
 
 
+def _wait_admitted(url: str, creds: str, timeout_s: float = 20.0) -> None:
+    """Until the server admits ``creds`` (it reloads its configuration on the SIGHUP that
+    `shoal creds add` sends to `shoal up`, a moment later)."""
+    import time
+
+    async def admitted() -> bool:
+        try:
+            conn = await _Conn.open(url, creds)
+        except Exception:
+            return False
+        await conn.close()
+        return True
+
+    deadline = time.monotonic() + timeout_s
+    while not asyncio.run(admitted()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not admit {creds} within {timeout_s}s")
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def local_installation(state_dir: str, *, nodes: int = 2, mqtt: bool = True) -> Any:
     """Start ``shoal up`` (the command a user runs) on ``state_dir``, add the audit's
@@ -458,7 +484,7 @@ def local_installation(state_dir: str, *, nodes: int = 2, mqtt: bool = True) -> 
             subprocess.run([*CLI_ARGV, "creds", "add", *args], env=env, check=True, capture_output=True)
         creds = Path(state_dir) / "creds"
         mqtt_port = int(lines["MQTT"].rsplit(":", 1)[1]) if "MQTT" in lines else None
-        time.sleep(0.5)  # the server reloads its configuration on the SIGHUP `creds add` sent
+        _wait_admitted(lines["NATS"], str(creds / "user-alice.nk"))
         yield Target(
             url=lines["NATS"],
             prefix="shoal",

@@ -191,17 +191,39 @@ class EmbeddedNats:
 
         return str(CredentialStore(self.creds_dir).ensure("admin"))
 
-    def reload(self) -> None:
-        """Rewrite the configuration (identities added to ``creds_dir`` since start) and
-        have the running server reload it (SIGHUP)."""
+    def reload(self, timeout_s: float = 10.0) -> None:
+        """Rewrite the configuration (identities added to ``creds_dir`` since start),
+        have the running server reload it (SIGHUP) and wait until its log says it has,
+        so that a client connecting next is judged by the new configuration.
+
+        Raises:
+            NatsServerError: the server is not running or did not reload in ``timeout_s``.
+        """
         if self.proc is None or self._workdir is None:
             raise NatsServerError("server not started")
+        log_path = self._workdir / "nats.log"
+        before = self._reloads(log_path)
         conf = self._workdir / "nats.conf"
         tmp = conf.with_suffix(".tmp")
         tmp.write_text(self._config())
         os.chmod(tmp, 0o600)
         tmp.replace(conf)
         self.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout_s
+        while self._reloads(log_path) <= before:
+            if time.monotonic() > deadline:
+                raise NatsServerError(
+                    f"nats-server did not reload within {timeout_s}s: {self._log_tail(log_path)}"
+                )
+            time.sleep(0.01)
+
+    @staticmethod
+    def _reloads(log_path: Path) -> int:
+        """How many configuration reloads the server's log records."""
+        try:
+            return log_path.read_text(errors="replace").count("Reloaded server configuration")
+        except OSError:
+            return 0
 
     def start(self, timeout_s: float = 15.0) -> EmbeddedNats:
         """Start the server and wait until it accepts clients.

@@ -469,9 +469,15 @@ async def _up(args: argparse.Namespace, settings: Any) -> int:
 
     def on_hangup() -> None:
         # `shoal creds add` added an identity: admit it without a restart.
+        from shoal.nats_server import NatsServerError
+
         for server in reload_server:
-            server.reload()
-            print("credentials reloaded", flush=True)
+            try:
+                server.reload()
+            except NatsServerError as exc:
+                print(f"shoal up: credentials not reloaded: {exc}", file=sys.stderr, flush=True)
+            else:
+                print("credentials reloaded", flush=True)
 
     loop.add_signal_handler(signal.SIGHUP, on_hangup)
     try:
