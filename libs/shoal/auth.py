@@ -25,7 +25,7 @@ Roles (``docs/security.md`` has the threat model)
     Each appends only the event types it owns (:data:`EVENT_OWNERS`): only the
     allocator appends ``SharesDecided``, only the placer ``PlacementDecided``. They may
     create (not update, purge or delete) streams, keep durable consumers, and write
-    their own leader-lease key.
+    their own leader-lease key; only the allocator writes the cluster snapshot.
 ``node`` (one identity per node ``N``)
     Publishes only ``N``'s ``NodeRegistered``, ``NodeHeartbeat`` and ``GpuHealth``;
     reads the log (its orders are the placements in it).
@@ -229,10 +229,11 @@ def permissions(identity: Identity, prefix: str = "shoal") -> dict[str, Any]:
             # both keys train.<job> (lease bucket and <TOKEN>_LEASES_TRAIN_META).
             pub.append(f"{p}.sidecar.>")
             sub.append(f"{p}.sidecar.>")
-        else:
-            # Snapshots (object store): chunks are replaced, so old ones are purged.
-            # Deny beats allow in NATS, so the blanket purge denial gives way to an allow
-            # list that names only the snapshot bucket's stream.
+        elif role == "allocator":
+            # The cluster snapshot every service starts from (object store) is the leading
+            # allocator's to write; the others only read it. Chunks are replaced, so old
+            # ones are purged: deny beats allow in NATS, so the blanket purge denial gives
+            # way to an allow list that names only the snapshot bucket's stream.
             pub += [f"$O.{_token(p)}_SNAPSHOTS.>", f"$JS.API.STREAM.PURGE.OBJ_{_token(p)}_SNAPSHOTS"]
             deny_pub.remove("$JS.API.STREAM.PURGE.*")
         if role == "admission":
