@@ -79,16 +79,25 @@ class Up:
         return found[0]
 
 
-@pytest.fixture
-async def up(tmp_path: Path) -> AsyncIterator[Up]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_") and k != "NATS_URL"}
-    env.update(
-        SHOAL_STATE_DIR=str(tmp_path / "state"),
-        SHOAL_NODE_TIMEOUT_S=repr(NODE_TIMEOUT_S),
-        SHOAL_HEARTBEAT_S=repr(HEARTBEAT_S),
-        SHOAL_CATALOG="",
-    )
-    argv = [*CLI, "up", "--nodes", "2", "--gpus-per-node", "2", "--time-scale", "20", "--policy", "fifo"]
+@contextlib.asynccontextmanager
+async def shoal_up(tmp_path: Path, nodes: int = 2, **settings: str) -> AsyncIterator[Up]:
+    """`shoal up` as a user starts it (``nodes`` emulated nodes of 2 GPUs, FIFO, time
+    scale 20, no catalog, ``settings`` as ``SHOAL_*`` variables); on exit any process a
+    test left stopped is continued and the installation is stopped (SIGINT, then SIGKILL)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
+    env.update(SHOAL_STATE_DIR=str(tmp_path / "state"), SHOAL_CATALOG="", **settings)
+    argv = [
+        *CLI,
+        "up",
+        "--nodes",
+        str(nodes),
+        "--gpus-per-node",
+        "2",
+        "--time-scale",
+        "20",
+        "--policy",
+        "fifo",
+    ]
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
@@ -102,8 +111,7 @@ async def up(tmp_path: Path) -> AsyncIterator[Up]:
         await asyncio.to_thread(wait_line, proc, "running", 30)
         yield Up(proc, url, tmp_path / "state" / "creds")
     finally:
-        family = descendants(proc.pid)
-        for pid in family:  # a test may leave one stopped
+        for pid in descendants(proc.pid):  # a test may leave one stopped
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         if proc.poll() is None:
@@ -113,6 +121,13 @@ async def up(tmp_path: Path) -> AsyncIterator[Up]:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+@pytest.fixture
+async def up(tmp_path: Path) -> AsyncIterator[Up]:
+    settings = {"SHOAL_NODE_TIMEOUT_S": repr(NODE_TIMEOUT_S), "SHOAL_HEARTBEAT_S": repr(HEARTBEAT_S)}
+    async with shoal_up(tmp_path, **settings) as installation:
+        yield installation
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:

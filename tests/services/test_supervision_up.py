@@ -14,57 +14,16 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from shoal.commands.run import CLI_ARGV as CLI
 
-from tests.services.test_liveness import Up, run_job, wait_until
-from tests.services.test_up import alive, descendants, wait_line
+from tests.services.test_liveness import Up, run_job, shoal_up, wait_until
+from tests.services.test_up import alive, descendants
 
 pytestmark = pytest.mark.integration
-
-
-@contextlib.asynccontextmanager
-async def shoal_up(tmp_path: Path, nodes: int = 2, **settings: str) -> AsyncIterator[Up]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
-    env.update(SHOAL_STATE_DIR=str(tmp_path / "state"), SHOAL_CATALOG="", **settings)
-    argv = [
-        *CLI,
-        "up",
-        "--nodes",
-        str(nodes),
-        "--gpus-per-node",
-        "2",
-        "--time-scale",
-        "20",
-        "--policy",
-        "fifo",
-    ]
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=(tmp_path / "up.err").open("w"),
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        url = await asyncio.to_thread(lambda: wait_line(proc, "NATS: ", 30).split(" ", 1)[1].strip())
-        await asyncio.to_thread(wait_line, proc, "running", 30)
-        yield Up(proc, url, tmp_path / "state" / "creds")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 def up_info(tmp_path: Path) -> dict[str, Any]:
