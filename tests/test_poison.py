@@ -20,6 +20,7 @@ from shoal_services.allocator.service import AllocatorService
 from shoal_services.placer.service import PlacerService
 
 from tests.services.test_allocator_placer import GreedyRequested, job, node, wait_until
+from tests.test_bad_input import wait_dead_letters
 
 pytestmark = pytest.mark.integration
 
@@ -60,16 +61,6 @@ def poison(prefix: str) -> list[tuple[str, bytes, str, str]]:
             "version 2",
         ),
     ]
-
-
-async def wait_letters(bus: Bus, n: int, timeout: float = 10.0) -> list[tuple[dict[str, str], bytes]]:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        letters = await bus.dead_letters()
-        if len(letters) >= n:
-            return letters
-        assert asyncio.get_running_loop().time() < deadline, f"only {len(letters)} dead letters"
-        await asyncio.sleep(0.05)
 
 
 def test_future_schema_version_is_not_decoded_as_the_current_one() -> None:
@@ -116,7 +107,7 @@ async def test_replay_skips_counts_and_dead_letters_each_bad_message_once(
     assert bus.stats.malformed_skipped == 2 and bus.stats.unknown_skipped == 3
     assert bus.stats.dead_lettered == 5
 
-    letters = await wait_letters(bus, 5)
+    letters = await wait_dead_letters(bus, 5)
     by_subject = {h[Header.DLQ_SUBJECT]: (h, data) for h, data in letters}
     for subject, data, code, word in bad:
         headers, stored = by_subject[subject]
@@ -159,7 +150,7 @@ async def test_a_live_bad_message_reaches_skip_listeners_at_once(bus: Bus) -> No
         await wait_until(lambda: len(seen) == 2)
         assert seen == [("node.registered", first.seq), ("malformed", garbage.seq)]
         assert proj.last_seq == garbage.seq
-        await wait_letters(bus, 1)
+        await wait_dead_letters(bus, 1)
     finally:
         await proj.stop()
 

@@ -16,6 +16,7 @@ from shoal import events as ev
 from shoal.client import Client
 from shoal.commands import _connect
 from shoal.commands.run import CLI_ARGV as CLI
+from shoal.faults import descendants
 from shoal.runtime import resolve_nats_url
 from shoal.settings import Settings
 
@@ -33,30 +34,6 @@ def usable_policy() -> str:
             continue
         return name
     pytest.fail("no allocation policy can be imported")
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live descendant of ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] == "Z":
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry.name))
-    out: set[int] = set()
-    todo = [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
 
 
 def alive(pid: int) -> bool:
