@@ -148,6 +148,21 @@ async def test_snapshot_roundtrip(bus: Bus) -> None:
     assert st.digest(st.decode_state(snap.state)) == snap.digest == st.digest(state)
 
 
+async def test_snapshot_read_is_bounded_when_its_chunks_vanish(bus: Bus) -> None:
+    """A writer replacing a snapshot purges the old version's chunks; a reader that
+    had the old metadata must not wait for them for ever (nats-py's get would). Here
+    the chunks are purged by hand, so every read finds metadata without data."""
+    state = st.fold([codec.wrap(submitted(i), at=float(i)) for i in range(20)])
+    await bus.save_snapshot("allocator", 20, st.encode_state(state), digest=st.digest(state))
+    store = await bus.js.object_store(bus.names.snapshot_bucket)
+    info = await store.get_info("allocator")
+    await bus.js.purge_stream(f"OBJ_{bus.names.snapshot_bucket}", subject=f"$O.{bus.names.snapshot_bucket}.C.{info.nuid}")
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await bus.load_snapshot("allocator", timeout_s=0.5, attempts=2)
+    assert time.monotonic() - started < 5
+
+
 async def test_trace_context_travels_in_headers(bus: Bus) -> None:
     """A publish inside a span carries its W3C traceparent; the consumer continues that trace."""
     from nats.aio.msg import Msg

@@ -1203,16 +1203,32 @@ class Bus:
         blob = msgspec.msgpack.encode(Snapshot(name=name, seq=seq, digest=digest, state=state, schema=schema))
         await store.put(name, blob)
 
-    async def load_snapshot(self, name: str) -> Snapshot | None:
+    async def load_snapshot(
+        self, name: str, *, timeout_s: float = 10.0, attempts: int = 3
+    ) -> Snapshot | None:
         """The newest snapshot stored under ``name``, or None.
+
+        A read races with a writer replacing the object: the writer purges the old
+        version's chunks, and nats-py's ``ObjectStore.get`` then waits for them for
+        ever. Each read is therefore bounded by ``timeout_s`` and tried again (the
+        metadata, read again, names the new version) up to ``attempts`` times.
 
         Raises:
             msgspec.DecodeError: the stored object is not a snapshot (corrupt).
+            TimeoutError / nats.js.errors.DigestMismatchError: no read finished whole
+                in ``attempts`` tries (the caller replays the log instead).
         """
         try:
             # Read-only (a node daemon may read snapshots, not create the bucket).
             store = await self.js.object_store(self.names.snapshot_bucket)
-            res = await store.get(name)
+            for attempt in range(1, attempts + 1):
+                try:
+                    res = await asyncio.wait_for(store.get(name), timeout_s)
+                    break
+                except (TimeoutError, nats.js.errors.DigestMismatchError):
+                    log.warning("snapshot_read_timed_out", snapshot=name, attempt=attempt, timeout_s=timeout_s)
+                    if attempt == attempts:
+                        raise
         except nats.js.errors.BucketNotFoundError:
             return None
         except nats.js.errors.ObjectNotFoundError:
