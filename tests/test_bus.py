@@ -156,7 +156,9 @@ async def test_snapshot_read_is_bounded_when_its_chunks_vanish(bus: Bus) -> None
     await bus.save_snapshot("allocator", 20, st.encode_state(state), digest=st.digest(state))
     store = await bus.js.object_store(bus.names.snapshot_bucket)
     info = await store.get_info("allocator")
-    await bus.js.purge_stream(f"OBJ_{bus.names.snapshot_bucket}", subject=f"$O.{bus.names.snapshot_bucket}.C.{info.nuid}")
+    await bus.js.purge_stream(
+        f"OBJ_{bus.names.snapshot_bucket}", subject=f"$O.{bus.names.snapshot_bucket}.C.{info.nuid}"
+    )
     started = time.monotonic()
     with pytest.raises(TimeoutError):
         await bus.load_snapshot("allocator", timeout_s=0.5, attempts=2)

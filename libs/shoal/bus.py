@@ -1226,7 +1226,9 @@ class Bus:
                     res = await asyncio.wait_for(store.get(name), timeout_s)
                     break
                 except (TimeoutError, nats.js.errors.DigestMismatchError):
-                    log.warning("snapshot_read_timed_out", snapshot=name, attempt=attempt, timeout_s=timeout_s)
+                    log.warning(
+                        "snapshot_read_timed_out", snapshot=name, attempt=attempt, timeout_s=timeout_s
+                    )
                     if attempt == attempts:
                         raise
         except nats.js.errors.BucketNotFoundError:
