@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 from shoal.models import AFS_TABLE4_MODELS, afs_catalog
-from shoal.policies.base import ClusterView
-from shoal.policies.optimus import Optimus, features, fit_speed, nnls, predicted_speed
+from shoal.policies.base import ClusterView, JobView
+from shoal.policies.optimus import Optimus, OptimusPerfect, features, fit_speed, nnls, predicted_speed
 from shoal.sim.engine import SimConfig, Simulator
 from shoal.workloads import load_workload
 
@@ -75,11 +75,47 @@ def test_marginal_gain_picks_the_steepest_curve() -> None:
 
 
 def test_stops_when_no_step_gains() -> None:
-    # A curve that stops rising at 2 GPUs: Optimus leaves the rest idle.
+    # A curve that stops rising at 2 GPUs: with perfect estimates (AFS §5.1) Optimus
+    # gives exactly 2 and leaves the rest idle; a third GPU would gain nothing.
     flat = (0.0, 1.0, 1.5, 1.5, 1.5)
     j = job("j", requested_gpus=4, max_gpus=4, throughput=flat, remaining_iterations=100.0)
-    shares = Optimus().decide(view(0.0, 4, j), {}).shares
-    assert shares["j"] <= 3
+    assert OptimusPerfect().decide(view(0.0, 4, j), {}).shares == {"j": 2}
+    # The fitted model is smooth and predicts a gain at 3 (1.47 -> 1.55 it/s) but none
+    # at 4: it stops where its own speeds stop rising.
+    fitted = Optimus()
+    assert fitted.decide(view(0.0, 4, j), {}).shares == {"j": 3}
+    speeds = fitted.speeds(j, (1, 2, 3, 4))
+    assert speeds[2] > speeds[1] and speeds[3] <= speeds[2]
+
+
+def _planned_speeds(policy: Optimus, j: JobView, share: int) -> tuple[float, float]:
+    counts = policy.counts(j)
+    k = counts.index(share)
+    speeds = policy.speeds(j, counts)
+    return speeds[k - 1], speeds[k]
+
+
+@settings(max_examples=80, deadline=None)
+@given(views(), hs.booleans())
+def test_every_step_above_the_smallest_allocation_gains(v: ClusterView, perfect: bool) -> None:
+    """Eq. (9): a job holds more than its smallest allocation only if the last step
+    made it faster on the speeds Optimus planned on (the true ones when perfect)."""
+    policy = OptimusPerfect(cap_at_request=False) if perfect else Optimus(cap_at_request=False)
+    shares = policy.decide(v, {}).shares
+    for j in v.jobs:
+        share = shares.get(j.job_id, 0)
+        if share and share != policy.counts(j)[0]:
+            before, after = _planned_speeds(policy, j, share)
+            assert after > before, (j.job_id, share, before, after)
+
+
+def test_perfect_estimates_plan_on_the_true_curve() -> None:
+    curve = (0.0, 1.0, 1.9, 2.1, 2.2)
+    j = job("j", requested_gpus=4, max_gpus=4, throughput=curve, remaining_iterations=10.0)
+    assert OptimusPerfect().speeds(j, (1, 2, 3, 4)) == curve[1:]
+    assert Optimus().speeds(j, (1, 2, 3, 4)) != curve[1:]
+    with pytest.raises(ValueError, match="estimates"):
+        Optimus(estimates="psychic")
 
 
 def test_cap_at_request_and_starvation_avoidance() -> None:
@@ -101,6 +137,7 @@ def test_cap_at_request_and_starvation_avoidance() -> None:
 def test_properties(v: ClusterView) -> None:
     assert_pure(Optimus(cap_at_request=False), v)
     assert_pure(Optimus(fit_counts=(1, 2, 4)), v)
+    assert_pure(OptimusPerfect(), v)
 
 
 class _WalkingAll(Optimus):

@@ -32,6 +32,7 @@ EXPECTED = {
     "themis",
     "themis-unaware",
     "optimus",
+    "optimus-perfect",
     "elastic-tiresias",
     "sidecar",
     "gandiva-fair",

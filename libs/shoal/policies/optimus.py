@@ -27,6 +27,12 @@ point is used instead.
 
 Choices where the paper or AFS leave room:
 
+* Two estimate modes. ``estimates="fitted"`` (the default, :class:`Optimus`) plans on the
+  NNLS-fitted speed model above, as Optimus itself does. ``estimates="perfect"``
+  (:class:`OptimusPerfect`, policy ``optimus-perfect``) plans on the job's true
+  throughput curve: AFS §5.1 runs Optimus "assuming that their estimation is always
+  correct", so the AFS reproduction uses this mode. In both, a step that the speeds
+  planned on do not make faster is never taken (eq. (9)'s gain must be positive).
 * ``Q_j`` is ``remaining_iterations``: AFS gives Optimus perfect estimates (AFS §5.1),
   and the profiler's convergence fit (Optimus §3.1) lands in the same field. A job with
   no estimate at all is taken to need as much again as it has done (at least 1).
@@ -161,6 +167,7 @@ class Optimus:
         cap_at_request: bool = True,
         fit_counts: Sequence[int] | None = None,
         interval_s: float | None = None,
+        estimates: str = "fitted",
     ) -> None:
         """Configure the policy.
 
@@ -168,10 +175,18 @@ class Optimus:
             cap_at_request: Hold each job to its request (AFS); ``False``: up to ``max_gpus``.
             fit_counts: GPU counts whose measured speed the fit may use (default: all known).
             interval_s: Periodic re-run in seconds (default: only on arrivals and completions).
+            estimates: ``"fitted"`` (plan on the fitted speed model) or ``"perfect"``
+                (plan on the true throughput curve, as AFS §5.1 runs Optimus).
 
         Raises:
-            ValueError: a non-positive interval or fit count.
+            ValueError: a non-positive interval or fit count, an unknown estimate mode,
+                or ``fit_counts`` with perfect estimates (nothing is fitted).
         """
+        if estimates not in ("fitted", "perfect"):
+            raise ValueError(f"estimates must be 'fitted' or 'perfect', got {estimates!r}")
+        if estimates == "perfect" and fit_counts is not None:
+            raise ValueError("fit_counts has no meaning with perfect estimates")
+        self.estimates = estimates
         if interval_s is not None:
             if interval_s <= 0:
                 raise ValueError(f"interval_s must be positive, got {interval_s}")
@@ -190,7 +205,11 @@ class Optimus:
         return counts
 
     def speeds(self, job: JobView, counts: tuple[int, ...]) -> tuple[float, ...]:
-        """Fitted speeds (iterations/s) at ``counts``."""
+        """Speeds (iterations/s) at ``counts`` that the plan uses: fitted, or the true
+        curve with perfect estimates (a count past the curve's end: its last point)."""
+        if self.estimates == "perfect":
+            curve = job.throughput
+            return tuple(curve[c] if c < len(curve) else curve[-1] for c in counts)
         return _speeds(tuple(job.throughput), counts, self.fit_counts)
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
@@ -248,3 +267,12 @@ class Optimus:
 
         shares = {state[i][0].job_id: state[i][1][k] for i, k in enumerate(alloc) if k >= 0}
         return Decision(shares=shares)
+
+
+class OptimusPerfect(Optimus):
+    """Optimus planning on true speeds (``estimates="perfect"``), as AFS §5.1 runs it."""
+
+    name = "optimus-perfect"
+
+    def __init__(self, *, cap_at_request: bool = True, interval_s: float | None = None) -> None:
+        super().__init__(cap_at_request=cap_at_request, interval_s=interval_s, estimates="perfect")

@@ -40,6 +40,7 @@ POLICIES: MappingProxyType[str, str] = MappingProxyType(
         "themis": "shoal.policies.themis:Themis",
         "themis-unaware": "shoal.policies.unaware:ThemisLengthUnaware",
         "optimus": "shoal.policies.optimus:Optimus",
+        "optimus-perfect": "shoal.policies.optimus:OptimusPerfect",
         "elastic-tiresias": "shoal.policies.elastic_tiresias:ElasticTiresias",
         "sidecar": "shoal.policies.sidecar:SideCarAdaptive",
         "gandiva-fair": "shoal.fairness.policy:GandivaFairPolicy",
