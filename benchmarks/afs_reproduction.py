@@ -58,7 +58,7 @@ report's comparisons and discussion read when present; they run when named in
 ``--policies``. ``themis-unaware`` is Themis as AFS §5.1 classifies it, among the
 job-length-unaware algorithms; the ``themis`` column is told exact lengths."""
 LENGTH_AWARE = ("srtf", "srsf", "afs-l")
-LENGTH_UNAWARE = ("tiresias-l", "themis", "optimus", "max-min", "afs-p")
+LENGTH_UNAWARE = ("tiresias-l", "themis", "optimus-perfect", "max-min", "afs-p")
 POLICIES = LENGTH_AWARE + LENGTH_UNAWARE
 SETTINGS: dict[str, SimConfig] = {
     "flat": SimConfig(total_gpus=64, flat=True, retain_log=False),
@@ -72,7 +72,7 @@ PAPER_RANGES: dict[tuple[str, str], tuple[float, float] | None] = {
     ("afs-p", "tiresias-l"): (1.9, 3.1),
     ("afs-p", "themis"): (1.2, 2.2),
     ("afs-p", "themis-unaware"): (1.2, 2.2),
-    ("afs-p", "optimus"): None,
+    ("afs-p", "optimus-perfect"): None,
     ("afs-p", "max-min"): None,
     ("afs-l", "srsf"): None,
 }
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     keys: list[tuple[str, str, str]] = []
     # Cheap policies before the costly ones (Optimus, Themis), small VCs first, so a
     # partial run covers as many traces as possible.
-    cost = {"optimus": 1, "themis": 2}
+    cost = {"optimus-perfect": 1, "themis": 2}
     for setting in settings:
         for policy, vc in sorted(
             ((p, v) for p in policies for v in vcs), key=lambda pv: (cost.get(pv[0], 0), sizes[pv[1]])
