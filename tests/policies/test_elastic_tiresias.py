@@ -158,3 +158,21 @@ def test_runs_a_philly_prefix_to_completion() -> None:
     summary = Simulator(workload, ElasticTiresias(), SimConfig(flat=True)).run().summary
     assert summary["completed"] == summary["jobs"] == 150
     assert summary["reconfigurations"] > 0  # compaction/expansion resized jobs
+
+
+def test_starvation_promotion_is_off_by_default_and_works_when_set() -> None:
+    """EDL §5.1: a job not scheduled for a long time goes back to G0. Off by default
+    (the Tiresias simulator's dlas-gpu, which EDL §6.3 ran on, has it off); with a
+    knob of 2, a G1 job that has waited twice its run time outranks a newer G0 job."""
+    starved = job("s", arrival_s=0.0, requested_gpus=1, max_gpus=1, attained_service_gpu_s=600.0)
+    runner = job(
+        "r", arrival_s=50.0, requested_gpus=1, max_gpus=1, attained_service_gpu_s=10.0, current_gpus=1
+    )
+    # s attained 600 GPU-s (past G0's 500, so in G1) and was preempted at t = 300; the knob
+    # compares its wait since then with that service (as shoal.policies.tiresias does).
+    memory = {"jobs": {"s": [0.0, 0.0, 300.0], "r": [0.0, 50.0, -1.0]}}
+    at = 300.0 + 2 * 600.0
+    assert ElasticTiresias().decide(view(at, 1, starved, runner), memory).shares == {"r": 1}
+    promoting = ElasticTiresias(promote_knob=2.0)
+    assert promoting.decide(view(at - 1.0, 1, starved, runner), memory).shares == {"r": 1}
+    assert promoting.decide(view(at, 1, starved, runner), memory).shares == {"s": 1}

@@ -24,9 +24,16 @@ backfill past a job that does not fit. Then Algorithm 1:
 Choices where the paper leaves room:
 
 * Tiresias configuration as in EDL's simulation (§6.3): three groups with service
-  quanta 500 and 10,000 GPU-seconds; starvation promotion off by default
-  (``promote_knob``); service counted over the job's life (``service_since_restart``
-  off, as in the Tiresias paper).
+  quanta 500 and 10,000 GPU-seconds; service counted over the job's life
+  (``service_since_restart`` off, as in the Tiresias paper).
+* Starvation promotion is off by default (``promote_knob=None``). EDL §5.1 says a job
+  "not scheduled for a long time" returns to ``G0`` but names no threshold, and §6.3
+  ran on "the simulator provided in [5]" (Tiresias'), whose ``dlas-gpu`` schedule runs
+  with its starvation knob at 0 (off); its promoting variants are separate schedules
+  with knobs 0.5, 1, 2 and 4. Pass ``promote_knob`` to turn it on: a job in ``G1`` or
+  lower whose wait since its preemption reaches the knob times its run time since it
+  last entered ``G0`` goes back to ``G0`` (the rule of
+  :mod:`shoal.policies.tiresias`), and compaction and expansion then see it there.
 * Jobs keep their elastic size across decisions. In the Tiresias plan a compacted job
   asks for its present (smaller) count, an expanded job for its request; once every job
   has been planned in priority order, expanded jobs take back their extra GPUs (in
@@ -71,6 +78,8 @@ class ElasticTiresias:
     """Elastic-Tiresias (EDL §5.1, Algorithm 1); see the module docstring."""
 
     name = "elastic-tiresias"
+    elastic = True
+    """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
 
     def __init__(
         self,
