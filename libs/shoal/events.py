@@ -374,7 +374,13 @@ class ThroughputModelUpdated(Event, frozen=True, tag="profile.throughput_model_u
     throughput: dict[int, NonNegFloat] = {}
     samples: NonNegInt = 0
     overestimated: bool = False
-    """True while the value is AFS §4.5's optimistic first guess, before measurement."""
+    """True while some count up to the job's ``max_gpus`` is AFS §4.5's optimistic
+    estimate rather than a measurement."""
+    measured: tuple[int, ...] = ()
+    """The GPU counts whose ``throughput`` is a measurement, increasing (empty: not
+    said, e.g. a profile or a trace's table). The allocator reads it to take a job
+    on the §4.5 estimate through its smaller allocatable units
+    (:func:`shoal.profiling.overestimate.probe_shares`)."""
 
 
 class ConvergenceEstimated(Event, frozen=True, tag="profile.convergence_estimated"):

@@ -162,6 +162,10 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     network_packing: bool = True
     report_every_s: PositiveFloat = 0.25
     """Wall seconds between progress reports of an emulated trainer."""
+    profiler_min_interval_s: PositiveFloat = 30.0
+    """The profiler's least virtual seconds between two models of one job
+    (:mod:`shoal.profiling.ratelimit`); so also how long a job runs on each GPU count
+    AFS §4.5 measures it at."""
     drain_timeout_s: PositiveFloat = 10.0
     """How long a service may take to drain in-flight work after SIGTERM."""
     restart_budget: NonNegInt = 5

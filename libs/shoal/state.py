@@ -57,6 +57,8 @@ class ThroughputModel(Struct, kw_only=True):
     the state stays canonical for :func:`digest`."""
     samples: int = 0
     overestimated: bool = False
+    measured: tuple[int, ...] = ()
+    """GPU counts whose value is a measurement (``ThroughputModelUpdated.measured``)."""
 
 
 class Convergence(Struct, kw_only=True):
@@ -367,6 +369,7 @@ def _throughput_model(state: ClusterState, e: ev.ThroughputModelUpdated, at: flo
         throughput=tuple(sorted(e.throughput.items())),
         samples=e.samples,
         overestimated=e.overestimated,
+        measured=tuple(e.measured),
     )
 
 

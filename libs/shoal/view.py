@@ -76,6 +76,42 @@ def job_curve(
     return tuple(float(k) for k in range(want + 1))
 
 
+def estimated_jobs(
+    state: ClusterState, job_ids: Iterable[str], catalog: Catalog | None = None
+) -> dict[str, frozenset[int]]:
+    """The jobs whose curve is AFS §4.5's estimate, with the GPU counts measured so far.
+
+    A job is on the estimate when the model :func:`job_curve` reads for it (same order:
+    its pinned/current/"" GPU type, else any) is ``overestimated``, or when it has no
+    model and no catalog curve (a new job, nothing measured: ``frozenset()``). A known
+    profile, a catalog curve, a trace's table or a trusted fit is no estimate. This is
+    the ``estimates`` argument of
+    :func:`shoal.profiling.overestimate.decide_overestimate_first`.
+    """
+    out: dict[str, frozenset[int]] = {}
+    jobs = state.jobs
+    for job_id in job_ids:
+        job = jobs.get(job_id)
+        if job is None or job.status in FINISHED_STATUSES:
+            continue
+        spec = job.spec
+        models = job.throughput_models
+        model = None
+        for t in (spec.gpu_type, job.gpu_type, ""):
+            if t is not None and (m := models.get(t)) is not None and m.throughput:
+                model = m
+                break
+        if model is None and models:
+            first = models[sorted(models)[0]]
+            model = first if first.throughput else None
+        if model is not None:
+            if model.overestimated:
+                out[job_id] = frozenset(model.measured)
+        elif catalog is None or spec.model not in catalog.curves:
+            out[job_id] = frozenset()
+    return out
+
+
 def _extend(curve: tuple[float, ...], upto: int) -> tuple[float, ...]:
     if len(curve) > upto:
         return curve

@@ -3,9 +3,12 @@
 Consumes: the whole event log through a :class:`~shoal.projection.Projection`
 (snapshot + replay + live tail).
 
-Decides: :func:`shoal.allocation.decide_shares` over :func:`shoal.view.build_view` —
-the same functions the simulator calls — on churn: arrival, completion, model
-update, node change, trade and the policy's quantum tick. Bursts are coalesced:
+Decides: :func:`shoal.profiling.overestimate.decide_overestimate_first` (that is
+:func:`shoal.allocation.decide_shares` with AFS §4.5's 1/n cap on new jobs and its
+measurement of the smaller allocatable units, fed by :func:`shoal.view.estimated_jobs`)
+over :func:`shoal.view.build_view` — the same functions the simulator calls — on
+churn: arrival, completion, model update, node change, trade and the policy's
+quantum tick. Bursts are coalesced:
 triggers only mark the state dirty, and the triggers pending within one second of
 virtual time make one decision. There is no waiting window by default
 (``coalesce_s=0``): a decision starts as soon as a trigger is seen, and whatever
@@ -67,7 +70,7 @@ from opentelemetry.context import Context
 from prometheus_client import Counter, Histogram
 from shoal import codec
 from shoal import events as ev
-from shoal.allocation import decide_shares, next_tick, policy_tick
+from shoal.allocation import next_tick, policy_tick
 from shoal.bus import Bus, Campaign, ConcurrencyConflict, SkippedMessage
 from shoal.clock import Clock, hold, hold_key, release
 from shoal.cluster import HEARTBEAT_FLOOR, gpus_per_node, heartbeat_counts, lost_nodes
@@ -75,6 +78,7 @@ from shoal.events import Envelope
 from shoal.log import bound_job
 from shoal.models import Catalog
 from shoal.policies.base import Policy
+from shoal.profiling.overestimate import decide_overestimate_first
 from shoal.projection import CLUSTER_SNAPSHOT, Projection
 from shoal.state import ClusterState, apply, copy_state
 from shoal.telemetry import producer_span, stored_context, tracing_enabled
@@ -290,7 +294,7 @@ class AllocatorService:
         t0 = time.time_ns()
         now = max(self.clock.now() if at is None else at, self.last_decision_at)
         state = self._state_as_of(now)
-        from shoal.view import build_view, with_current_shares
+        from shoal.view import build_view, estimated_jobs, with_current_shares
 
         view = build_view(state, now=now, gpus_per_node=gpus_per_node(state), catalog=self.catalog)
         view = carry_progress_forward(view, state, now, self._resumed_at)
@@ -303,10 +307,13 @@ class AllocatorService:
             shares_before, types_before, memory = self._before
             view = with_current_shares(view, shares_before, types_before)
         t1 = time.time_ns()
-        decision = decide_shares(
+        # AFS §4.5: new jobs capped at 1/n, measured jobs moved through their smaller
+        # allocatable units (the same function and estimates as the simulator's).
+        decision = decide_overestimate_first(
             self.policy,
             view,
             memory,
+            estimates=estimated_jobs(state, [j.job_id for j in view.jobs], self.catalog),
             epoch=state.shares_epoch + 1,
             trigger=trigger,
             network_packing=self.network_packing,

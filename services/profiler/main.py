@@ -15,6 +15,7 @@ import contextlib
 
 from shoal import probes
 from shoal.profiling import ProfileParams
+from shoal.profiling.ratelimit import MIN_INTERVAL_S
 from shoal.runtime import connect_bus, holder_id, make_clock
 from shoal.settings import Settings
 from shoal_services.profiler.service import ProfilerService
@@ -43,7 +44,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             holder=holder_id("profiler"),
             clock=clock,
             params=params_from(settings),
-            min_interval_s=float(getattr(settings, "profiler_min_interval_s", 30.0)),
+            min_interval_s=float(getattr(settings, "profiler_min_interval_s", MIN_INTERVAL_S)),
             material_change=float(getattr(settings, "profiler_material_change", 0.05)),
             lease_ttl_s=settings.lease_ttl_s,
         )

@@ -42,7 +42,7 @@ from shoal.bus import Bus, Campaign, ConcurrencyConflict, SkippedMessage
 from shoal.clock import Clock
 from shoal.events import Envelope
 from shoal.profiling import ProfileBook, ProfileParams, Reason, convergence_update, throughput_update
-from shoal.profiling.ratelimit import TOO_SOON, is_publish, publish_decision, relative_change
+from shoal.profiling.ratelimit import MIN_INTERVAL_S, TOO_SOON, is_publish, publish_decision, relative_change
 from shoal.projection import Projection
 from shoal.state import FINISHED_STATUSES, ClusterState
 
@@ -78,7 +78,7 @@ class ProfilerService:
         holder: str,
         clock: Clock,
         params: ProfileParams | None = None,
-        min_interval_s: float = 30.0,
+        min_interval_s: float = MIN_INTERVAL_S,
         material_change: float = 0.05,
         lease_ttl_s: float = 3.0,
         coalesce_s: float = 0.02,
@@ -165,8 +165,12 @@ class ProfilerService:
                 continue
             last = job.throughput_models.get(gpu_type)
             published = dict(last.throughput) if last is not None else {}
+            # A count measured for the first time is news for the allocator even when the
+            # estimate had its value right (§4.5: it moves the job to its next unit).
             flag = last is not None and (
-                last.overestimated != cand.overestimated or last.model_kind != cand.model_kind
+                last.overestimated != cand.overestimated
+                or last.model_kind != cand.model_kind
+                or (cand.overestimated and tuple(last.measured) != cand.measured)
             )
             last_at = self.model_at.get((job_id, gpu_type)) if last is not None else None
             decision = publish_decision(

@@ -95,6 +95,28 @@ async def test_overestimate_first_then_fit(bus: Bus) -> None:
     assert kinds[0] == OVERESTIMATE_KIND and kinds[-1] == MODEL_KIND and len(kinds) in (2, 3)
 
 
+async def test_a_newly_measured_count_is_published_even_when_the_estimate_had_it_right(bus: Bus) -> None:
+    # AFS §4.5: the allocator moves a job to its next smaller unit when the measurement
+    # at the current one arrives, so a count measured for the first time must reach the
+    # log even though linear scaling from 4 GPUs had already predicted its value.
+    prof = ProfilerService(bus, holder="p1", clock=ManualClock(), min_interval_s=0.0)
+    await bus.publish(submitted("j", max_gpus=4))
+    stop, task = await start(prof)
+    try:
+        await bus.publish(report("j", 4, 8.0))
+        await wait_until(lambda: prof.published == 1)
+        first = prof.projection.state.jobs["j"].throughput_models[""]
+        assert first.measured == (4,) and dict(first.throughput)[2] == pytest.approx(4.0)
+        await bus.publish(report("j", 2, 4.0))  # exactly the estimate
+        await wait_until(lambda: prof.projection.state.jobs["j"].throughput_models[""].measured == (2, 4))
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+    log = await updates(bus)
+    assert [u.measured for u in log] == [(4,), (2, 4)]
+    assert all(u.overestimated for u in log)
+
+
 async def test_updates_are_rate_limited_and_only_on_material_change(bus: Bus) -> None:
     clock = ManualClock()
     prof = ProfilerService(bus, holder="p1", clock=clock, min_interval_s=100.0, material_change=0.05)

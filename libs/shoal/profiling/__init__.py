@@ -49,7 +49,9 @@ others, first found wins:
 3. the §4.5 overestimate (``model_kind = "afs-overestimate"``).
 
 ``overestimated`` is true only in case 3 while some count up to ``max_gpus`` is
-unmeasured. At most
+unmeasured; ``measured`` lists the counts that are measurements (the allocator takes a
+job on the estimate through its unmeasured smaller units, AFS §4.5,
+:func:`~shoal.profiling.overestimate.probe_shares`). At most
 ``publish_max_counts`` counts are published (the view interpolates the rest).
 
 Convergence (:func:`convergence_update`): the §3.1 fit on the job's (iteration,
@@ -323,6 +325,7 @@ def throughput_update(
         throughput={k: float(curve[k]) for k in range(1, upto + 1)},
         samples=book.samples(job_id, gpu_type),
         overestimated=overestimated,
+        measured=tuple(sorted(k for k in measured if k <= upto)),
     )
 
 

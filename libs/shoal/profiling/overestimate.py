@@ -50,6 +50,15 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from shoal.policies.base import ClusterView, feasible_counts
+
+if TYPE_CHECKING:
+    from shoal.events import SharesDecided
+    from shoal.policies.base import Policy
 
 
 def _clean(measured: Mapping[int, float]) -> dict[int, float]:
@@ -200,3 +209,162 @@ def measurement_plan(measured: Mapping[int, float], share: int, units: Iterable[
     """
     points = _clean(measured)
     return tuple(sorted({u for u in units if 0 < u <= share and u not in points}, reverse=True))
+
+
+# -- §4.5 in the allocation pipeline ------------------------------------------------
+#
+# ``estimates`` below maps each job whose throughput curve is the §4.5 estimate to the
+# GPU counts measured so far (empty: a new job, nothing measured yet); a job absent from
+# it has a known curve (an offline profile, a catalog curve, the simulator's oracle, a
+# trusted fit) and is left alone. :func:`shoal.view.estimated_jobs` builds it from the
+# folded state, the same way for the simulator and the allocator service.
+
+
+def fair_share(total_gpus: int, n_jobs: int) -> int:
+    """§4.5's fair share ``1/n`` of the cluster, in whole GPUs.
+
+    ``n`` is the number of jobs in the system when the share is decided: every active
+    job of the view (running and waiting), the new one included. The AFS paper writes
+    ``n`` for the number of jobs sharing the cluster (§3.3, appendix E) and caps a new
+    job's initial share "within its fair share (1/n)" (§4.5) without saying how to
+    round; shoal rounds down, and never below one GPU (AFS gives every job at least one
+    GPU while jobs do not outnumber GPUs, §3.3 stage one).
+
+    Args:
+        total_gpus: GPUs of the cluster (the view's ``total_gpus``).
+        n_jobs: active jobs, the new one included.
+
+    Returns:
+        ``max(1, total_gpus // n_jobs)`` (``total_gpus`` when ``n_jobs <= 0``).
+    """
+    if n_jobs <= 0:
+        return max(0, total_gpus)
+    return max(1, total_gpus // n_jobs)
+
+
+def first_share_view(view: ClusterView, estimates: Mapping[str, Iterable[int]]) -> ClusterView:
+    """The view with each *new* elastic job's largest count capped at :func:`fair_share`.
+
+    §4.5: "When a new job arrives, the scheduler allocates an initial share to it by
+    assuming the linear throughput scalability. We limit the initial share to be within
+    its fair share (1/n)." A new job is one in ``estimates`` with no measured count.
+    Its ``max_gpus`` (and ``requested_gpus``, for an elastic job only a hint) become the
+    largest feasible count not above the fair share, or its smallest feasible count when
+    none is (a ``min_gpus`` above the fair share wins). Rigid jobs are not capped: they
+    run at their request or not at all. The policy then decides on the capped view, so
+    GPUs the cap keeps from the new job go to the others by the policy's own rule.
+
+    Args:
+        view: the view the policy would decide on.
+        estimates: job id -> measured GPU counts, for the jobs on the §4.5 estimate.
+
+    Returns:
+        ``view`` itself when no job is capped, else a copy with the capped jobs.
+    """
+    new = {j for j, counts in estimates.items() if not tuple(counts)}
+    if not new:
+        return view
+    cap = fair_share(view.total_gpus, len(view.jobs))
+    jobs = []
+    changed = False
+    for job in view.jobs:
+        if job.job_id not in new or not job.elastic or job.max_gpus <= cap:
+            jobs.append(job)
+            continue
+        feasible = feasible_counts(job)
+        below = [c for c in feasible if c <= cap]
+        top = below[-1] if below else (feasible[0] if feasible else job.max_gpus)
+        if top >= job.max_gpus:
+            jobs.append(job)
+            continue
+        jobs.append(msgspec.structs.replace(job, max_gpus=top, requested_gpus=min(job.requested_gpus, top)))
+        changed = True
+    return msgspec.structs.replace(view, jobs=tuple(jobs)) if changed else view
+
+
+def probe_shares(
+    view: ClusterView, shares: Mapping[str, int], estimates: Mapping[str, Iterable[int]]
+) -> dict[str, int]:
+    """§4.5's measurement step: shares with each job under measurement at its next unit.
+
+    "When the job gets its GPU share, it takes the throughput measurement with all
+    allocatable units that are smaller than the given share." The given share of a job
+    in ``estimates`` is its largest measured count ``m`` (it runs at its share first and
+    is measured there, then goes down). While some allocatable unit below ``m`` is
+    unmeasured (:func:`measurement_plan` over :func:`allocatable_units` for the view's
+    server size, restricted to the job's feasible counts), the job is given the largest
+    such unit ``u`` — or the policy's share when that is smaller, and nothing when the
+    policy gave it nothing — whatever the policy decided on the estimate. A job with no
+    measurement keeps the policy's share (it is measured there first). Once no unit is
+    left the policy's share stands: the re-adjustment on the measured curve, which past
+    ``m`` still assumes linear scaling from the last allocatable unit
+    (:func:`estimate_curve`); a larger share is then measured, and the units between
+    ``m`` and it in turn.
+
+    The GPUs between ``u`` and the policy's share stay idle for that measurement
+    (choice: the paper shrinks the job's share and says nothing of lending them, and
+    lending them would reconfigure other jobs twice per probe). Each published
+    measurement makes the allocator decide again (``model_update``), which moves the
+    job to its next unit.
+
+    Args:
+        view: the view the decision was made on (node size, each job's counts).
+        shares: the decided shares (job id -> GPUs).
+        estimates: job id -> measured GPU counts, for the jobs on the §4.5 estimate.
+
+    Returns:
+        The shares to publish (a new dict; unchanged jobs keep their share).
+    """
+    out = dict(shares)
+    if not estimates:
+        return out
+    for job in view.jobs:
+        counts = estimates.get(job.job_id)
+        share = out.get(job.job_id, 0)
+        if counts is None or share <= 0:
+            continue
+        measured = {int(k): 1.0 for k in counts if int(k) > 0}
+        if not measured:
+            continue
+        feasible = set(feasible_counts(job))
+        units = [u for u in allocatable_units(job.max_gpus, view.gpus_per_node) if u in feasible]
+        plan = measurement_plan(measured, max(measured), units)
+        if plan:
+            out[job.job_id] = min(share, plan[0])
+    return out
+
+
+def decide_overestimate_first(
+    policy: Policy,
+    view: ClusterView,
+    memory: Mapping[str, Any],
+    *,
+    estimates: Mapping[str, Iterable[int]] | None,
+    epoch: int,
+    trigger: str = "",
+    network_packing: bool = True,
+) -> SharesDecided:
+    """:func:`shoal.allocation.decide_shares` with §4.5 around it, for the simulator and
+    the allocator service alike.
+
+    The policy decides on :func:`first_share_view` (new jobs capped at ``1/n``); the
+    decided (and network-packed) shares then pass through :func:`probe_shares`. With
+    ``estimates`` empty or ``None`` this is ``decide_shares`` itself.
+
+    Returns:
+        The ``SharesDecided`` event to publish (positive shares only, sorted by job id).
+    """
+    from shoal.allocation import decide_shares
+
+    if not estimates:
+        return decide_shares(
+            policy, view, memory, epoch=epoch, trigger=trigger, network_packing=network_packing
+        )
+    capped = first_share_view(view, estimates)
+    decided = decide_shares(
+        policy, capped, memory, epoch=epoch, trigger=trigger, network_packing=network_packing
+    )
+    probed = probe_shares(capped, decided.shares, estimates)
+    if probed == decided.shares:
+        return decided
+    return msgspec.structs.replace(decided, shares={j: s for j, s in sorted(probed.items()) if s > 0})

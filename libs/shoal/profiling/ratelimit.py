@@ -11,8 +11,15 @@ estimates:
    previous publication (its occurred-at, read back from the log, so a restarted
    profiler keeps the same pace), and
 3. are published only when they changed *materially*: the ``overestimated``
-   flag or the model kind changed, a GPU count appeared or disappeared, or some
-   count's value moved by more than ``material_change`` (relative, default 5 %).
+   flag or the model kind changed, an estimate gained a measured count (the
+   allocator's next §4.5 step waits for it), a GPU count appeared or disappeared,
+   or some count's value moved by more than ``material_change`` (relative,
+   default 5 %).
+
+``min_interval_s`` (:data:`MIN_INTERVAL_S` unless ``SHOAL_PROFILER_MIN_INTERVAL_S``
+says otherwise) is therefore the least time a job spends on each GPU count the
+allocator takes it through for measurement (AFS §4.5); the simulator's
+``SimConfig.measure_s`` defaults to it.
 
 A due-but-too-soon update is kept and re-examined at :func:`next_due`. A model
 that someone else put in the log for the same (job, GPU type) — e.g. a trace
@@ -24,6 +31,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+
+MIN_INTERVAL_S = 30.0
+"""Default least time (virtual seconds) between two publications of one model."""
 
 FIRST = "first"
 MATERIAL = "material"

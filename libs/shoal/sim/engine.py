@@ -68,18 +68,24 @@ Throughput measurement (``SimConfig.profiling``):
 * ``overestimate`` (CoDDL §4.5, "overestimate first and re-adjust later"): the true
   curve is hidden. At arrival nothing is published (the profiler knows nothing), so
   the view assumes linear scaling (:func:`shoal.view.job_curve`'s fallback, equal to
-  ``estimate_curve({})``). When the job has run ``measure_s`` seconds on k GPUs of one
-  generation (counted from the end of its reconfiguration stop), the simulator
-  "measures" the true throughput at k and at every unmeasured allocatable unit below
-  it (:func:`shoal.profiling.overestimate.measurement_plan` over
-  ``allocatable_units``: the units the profiler probes with millisecond shrinks) and
-  publishes :func:`~shoal.profiling.overestimate.estimate_curve` of all measurements
-  so far as a ``ThroughputModelUpdated`` (``overestimated`` while some unit is still
-  unmeasured). That event triggers a decision (``model_update``), as it does for the
-  allocator service, and the re-adjustment it causes pays the cost model's stop time
-  like any other change. The time spent on the smaller probe units is not modelled
-  separately (choice: their iterations are training iterations and each switch takes
-  milliseconds, §4.3).
+  ``estimate_curve({})``). Decisions go through
+  :func:`shoal.profiling.overestimate.decide_overestimate_first` with
+  :func:`shoal.view.estimated_jobs` of the folded state, as in the allocator service:
+  a new job's first share is capped at the fair share 1/n, and a job measured at its
+  share is taken through the unmeasured allocatable units below it, largest first
+  (``probe_shares``), before the policy re-adjusts it. When the job has run ``measure_s`` seconds on
+  k GPUs of one generation (counted from the end of its reconfiguration stop;
+  default the profiler's ``min_interval_s``, the least time between two of its models
+  of a job), the simulator "measures" the true throughput at k only and publishes
+  :func:`~shoal.profiling.overestimate.estimate_curve` of all measurements so far as a
+  ``ThroughputModelUpdated`` (``model_kind="afs-overestimate"``, ``measured`` = the
+  measured counts, ``overestimated`` while some count up to ``max_gpus`` is
+  unmeasured), as the profiler does. That event triggers a decision
+  (``model_update``), as it does for the allocator service: the next probe unit, or
+  the re-adjustment on the measured curve. Each probed unit therefore costs
+  ``measure_s`` at that unit's throughput (GPUs above it idle) plus the cost model's
+  stop time of the shrink, like any other change. Oracle mode publishes every curve at
+  arrival, so no job is on the estimate and the plain ``decide_shares`` runs.
 
 Open points, chosen: a job with a positive share the placer could not place runs on
 nothing at that epoch (counted in ``unplaced_decisions``); when jobs are active but no
@@ -101,11 +107,13 @@ from shoal import events as ev
 from shoal.allocation import decide_shares, place
 from shoal.events import GpuInfo
 from shoal.policies.base import ClusterView, JobView, Policy, prime_jobs_by_id
+from shoal.profiling.overestimate import decide_overestimate_first
+from shoal.profiling.ratelimit import MIN_INTERVAL_S
 from shoal.sim.costs import PRESETS, ReconfigCosts, classify
 from shoal.sim.log import InMemoryLog, VirtualClock
 from shoal.sim.metrics import Series, UserShares, jct_summary
 from shoal.state import digest
-from shoal.view import cluster_gpus, job_curve, job_view, job_view_at
+from shoal.view import cluster_gpus, estimated_jobs, job_curve, job_view, job_view_at
 from shoal.workloads import TraceJob
 
 _EPS = 1e-6
@@ -187,8 +195,11 @@ class SimConfig(Struct, frozen=True, kw_only=True):
     """Users registered at t = 0 with their tickets (Gandiva_fair); others get the fold's default."""
     profiling: str = "oracle"
     """``oracle`` or ``overestimate`` (CoDDL §4.5); see the module docstring."""
-    measure_s: float = 30.0
-    """Seconds a job runs on a new share before its measurement is published (``overestimate``)."""
+    measure_s: float = MIN_INTERVAL_S
+    """Seconds a job runs on a GPU count before its measurement there is published
+    (``overestimate``); default: the profiler's least interval between two models of a
+    job (:data:`shoal.profiling.ratelimit.MIN_INTERVAL_S`, the live profiler's
+    ``profiler_min_interval_s``)."""
 
     def inventory(self) -> dict[str, int]:
         """GPU type -> count of the simulated cluster."""
@@ -615,7 +626,14 @@ class Simulator:
                 self._publish_model(job, gpu_type, curve, overestimated=False)
 
     def _publish_model(
-        self, job: _Job, gpu_type: str, curve: tuple[float, ...], *, overestimated: bool
+        self,
+        job: _Job,
+        gpu_type: str,
+        curve: tuple[float, ...],
+        *,
+        overestimated: bool,
+        kind: str = "table",
+        measured: tuple[int, ...] = (),
     ) -> None:
         """``ThroughputModelUpdated`` for one generation ("": the default curve), and the
         same curve in the caches the view reads (they always equal the folded models)."""
@@ -629,22 +647,19 @@ class Simulator:
             ev.ThroughputModelUpdated(
                 job_id=job.id,
                 gpu_type=gpu_type,
-                model_kind="table",
+                model_kind=kind,
                 throughput=table,
                 samples=samples,
                 overestimated=overestimated,
+                measured=measured,
             )
         )
 
     def _measure(self, job: _Job, now: float) -> None:
-        """overestimate mode: the job ran ``measure_s`` on its share; publish what the
-        profiler measured (CoDDL §4.5) at its share and the allocatable units below."""
-        from shoal.profiling.overestimate import (
-            allocatable_units,
-            estimate_curve,
-            is_overestimated,
-            measurement_plan,
-        )
+        """overestimate mode: the job ran ``measure_s`` on its current GPU count; publish
+        what the profiler measured there (CoDDL §4.5), as the profiler would."""
+        from shoal.profiling import OVERESTIMATE_KIND
+        from shoal.profiling.overestimate import estimate_curve, is_overestimated
 
         if len(job.types) != 1:
             return  # a gang spread over generations gives no per-generation sample
@@ -652,18 +667,14 @@ class Simulator:
         curve = job.by_type.get(gpu_type, job.curve)
         max_gpus = len(job.curve) - 1
         measured = self._measured[job.id].setdefault(gpu_type, {})
-        units = allocatable_units(max_gpus, 0 if self.config.flat else self.config.gpus_per_node)
-        for k in {job.gpus, *measurement_plan(measured, job.gpus, units)}:
-            measured[k] = curve[k]
+        measured[job.gpus] = curve[job.gpus]
         estimate = _fit(estimate_curve(measured, max_gpus), len(job.curve))
-        over = is_overestimated(measured, max_gpus, units)
+        over = is_overestimated(measured, max_gpus)
+        counts = tuple(sorted(measured))
         self.model_updates += 1
-        if self.hetero:
-            self._publish_model(job, gpu_type, estimate, overestimated=over)
-            if gpu_type == self.default_type:
-                self._publish_model(job, "", estimate, overestimated=over)
-        else:
-            self._publish_model(job, "", estimate, overestimated=over)
+        types = (gpu_type, "") if self.hetero and gpu_type == self.default_type else (gpu_type,)
+        for t in types if self.hetero else ("",):
+            self._publish_model(job, t, estimate, overestimated=over, kind=OVERESTIMATE_KIND, measured=counts)
 
     def _peek_measure(self) -> float | None:
         heap = self._measure_heap
@@ -698,14 +709,25 @@ class Simulator:
         state = self.log.state
         active = self.active
         view = self._view(now)
-        shares = decide_shares(
-            self.policy,
-            view,
-            state.policy_memory,
-            epoch=state.shares_epoch + 1,
-            trigger=trigger,
-            network_packing=cfg.network_packing and not cfg.flat,
-        )
+        if cfg.profiling == "overestimate":
+            shares = decide_overestimate_first(
+                self.policy,
+                view,
+                state.policy_memory,
+                estimates=estimated_jobs(state, active),
+                epoch=state.shares_epoch + 1,
+                trigger=trigger,
+                network_packing=cfg.network_packing and not cfg.flat,
+            )
+        else:
+            shares = decide_shares(
+                self.policy,
+                view,
+                state.policy_memory,
+                epoch=state.shares_epoch + 1,
+                trigger=trigger,
+                network_packing=cfg.network_packing and not cfg.flat,
+            )
         self.decisions += 1
         memory = shares.policy_memory
         wake = memory.get("next_decision_at_s")
