@@ -6,11 +6,19 @@ placer services call them on the live log. Neither side has its own copy.
 
 Choices:
 
-* Network packing (AFS/CoDDL §4.4, appendix E) runs only when the view has servers
-  (``gpus_per_node > 1``) and ``network_packing`` is on. The policy's shares are
-  regulated by :func:`shoal.placement.regulate_shares` with each job's feasible counts
-  (:func:`shoal.policies.base.feasible_counts`); a job may end at 0 (see that module).
-  Heterogeneous views are regulated per GPU type with that type's GPU count.
+* Network packing (AFS/CoDDL §4.4, appendix E) applies only to elastic policies
+  (:attr:`shoal.policies.base.Policy.elastic`), and only when the view has servers
+  (``gpus_per_node > 1``) and ``network_packing`` is on. A rigid policy (FIFO, SRTF,
+  SRSF, Tiresias-L, Gandiva_fair) decides whole gangs: its shares are published as it
+  decided them, so a gang it schedules is a gang that runs at its size (placed whole by
+  the placer, or unplaced). An elastic policy's shares are regulated by
+  :func:`shoal.placement.regulate_shares` with each job's feasible counts
+  (:func:`shoal.policies.base.feasible_counts`) and ``keep_unregulable=True``: a rigid
+  job none of whose counts is a regulated size (a 3-GPU gang on 4-GPU servers) keeps
+  its size rather than being regulated to 0 for ever (the placer packs it when it can
+  and spreads it over servers otherwise); every other job may be rounded down to a
+  regulated size, and even to 0 (see that module). Heterogeneous views are regulated
+  per GPU type with that type's GPU count.
 * Every decision is checked with :func:`~shoal.policies.base.check_decision` before it
   leaves the allocator (a policy bug raises, it is never published).
 * ``SharesDecided.shares`` lists only jobs with a positive share (absent = 0), sorted by
@@ -26,7 +34,15 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from shoal.events import GpuRef, PlacementDecided, SharesDecided
-from shoal.policies.base import ClusterView, Decision, Policy, check_decision, feasible_counts, jobs_by_id
+from shoal.policies.base import (
+    ClusterView,
+    Decision,
+    Policy,
+    check_decision,
+    feasible_counts,
+    jobs_by_id,
+    policy_is_elastic,
+)
 
 if TYPE_CHECKING:
     from shoal.placement import Placement, Topology
@@ -36,6 +52,9 @@ PLACERS: tuple[str, ...] = ("min-migration", "consolidated")
 
 def pack_shares(view: ClusterView, decision: Decision) -> Decision:
     """Regulate a decision's shares so they pack onto servers (AFS appendix E).
+
+    Only for elastic policies (:func:`decide_shares` checks); a job with no regulated
+    feasible count up to its share keeps its size (``keep_unregulable``).
 
     Args:
         view: the view the decision was made on (gives feasible counts and node size).
@@ -58,11 +77,15 @@ def pack_shares(view: ClusterView, decision: Decision) -> Decision:
         shares: dict[str, int] = {}
         for gpu_type, count in sorted(view.gpus_by_type.items()):
             part = {j: s for j, s in decision.shares.items() if decision.gpu_types.get(j, "") == gpu_type}
-            shares.update(regulate_shares(part, {j: feasible[j] for j in part if j in feasible}, g, count))
+            shares.update(
+                regulate_shares(
+                    part, {j: feasible[j] for j in part if j in feasible}, g, count, keep_unregulable=True
+                )
+            )
         rest = {j: s for j, s in decision.shares.items() if j not in shares}
         shares.update(rest)
     else:
-        shares = regulate_shares(decision.shares, feasible, g, view.total_gpus)
+        shares = regulate_shares(decision.shares, feasible, g, view.total_gpus, keep_unregulable=True)
     return Decision(shares=shares, gpu_types=decision.gpu_types, memory=decision.memory)
 
 
@@ -83,7 +106,8 @@ def decide_shares(
         memory: the policy memory of the previous decision (``state.policy_memory``).
         epoch: the new epoch (strictly greater than the last one).
         trigger: what caused this decision (arrival, completion, tick …).
-        network_packing: regulate shares to server sizes when the view has servers.
+        network_packing: regulate an elastic policy's shares to server sizes when the
+            view has servers (a rigid policy's shares are never regulated).
 
     Returns:
         The ``SharesDecided`` event (positive shares only, sorted by job id).
@@ -93,7 +117,7 @@ def decide_shares(
     """
     decision = policy.decide(view, memory)
     check_decision(view, decision)
-    if network_packing:
+    if network_packing and policy_is_elastic(policy):
         decision = pack_shares(view, decision)
         check_decision(view, decision)
     shares = {j: s for j, s in sorted(decision.shares.items()) if s > 0}

@@ -80,5 +80,5 @@ def _view_and_shares(draw: st.DrawFn) -> tuple[ClusterView, Decision]:
 def test_pack_shares_equals_regulation_with_every_jobs_counts(case) -> None:
     view, decision = case
     every = {j.job_id: feasible_counts(j) for j in view.jobs}
-    want = regulate_shares(decision.shares, every, view.gpus_per_node, view.total_gpus)
+    want = regulate_shares(decision.shares, every, view.gpus_per_node, view.total_gpus, keep_unregulable=True)
     assert pack_shares(view, decision).shares == want

@@ -111,6 +111,8 @@ class GandivaFairPolicy:
     """Gandiva_fair (EuroSys'20): tickets, split gang-aware stride, balancing, trading."""
 
     name = "gandiva-fair"
+    elastic = False
+    """Gangs run whole (time-sliced, never resized), so shares are never regulated (:attr:`shoal.policies.base.Policy.elastic`)."""
 
     def __init__(
         self,

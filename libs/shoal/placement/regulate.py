@@ -18,10 +18,12 @@ Choices where the paper is silent (documented here, tested in tests/placement):
 * Feasible counts: a job's regulated share must also be one of its ``feasible``
   counts. It is rounded down to the largest size that is both regulated and
   feasible; if there is none at or below its share it gets **0** (for example a
-  non-elastic 3-GPU job on 4-GPU nodes). The allocator must expect that such a job
-  cannot run under network packing, or pass ``keep_unregulable=True`` to let such
-  a job keep its largest feasible count (unregulated). A job missing from
-  ``feasible`` may take any count.
+  non-elastic 3-GPU job on 4-GPU nodes), unless ``keep_unregulable=True``, which lets
+  such a job keep its largest feasible count up to its share (unregulated). The
+  allocator (:func:`shoal.allocation.pack_shares`) passes ``keep_unregulable=True``,
+  so a rigid gang under an elastic policy is not starved for ever; rigid policies are
+  not regulated at all (:attr:`shoal.policies.base.Policy.elastic`). A job missing
+  from ``feasible`` may take any count.
 * ``total_gpus``: if the rounded shares still exceed it (the caller gave out more
   than exists), the largest share steps down one regulated-feasible size at a time
   (ties: smaller job id first) until they fit.
@@ -205,7 +207,8 @@ def regulate_shares(
         keep_unregulable: A job none of whose feasible counts up to its share is
             regulated (a rigid 3-GPU job on 4-GPU nodes) keeps the largest feasible
             count up to its share instead of 0. Such a job escapes Proposition 1: the
-            placer packs it when it can and splits it otherwise. Default off (the paper).
+            placer packs it when it can and splits it otherwise. Default off (the paper);
+            the allocator turns it on (:func:`shoal.allocation.pack_shares`).
 
     Returns:
         job id -> regulated share ``r_i`` (every job of ``shares``, possibly 0).

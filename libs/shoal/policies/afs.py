@@ -352,6 +352,8 @@ class AFSL:
     """AFS-L: Algorithm 1 with eq. (3), knowing job lengths (AFS §3.3); fast form."""
 
     name = "afs-l"
+    elastic = True
+    """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
     _naive = False
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
@@ -689,6 +691,8 @@ class AFSP:
     """
 
     name = "afs-p"
+    elastic = True
+    """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
     _naive = False
 
     def __init__(self, unit_s: float = DEFAULT_UNIT_S, *, wake_at_every_lease_end: bool = False) -> None:

@@ -126,6 +126,8 @@ class HeteroAFS:
     """
 
     name = "afs-het"
+    elastic = True
+    """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
 
     def __init__(
         self,

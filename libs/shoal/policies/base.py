@@ -72,11 +72,24 @@ class Decision(Struct, frozen=True, kw_only=True):
 
 
 class Policy(Protocol):
-    """Every allocation policy has a name and a pure ``decide``."""
+    """Every allocation policy has a name, says whether it is elastic, and has a pure ``decide``."""
 
     name: str
+    elastic: bool
+    """Whether the policy's shares may be regulated (network packing, AFS appendix E):
+    True for the elastic policies, whose jobs run at whatever feasible count they are
+    given; False for the rigid ones (the all-or-nothing baselines and Gandiva_fair's
+    gangs), whose every share is a job's whole request or nothing and is published
+    unchanged. :func:`policy_is_elastic` reads it (absent: False)."""
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision: ...
+
+
+def policy_is_elastic(policy: object) -> bool:
+    """``policy.elastic`` when it is a bool, else False: a policy that does not say it
+    is elastic keeps its sizes (see :attr:`Policy.elastic`)."""
+    value = getattr(policy, "elastic", False)
+    return value if isinstance(value, bool) else False
 
 
 def feasible_counts(job: JobView) -> tuple[int, ...]:

@@ -30,6 +30,8 @@ class FIFO:
     """FIFO with requested GPUs, non-preemptive, with backfill (non-elastic baseline)."""
 
     name = "fifo"
+    elastic = False
+    """All-or-nothing: each share is the job's request, never regulated (:attr:`shoal.policies.base.Policy.elastic`)."""
 
     def __init__(self, backfill: bool = True) -> None:
         self.backfill = backfill

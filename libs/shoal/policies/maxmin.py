@@ -35,6 +35,8 @@ class MaxMin:
     """Elastic max-min fairness: water-filling of GPUs, each share capped by use."""
 
     name = "max-min"
+    elastic = True
+    """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Level GPU counts across jobs (the fewest GPUs first)."""

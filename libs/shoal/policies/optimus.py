@@ -159,6 +159,8 @@ class Optimus:
     """Optimus (EuroSys'18) for all-reduce GPU jobs; see the module docstring."""
 
     name = "optimus"
+    elastic = True
+    """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
     _stop_when_full = True
 
     def __init__(

@@ -71,6 +71,8 @@ class _ShortestFirst:
     """
 
     name = ""
+    elastic = False
+    """All-or-nothing: each share is the job's request, never regulated; the altruistic -E versions are elastic (:attr:`shoal.policies.base.Policy.elastic`)."""
     service = False
     """Rank by remaining service (time × GPUs) instead of remaining time."""
     altruistic = False
@@ -151,6 +153,8 @@ class SRTFElastic(_ShortestFirst):
     """SRTF-E: SRTF, then leftover GPUs to the largest throughput gain (altruistic, AFS §5.5)."""
 
     name = "srtf-e"
+    elastic = True
+    """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
     altruistic = True
 
 
@@ -158,5 +162,7 @@ class SRSFElastic(_ShortestFirst):
     """SRSF-E: SRSF, then leftover GPUs to the largest throughput gain (altruistic, AFS §5.5)."""
 
     name = "srsf-e"
+    elastic = True
+    """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
     service = True
     altruistic = True

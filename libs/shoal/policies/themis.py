@@ -346,6 +346,8 @@ class Themis:
     """Themis (NSDI'20) as AFS/CoDDL simplified it; see the module docstring."""
 
     name = "themis"
+    elastic = True
+    """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
     columns_from_jobs = 256
     """Below this many active jobs a decision takes :meth:`decide_all` (same decision):
     the column machinery costs more than it saves on a short queue."""

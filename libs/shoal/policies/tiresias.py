@@ -203,6 +203,8 @@ class TiresiasL:
     """Tiresias-L (2D-LAS, discretized), non-elastic, length-unaware."""
 
     name = "tiresias-l"
+    elastic = False
+    """All-or-nothing: each share is the job's gang size, never regulated (:attr:`shoal.policies.base.Policy.elastic`)."""
 
     def __init__(
         self,

@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from shoal.policies.base import ClusterView, Decision, JobView, Policy
+from shoal.policies.base import ClusterView, Decision, JobView, Policy, policy_is_elastic
 from shoal.policies.themis import Themis
 
 
@@ -37,6 +37,7 @@ class LengthUnaware:
     def __init__(self, inner: Policy, name: str) -> None:
         self.inner = inner
         self.name = name
+        self.elastic = policy_is_elastic(inner)
         tick = getattr(inner, "tick_s", None)
         if tick is not None:
             self.tick_s = tick  # a re-run grid (Themis' lease_grid) is the inner policy's
