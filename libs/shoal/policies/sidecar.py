@@ -100,6 +100,8 @@ class SideCarAdaptive:
         *,
         costs: ReconfigCosts | str = "restart",
         consider_waiting: bool = True,
+    elastic = True
+    """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
         default_options: str = "pow2",
     ) -> None:
         """Configure the policy.
