@@ -94,14 +94,14 @@ class SideCarAdaptive:
     """SideCar adaptive scheduling (Algorithms 1–2); see the module docstring."""
 
     name = "sidecar"
+    elastic = True
+    """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
 
     def __init__(
         self,
         *,
         costs: ReconfigCosts | str = "restart",
         consider_waiting: bool = True,
-    elastic = True
-    """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
         default_options: str = "pow2",
     ) -> None:
         """Configure the policy.
