@@ -35,6 +35,8 @@ EXPECTED = {
     "optimus-perfect",
     "elastic-tiresias",
     "sidecar",
+    "sidecar-default-k8s",
+    "sidecar-termination",
     "gandiva-fair",
 }
 

@@ -43,6 +43,8 @@ POLICIES: MappingProxyType[str, str] = MappingProxyType(
         "optimus-perfect": "shoal.policies.optimus:OptimusPerfect",
         "elastic-tiresias": "shoal.policies.elastic_tiresias:ElasticTiresias",
         "sidecar": "shoal.policies.sidecar:SideCarAdaptive",
+        "sidecar-default-k8s": "shoal.policies.sidecar_baselines:DefaultK8s",
+        "sidecar-termination": "shoal.policies.sidecar_baselines:Termination",
         "gandiva-fair": "shoal.fairness.policy:GandivaFairPolicy",
     }
 )

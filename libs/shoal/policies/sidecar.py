@@ -13,14 +13,20 @@ training process with a new GPU set, and its scheduler uses that to minimise mak
   the idle GPUs.
 
 Predictions (§III.C) include the reconfiguration costs: a new job finishes at
-``start + W / S(N)`` and a reshaped running job at ``restart + R / S(N')`` from now; an
+``c + W / S(N)`` and a reshaped running job at ``c + R / S(N')`` from now; an
 unchanged job at ``R / S(N)``. ``S`` is the job's throughput curve, ``W``/``R`` its
-remaining iterations. The costs come from a :class:`shoal.sim.costs.ReconfigCosts`
-(``costs``, default the ``restart`` preset: 30 s for a checkpoint-restart in either
-direction, a start free because a trace's run time already includes its start-up); the
-SideCar paper's overhead profile (K8s and framework init/termination, checkpoint) maps
-onto ``start_s`` and ``scale_in_s``/``scale_out_s``, and the final checkpoint and
-termination, equal for every option, drop out of the comparison.
+remaining iterations, and ``c`` the equivalent stop that
+:func:`shoal.sim.costs.charge` gives the change, the same function the simulator
+charges it with: new-job init (``start_s``: K8s job + framework init), the restart of a
+reshape (checkpoint + termination + init; ``restart_s``, per GPU ``restart_per_gpu_s``),
+the cross-host restart when the job needs more hosts than it had (``cross_host_s``,
+hosts counted as ``ceil(N / gpus_per_node)``), and with early initialisation
+(``early_init``, §III.B) the victim's training on the GPUs it loses while the incoming
+job initialises. The final checkpoint and termination, equal for every option, drop out
+of the comparison. The costs are the simulator's (:meth:`SideCarAdaptive.bind_costs`:
+``shoal simulate`` and :class:`shoal.sim.engine.Simulator` hand theirs over, and refuse a
+different explicit ``costs``); outside a simulation, the ``measured`` costs of shoal's own
+trainer unless ``costs`` names others.
 
 Choices where the paper leaves room (NOTES §4.5), each a defensible reading:
 
@@ -62,7 +68,7 @@ import numpy as np
 
 from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
 from shoal.policies.tiresias import gang_size
-from shoal.sim.costs import ReconfigCosts, get_costs
+from shoal.sim.costs import ReconfigCosts, charge, classify, get_costs, measured
 
 _INF = float("inf")
 
@@ -100,7 +106,7 @@ class SideCarAdaptive:
     def __init__(
         self,
         *,
-        costs: ReconfigCosts | str = "restart",
+        costs: ReconfigCosts | str | None = None,
         consider_waiting: bool = True,
         default_options: str = "pow2",
     ) -> None:
@@ -109,7 +115,8 @@ class SideCarAdaptive:
         Args:
             costs: Reconfiguration costs used in the predictions: a
                 :class:`~shoal.sim.costs.ReconfigCosts` or a name/spec accepted by
-                :func:`shoal.sim.costs.get_costs` (default ``restart``: 30 s to reshape).
+                :func:`shoal.sim.costs.get_costs`; ``None``: the simulator's when one binds
+                them (:meth:`bind_costs`), else ``measured``.
             consider_waiting: Let an incoming job wait for its request when that
                 predicts better than starting now.
             default_options: Optional GPU counts of a job that declares no
@@ -121,7 +128,8 @@ class SideCarAdaptive:
         """
         if default_options not in ("pow2", "all"):
             raise ValueError(f"default_options is 'pow2' or 'all', got {default_options!r}")
-        self.costs = get_costs(costs) if isinstance(costs, str) else costs
+        self._explicit = get_costs(costs) if isinstance(costs, str) else costs
+        self.costs = self._explicit or measured()
         self.consider_waiting = consider_waiting
         self.default_options = default_options
 
@@ -132,21 +140,46 @@ class SideCarAdaptive:
             return counts
         return tuple(c for c in counts if c & (c - 1) == 0 or c == job.requested_gpus)
 
+    def planning_costs(self) -> ReconfigCosts | None:
+        """The costs named at construction, or ``None`` (the simulator's then)."""
+        return self._explicit
+
+    def bind_costs(self, costs: ReconfigCosts) -> None:
+        """Plan with ``costs``, the simulator's.
+
+        Raises:
+            ValueError: other costs were named at construction.
+        """
+        if self._explicit is not None and self._explicit != costs:
+            raise ValueError(
+                f"SideCar plans with {self._explicit.name!r} costs but the simulator charges {costs.name!r}"
+            )
+        self.costs = costs
+
     # -- predictions -------------------------------------------------------------
 
-    def _cost(self, old: int, new: int) -> float:
-        if old == new:
+    def cost(self, j: _Job, gpus: int, gpus_per_node: int = 0) -> float:
+        """Equivalent stop (seconds) of changing ``j`` to ``gpus`` GPUs: :func:`shoal.sim.costs.charge`."""
+        kind = classify(j.current, gpus, False)
+        if kind is None:
             return 0.0
-        if old == 0:
-            return self.costs.start_s
-        return self.costs.scale_out_s if new > old else self.costs.scale_in_s
+        return charge(
+            self.costs,
+            kind,
+            j.current,
+            gpus,
+            rate_old=_rate(j.job, j.current),
+            rate_new=_rate(j.job, gpus),
+            resumed=j.job.iterations_done > 0,
+            gpus_per_node=gpus_per_node,
+        ).stop_s
 
-    def _finish(self, j: _Job, gpus: int) -> float:
+    def _finish(self, j: _Job, gpus: int, gpus_per_node: int = 0) -> float:
         """Predicted completion (seconds from now) of ``j`` on ``gpus`` GPUs (§III.C)."""
         rate = _rate(j.job, gpus)
         if rate <= 0:
             return _INF
-        return self._cost(j.current, gpus) + j.remaining / rate
+        return self.cost(j, gpus, gpus_per_node) + j.remaining / rate
 
     # -- the decision --------------------------------------------------------------
 
@@ -155,8 +188,9 @@ class SideCarAdaptive:
         ordered = sorted(view.jobs, key=lambda j: (j.arrival_s, j.job_id))
         jobs = [_Job(job, i, self.options(job)) for i, job in enumerate(ordered)]
         running = [j for j in jobs if j.share]
+        gpn = view.gpus_per_node
         for j in running:
-            j.finish = self._finish(j, j.share)
+            j.finish = self._finish(j, j.share, gpn)
         idle = view.total_gpus - sum(j.share for j in running)
         if idle < 0:  # GPUs were lost: keep the oldest jobs that still fit.
             idle = view.total_gpus
@@ -166,7 +200,7 @@ class SideCarAdaptive:
                 else:
                     j.share = 0
             running = [j for j in running if j.share]
-        plan = _Plan(self, running, idle)
+        plan = _Plan(self, running, idle, gpn)
         # A job that could never fit is not "incoming" (it would block reshaping up).
         incoming = [j for j in jobs if not j.current and j.counts and j.counts[0] <= view.total_gpus]
         waiting = False
@@ -224,8 +258,11 @@ class _Table:
 class _Plan:
     """The running set of one decision with the indexes Algorithms 1–2 query."""
 
-    def __init__(self, policy: SideCarAdaptive, running: list[_Job], idle: int) -> None:
+    def __init__(
+        self, policy: SideCarAdaptive, running: list[_Job], idle: int, gpus_per_node: int = 0
+    ) -> None:
         self.policy = policy
+        self.gpn = gpus_per_node
         self.running = {j.job.job_id: j for j in running}
         self.by_order = {j.order: j for j in running}
         self.idle = idle
@@ -235,6 +272,10 @@ class _Plan:
         self.by_finish = sorted((j.finish, j.share, j.order) for j in running)
         self._tables: dict[int, _Table] | None = None
         self._where: dict[str, list[tuple[int, int]]] = {}
+
+    def finish(self, j: _Job, gpus: int) -> float:
+        """:meth:`SideCarAdaptive._finish` on this decision's cluster."""
+        return self.policy._finish(j, gpus, self.gpn)
 
     # -- indexes ---------------------------------------------------------------------
 
@@ -266,7 +307,7 @@ class _Plan:
                 for c in j.counts:
                     if c >= j.share:
                         break
-                    f = self.policy._finish(j, c)
+                    f = self.finish(j, c)
                     raw.setdefault(j.share - c, []).append((f, f - j.finish, j.order, j.job.job_id, c))
             self._tables = {nr: _Table(entries) for nr, entries in raw.items()}
             for nr, table in self._tables.items():
@@ -290,7 +331,7 @@ class _Plan:
             self.total -= j.finish
             self.idle += j.share
         j.share = gpus
-        j.finish = self.policy._finish(j, gpus)
+        j.finish = self.finish(j, gpus)
         self.running[jid] = j
         self.by_order[j.order] = j
         self.total += j.finish
@@ -307,7 +348,7 @@ class _Plan:
         tables = None
         top_job = self.by_order.get(top_order)
         for n in j.counts:
-            f_new = self.policy._finish(j, n)
+            f_new = self.finish(j, n)
             if f_new == _INF:
                 continue
             if n <= self.idle:
@@ -329,13 +370,13 @@ class _Plan:
                 # The job holding the makespan: without it the makespan is the runner-up's.
                 c = top_job.share - nr
                 if c in top_job.counts:
-                    f_v = self.policy._finish(top_job, c)
+                    f_v = self.finish(top_job, c)
                     key = (max(top2, f_v, f_new), self.total - top_job.finish + f_v + f_new, 0, nr, -n)
                     if best is None or key < best:
                         best, choice = key, (n, top_job, nr)
         if consider_waiting and best is not None:
             gang = gang_size(j.job)
-            f_wait = self.wait_time(gang - self.idle) + self.policy._finish(j, gang)
+            f_wait = self.wait_time(gang - self.idle) + self.finish(j, gang)
             key = (max(top1, f_wait), self.total + f_wait, 1, 0, -gang)
             if key < best:
                 return False
@@ -359,7 +400,7 @@ class _Plan:
                 continue
             if c - j.share > self.idle:
                 break
-            f = self.policy._finish(j, c)
+            f = self.finish(j, c)
             if f <= bound and f < j.finish and (best is None or f - j.finish < best[0]):
                 best = (f - j.finish, c)
         return best
@@ -385,7 +426,7 @@ class _Plan:
                         continue
                     if c - top_job.share > self.idle:
                         break
-                    f = self.policy._finish(top_job, c)
+                    f = self.finish(top_job, c)
                     key = (max(top2, f), self.total - top_job.finish + f, c - top_job.share)
                     if best is None or key < best:
                         best, pick = key, (top_job, c)

@@ -22,12 +22,17 @@ Event sequence (REPRODUCTION.md, "AFS / CoDDL"):
   placing, and the placement changed; the placer is not asked when no new decision was
   published, or when the shares equal what every job holds and the placer is
   min-migration, which then keeps every GPU), and one ``ReconfigurationCompleted`` per
-  changed job at ``now + stop_time``, with the cost model's stop time for the kind of
-  change (:mod:`shoal.sim.costs`: start, stop, scale-out, scale-in, migrate).
+  changed job at ``now + stop_time``. Every change is charged by
+  :func:`shoal.sim.costs.charge` (kinds start, stop, scale-out, scale-in, migrate, and
+  restart for a move to GPUs disjoint from the job's, as ``train/controller.py`` runs
+  it): ``stop_time`` is its equivalent stop (a scale-out's prepare phase on the old rate
+  folded in) and its lost GPU time is added to ``lost_gpu_s`` (the new workers' prepare
+  phase included). The stop is timed from the decision: a scale-out's
+  ``ReconfigurationCompleted`` comes at the equivalent stop's end, not at the switch.
 * A newer change before a job's stop ends cancels the in-flight one (CoDDL §4.3):
   ``ReconfigurationCancelled(epoch, by_epoch)``, the old epoch never completes, the
   new change's stop starts at once, and only the elapsed part of the cancelled stop
-  counts as lost GPU time.
+  counts as lost GPU time (a cancelled scale-out's prepare charge counts whole).
 * Completion: at ``ceil(exact finish time)`` (whole seconds, a 1 µs tolerance absorbs
   float error), ``JobCompleted``.
 * Progress is continuous: ``rate = curve[gpus]`` iterations/s from
@@ -109,7 +114,7 @@ from shoal.events import GpuInfo
 from shoal.policies.base import ClusterView, JobView, Policy, prime_jobs_by_id
 from shoal.profiling.overestimate import decide_overestimate_first
 from shoal.profiling.ratelimit import MIN_INTERVAL_S
-from shoal.sim.costs import PRESETS, ReconfigCosts, classify
+from shoal.sim.costs import PRESETS, ReconfigCosts, charge, classify, measured
 from shoal.sim.log import InMemoryLog, VirtualClock
 from shoal.sim.metrics import Series, UserShares, jct_summary
 from shoal.state import digest
@@ -181,7 +186,7 @@ class SimConfig(Struct, frozen=True, kw_only=True):
     """Regulate shares to server sizes (AFS appendix E); ignored when ``flat``."""
     placer: str = "min-migration"
     costs: ReconfigCosts | None = None
-    """``None``: ``free`` when flat, ``coddl`` on a topology."""
+    """``None``: ``free`` when flat, ``measured`` (shoal's trainer, :func:`shoal.sim.costs.measured`) on a topology."""
     tick_s: float | None = None
     """Policy re-run period; ``None``: the policy's own ``tick_s``/``lease_s``/``quantum_s``."""
     retain_log: bool = True
@@ -366,7 +371,19 @@ class Simulator:
         self.policy = policy
         self.trace = trace
         self.on_progress = on_progress
-        self.costs = cfg.costs or (PRESETS["free"] if cfg.flat else PRESETS["coddl"])
+        # One cost model: a policy that plans with reconfiguration costs (SideCar) plans
+        # with the ones charged here; costs it names itself are used when the config
+        # names none, and refused when it names others.
+        planned = getattr(policy, "planning_costs", None)
+        own = planned() if callable(planned) else None
+        if cfg.costs is not None and own is not None and own != cfg.costs:
+            raise ValueError(
+                f"the policy plans with {own.name!r} costs but the config charges {cfg.costs.name!r}"
+            )
+        self.costs = cfg.costs or own or (PRESETS["free"] if cfg.flat else measured())
+        bind = getattr(policy, "bind_costs", None)
+        if callable(bind):
+            bind(self.costs)
         self.tick = cfg.tick_s if cfg.tick_s is not None else policy_tick(policy)
         self.trace_jobs = sorted(jobs, key=lambda j: j.submit_time_s)
         ids = [j.job_id for j in self.trace_jobs]
@@ -750,6 +767,8 @@ class Simulator:
         epoch = state.shares_epoch
 
         moved: set[str] = set()
+        disjoint: set[str] = set()
+        added: dict[str, int] = {}
         placements: Mapping[str, tuple[ev.GpuRef, ...]] = {}
         if not self.placing:
             new_alloc = shares.shares
@@ -772,6 +791,11 @@ class Simulator:
                     old = previous.get(j)
                     if old is not None and old != gpus:
                         moved.add(j)
+                        if old and gpus:
+                            kept = set(old) & set(gpus)
+                            added[j] = len(gpus) - len(kept)
+                            if not kept:
+                                disjoint.add(j)  # train/controller.py restarts it from a checkpoint
                         if len(old) == len(gpus):
                             self._settle(active[j], now, report=True)
                 self.migrations += placed.migrations
@@ -782,10 +806,10 @@ class Simulator:
         for job in sorted(running + changing, key=_seq) if changing else running:
             j = job.id
             new = new_alloc.get(j, 0)
-            kind = classify(job.gpus, new, j in moved)
+            kind = classify(job.gpus, new, j in moved, j in disjoint)
             if kind is None:
                 continue
-            self._reconfigure(job, new, kind, now, epoch, placements.get(j, ()))
+            self._reconfigure(job, new, kind, now, epoch, placements.get(j, ()), added.get(j))
 
         if cfg.series:
             self._sample(now)
@@ -885,12 +909,19 @@ class Simulator:
         return min(job.by_type.get(t, job.curve)[new] for t in types), types
 
     def _reconfigure(
-        self, job: _Job, new: int, kind: str, now: float, epoch: int, gpus: Sequence[ev.GpuRef] = ()
+        self,
+        job: _Job,
+        new: int,
+        kind: str,
+        now: float,
+        epoch: int,
+        gpus: Sequence[ev.GpuRef] = (),
+        added: int | None = None,
     ) -> None:
         if job.settled_at != now:
             self._settle(job, now, report=False)
-        stop = self.costs.stop_time(kind)
         old = job.gpus
+        rate_old = job.rate if old else 0.0
         if job.id in self._pending_reconf and job.resume_at > now:
             # CoDDL §4.3: the newer order cancels the in-flight one; its stop ends now
             # and the new change's stop starts (lost GPU time counts only what elapsed).
@@ -902,6 +933,18 @@ class Simulator:
         self._used += new - old
         job.gpus = new
         job.rate, job.types = self._rate(job, new, gpus)
+        cost = charge(
+            self.costs,
+            kind,
+            old,
+            new,
+            rate_old=rate_old,
+            rate_new=job.rate,
+            added=added,
+            resumed=job.done > 0,
+            gpus_per_node=0 if self.config.flat else self.config.gpus_per_node,
+        )
+        stop = cost.stop_s
         job.resume_at = now + stop if new else now
         job.version += 1
         if kind == "start":
@@ -920,7 +963,7 @@ class Simulator:
         else:
             self._pend_add(job, now)
         if new:
-            self.lost_gpu_s += stop * new
+            self.lost_gpu_s += cost.lost_gpu_s
             remaining = job.total - job.done
             finish = job.resume_at + remaining / job.rate
             t = float(math.ceil(finish - _EPS))

@@ -1,0 +1,189 @@
+"""The SideCar paper's baselines (§IV; NOTES 4.1.D): Default-K8s and Termination.
+
+* :class:`DefaultK8s` (``sidecar-default-k8s``): a job's GPU count is drawn at random
+  from its optional counts and never changes; jobs wait until that many GPUs are free.
+  Not strict FIFO: a later job that fits takes free GPUs ahead of an earlier one that
+  does not (the paper's out-of-order scheduling, which starves large jobs). The draw is
+  a pure function of ``(seed, job_id)``, so every decision and every replay draws the
+  same count.
+* :class:`Termination` (``sidecar-termination``, the paper's "Optimus algorithm"):
+  reshaping up only. An incoming job gets its smallest optional count when that many
+  GPUs are idle, else it waits (arrival order, no skipping: the first that does not fit
+  blocks the queue; choice). Idle GPUs left when no job waits go to running jobs one
+  step at a time (to the next optional count), each step to the job whose predicted
+  completion falls the most per added GPU once the restart is paid
+  (:func:`shoal.sim.costs.charge` with the policy's costs), and only while it falls;
+  every resize is a terminate-and-restart. A job's final count changes at most once per
+  decision (one restart).
+
+Both take a job's optional counts as :class:`~shoal.policies.sidecar.SideCarAdaptive`
+does (powers of two and the request within its feasible counts, or its
+``allowed_gpu_counts``; a rigid job its request), keep running jobs at their counts,
+and never preempt. Like SideCar's, their jobs run at whatever optional count they are
+given, so ``elastic = True`` (:attr:`shoal.policies.base.Policy.elastic`): on a topology
+network packing may regulate their shares; the reproduction runs a flat pool, where it
+does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
+from shoal.policies.common import arrival_order
+from shoal.sim.costs import ReconfigCosts, charge, get_costs, measured
+
+
+def options(job: JobView) -> tuple[int, ...]:
+    """The job's optional GPU counts (SideCar jobs declare e.g. {1, 2, 4, 8})."""
+    counts = feasible_counts(job)
+    if job.allowed_gpu_counts or not job.elastic:
+        return counts
+    return tuple(c for c in counts if c & (c - 1) == 0 or c == job.requested_gpus)
+
+
+def _rate(job: JobView, gpus: int) -> float:
+    if gpus <= 0:
+        return 0.0
+    curve = job.throughput
+    return curve[gpus] if gpus < len(curve) else curve[-1]
+
+
+def _remaining(job: JobView) -> float:
+    r = job.remaining_iterations
+    return max(1.0, job.iterations_done) if r is None else r
+
+
+def _keep_running(view: ClusterView, jobs: tuple[JobView, ...] | list[JobView]) -> tuple[dict[str, int], int]:
+    """Running jobs keep their counts, oldest first, while they fit (GPUs may have been lost)."""
+    shares: dict[str, int] = {}
+    free = view.total_gpus
+    for j in jobs:
+        n = j.current_gpus
+        if n and n <= free and n in feasible_counts(j):
+            shares[j.job_id] = n
+            free -= n
+    return shares, free
+
+
+class DefaultK8s:
+    """Default Kubernetes: a random optional count, fixed; see the module docstring."""
+
+    name = "sidecar-default-k8s"
+    elastic = True
+
+    def __init__(self, *, seed: int = 0) -> None:
+        """Args:
+        seed: seeds the per-job draw of the GPU count.
+        """
+        self.seed = seed
+
+    def count(self, job: JobView) -> int:
+        """The job's drawn GPU count (0 when it has no option)."""
+        opts = options(job)
+        if not opts:
+            return 0
+        h = hashlib.sha256(f"{self.seed}:{job.job_id}".encode()).digest()
+        return opts[int.from_bytes(h[:8], "big") % len(opts)]
+
+    def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        """Keep running jobs; start waiting ones, in arrival order, whose count fits."""
+        jobs = view.jobs if view.arrival_ordered else arrival_order(view.jobs)
+        shares, free = _keep_running(view, jobs)
+        for j in jobs:
+            if j.job_id in shares:
+                continue
+            n = self.count(j)
+            if 0 < n <= free:
+                shares[j.job_id] = n
+                free -= n
+        return Decision(shares=shares)
+
+
+class Termination:
+    """The termination approach: start at the minimum, add by restarting; see the module docstring."""
+
+    name = "sidecar-termination"
+    elastic = True
+
+    def __init__(self, *, costs: ReconfigCosts | str | None = None) -> None:
+        """Args:
+        costs: the restart costs its predictions include (as :class:`SideCarAdaptive`;
+            ``None``: the simulator's when one binds them, else ``measured``).
+        """
+        self._explicit = get_costs(costs) if isinstance(costs, str) else costs
+        self.costs = self._explicit or measured()
+
+    def planning_costs(self) -> ReconfigCosts | None:
+        """The costs named at construction, or ``None``."""
+        return self._explicit
+
+    def bind_costs(self, costs: ReconfigCosts) -> None:
+        """Plan with the simulator's costs.
+
+        Raises:
+            ValueError: other costs were named at construction.
+        """
+        if self._explicit is not None and self._explicit != costs:
+            raise ValueError(f"planning costs {self._explicit.name!r} differ from {costs.name!r}")
+        self.costs = costs
+
+    def _finish(self, job: JobView, gpus: int, gpus_per_node: int) -> float:
+        rate = _rate(job, gpus)
+        if rate <= 0:
+            return float("inf")
+        old = job.current_gpus
+        stop = 0.0
+        if gpus != old:
+            kind = "start" if not old else "restart"
+            stop = charge(
+                self.costs,
+                kind,
+                old,
+                gpus,
+                rate_old=_rate(job, old),
+                rate_new=rate,
+                resumed=job.iterations_done > 0,
+                gpus_per_node=gpus_per_node,
+            ).stop_s
+        return stop + _remaining(job) / rate
+
+    def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        """Start waiting jobs at their minimum; then add idle GPUs by restarts while that helps."""
+        jobs = view.jobs if view.arrival_ordered else arrival_order(view.jobs)
+        shares, free = _keep_running(view, jobs)
+        waiting = False
+        for j in jobs:
+            if j.job_id in shares:
+                continue
+            opts = options(j)
+            if not opts or opts[0] > view.total_gpus:
+                continue
+            if opts[0] > free:
+                waiting = True
+                break
+            shares[j.job_id] = opts[0]
+            free -= opts[0]
+        if waiting:
+            return Decision(shares=shares)
+        running = [j for j in jobs if shares.get(j.job_id) == j.current_gpus and j.current_gpus]
+        gpn = view.gpus_per_node
+        while free > 0:
+            best: tuple[float, str, int] | None = None
+            for j in running:
+                now = shares[j.job_id]
+                nxt = next((c for c in options(j) if c > now), None)
+                if nxt is None or nxt - now > free:
+                    continue
+                before = self._finish(j, now, gpn)
+                gain = (before - self._finish(j, nxt, gpn)) / (nxt - now)
+                if gain > 0 and (best is None or gain > best[0]):
+                    best = (gain, j.job_id, nxt)
+            if best is None:
+                break
+            _, jid, nxt = best
+            free -= nxt - shares[jid]
+            shares[jid] = nxt
+        return Decision(shares=shares)
