@@ -8,8 +8,10 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from shoal import admission, auth
+from shoal import admission, auth, codec
 from shoal import events as ev
+from shoal.bus import Bus, PermissionDenied
+from shoal.nats_server import EmbeddedNats
 from shoal.state import ClusterState
 
 
@@ -62,8 +64,16 @@ def allowed(perms: dict[str, object], kind: str, subject: str) -> bool:
         ("admission", "", "shoal.job.j1.completed", False),
         ("sidecar", "n1", "shoal.job.j1.completed", True),
         ("sidecar", "n1", "shoal.job.j1.submitted", False),
-        ("node", "n1", "shoal.node.n1.heartbeat", True),
-        ("node", "n1", "shoal.node.n2.heartbeat", False),
+        # Heartbeats go to the bounded beats stream, never to the log (issue 21).
+        ("node", "n1", "shoal.beat.n1", True),
+        ("node", "n1", "shoal.beat.n2", False),
+        ("node", "n1", "shoal.node.n1.heartbeat", False),
+        ("node", "n1", "shoal.node.n1.registered", True),
+        ("node", "n1", "shoal.node.n2.gpu_health", False),
+        ("sidecar", "n1", "shoal.beat.n1", False),
+        ("client", "alice", "shoal.beat.n1", False),
+        ("allocator", "", "shoal.beat.n1", False),
+        ("allocator", "", "$JS.API.DIRECT.GET.SHOAL_BEATS.shoal.beat.n1", True),
         ("node", "n1", "shoal.node.n1.lost", False),
         ("client", "alice", "shoal.cmd.submit_job.alice", True),
         ("client", "alice", "shoal.cmd.submit_job.bob", False),
@@ -224,3 +234,37 @@ async def test_tls_with_a_certificate_made_here(tmp_path: Path) -> None:
         plain = srv.url.replace("tls://", "nats://")
         with pytest.raises(NoServerError):
             await Bus.connect(plain, prefix="tlstest", creds=admin, initial_connect_timeout_s=2.0)
+
+
+@pytest.mark.integration
+async def test_a_node_stores_only_its_own_heartbeat_and_none_in_the_log(
+    nats_server: EmbeddedNats, bus: Bus, prefix: str
+) -> None:
+    """Issue 21: a node's heartbeats go to the bounded beats stream, on its own subject
+    only; another node's subject, the log's heartbeat subject and a client are refused
+    by the server (a real one, with the identities' permissions)."""
+    from tests.conftest import add_identity
+
+    node = await Bus.connect(nats_server.url, prefix=prefix, creds=add_identity(nats_server, "node", "hb1"))
+    client = await Bus.connect(
+        nats_server.url, prefix=prefix, creds=add_identity(nats_server, "client", "hbuser")
+    )
+    try:
+        own = codec.wrap(ev.NodeHeartbeat(node_id="hb1", seq=1))
+        await node.publish_beat(own)
+        assert await bus.latest_beats(["hb1", "hb2"]) == {"hb1": own.at}
+        with pytest.raises(PermissionDenied):
+            await node.publish_beat(codec.wrap(ev.NodeHeartbeat(node_id="hb2")), timeout_s=2.0)
+        with pytest.raises(PermissionDenied):
+            await node.publish(ev.NodeHeartbeat(node_id="hb1"), timeout_s=2.0)
+        with pytest.raises(PermissionDenied):
+            await client.publish_beat(codec.wrap(ev.NodeHeartbeat(node_id="hb1", seq=2)), timeout_s=2.0)
+        newer = codec.wrap(ev.NodeHeartbeat(node_id="hb1", seq=3))
+        await node.publish_beat(newer)
+        assert await bus.latest_beats(["hb1", "hb2"]) == {"hb1": newer.at}
+        info = await bus.js.stream_info(bus.names.beats_stream)
+        assert info.state.messages == 1, "one heartbeat kept per node"
+        assert await bus.last_seq() == 0, "nothing reached the event log"
+    finally:
+        await node.close()
+        await client.close()

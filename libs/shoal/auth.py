@@ -27,8 +27,9 @@ Roles (``docs/security.md`` has the threat model)
     create (not update, purge or delete) streams, keep durable consumers, and write
     their own leader-lease key; only the allocator writes the cluster snapshot.
 ``node`` (one identity per node ``N``)
-    Publishes only ``N``'s ``NodeRegistered``, ``NodeHeartbeat`` and ``GpuHealth``;
-    reads the log (its orders are the placements in it).
+    Publishes only ``N``'s ``NodeRegistered`` and ``GpuHealth`` to the log and ``N``'s
+    ``NodeHeartbeat`` to the bounded beats stream (``<p>.beat.N``; heartbeats never go
+    to the log, :data:`OFF_LOG`); reads the log (its orders are the placements in it).
 ``sidecar`` (one identity per node ``N``, for the sidecars that node runs)
     Publishes what a trainer reports about a job (progress, completion, the
     reconfiguration phases) and talks to the sidecars of the same job on other
@@ -91,6 +92,11 @@ EVENT_OWNERS: dict[Role, tuple[type[ev.Event], ...]] = {
     ),
     "admin": (ev.NodeDrained,),
 }
+
+OFF_LOG: tuple[type[ev.Event], ...] = (ev.NodeHeartbeat,)
+"""Event types their owner publishes outside the event log: a node's heartbeats go to
+the bounded beats stream (:meth:`shoal.bus.Names.beat`), so nobody but the admin may
+append one to the log."""
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 
@@ -215,7 +221,8 @@ def permissions(identity: Identity, prefix: str = "shoal") -> dict[str, Any]:
         deny_pub.append("$JS.API.CONSUMER.DURABLE.CREATE.*.*")
     elif role == "node":
         node = identity.subject
-        pub += [event_subject(cls, p, node) for cls in EVENT_OWNERS["node"]]
+        pub += [event_subject(cls, p, node) for cls in EVENT_OWNERS["node"] if cls not in OFF_LOG]
+        pub.append(f"{p}.beat.{node}")  # its own heartbeats (beats stream, one kept per node)
         pub.append(f"{p}.dlq.>")  # a reader dead-letters what it cannot decode (shoal.bus)
     else:
         pub += _JS_SERVICE

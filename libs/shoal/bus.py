@@ -39,6 +39,8 @@ stream             subjects                                             use
 ``P_CTL``          ``p.ctl.>``                                          durable commands to
                                                                          node daemons/sidecars
 ``P_DLQ``          ``p.dlq.>``                                          dead letters
+``P_BEATS``        ``p.beat.<node>``                                    each node's newest
+                                                                         heartbeat (bounded)
 (no stream)        ``p.cmd.<name>.<sender>``                            request/reply commands
 =================  ===================================================  ======================
 
@@ -89,7 +91,7 @@ from nats.js import JetStreamContext, api
 from opentelemetry import propagate
 
 from shoal import codec
-from shoal.events import MAX_MESSAGE_BYTES, Envelope, Event, subject_for
+from shoal.events import MAX_MESSAGE_BYTES, Envelope, Event, NodeHeartbeat, subject_for
 
 log = structlog.get_logger("shoal.bus")
 
@@ -116,6 +118,12 @@ ERR_STREAM_NAME_IN_USE = 10058
 
 _DLQ_PAUSE_S = 30.0
 """After a failed dead letter of a skipped message, seconds before the next try."""
+
+BEATS_MAX_AGE_S = 24 * 3600.0
+"""Seconds a node's newest heartbeat stays in the beats stream (a node that is gone
+leaves nothing behind after that; a live one replaces its heartbeat every second)."""
+BEAT_MAX_BYTES = 4096
+"""Largest message the beats stream takes (a heartbeat envelope is ~200 bytes)."""
 
 
 class BusError(Exception):
@@ -244,9 +252,11 @@ class Names:
         self.dlq_stream = f"{token}_DLQ"
         self.lease_bucket = f"{token}_LEASES"
         self.snapshot_bucket = f"{token}_SNAPSHOTS"
+        self.beats_stream = f"{token}_BEATS"
         self.event_subjects = [f"{prefix}.{agg}.>" for agg in ("job", "node", "user", "alloc", "trade")]
         self.ctl_subjects = [f"{prefix}.ctl.>"]
         self.dlq_subjects = [f"{prefix}.dlq.>"]
+        self.beat_subjects = [f"{prefix}.beat.*"]
 
     def cmd(self, name: str, sender: str = "@admin") -> str:
         """Request/reply subject of a command sent as ``sender``, e.g.
@@ -259,6 +269,10 @@ class Names:
 
     def dlq(self, code: str) -> str:
         return f"{self.prefix}.dlq.{code}"
+
+    def beat(self, node_id: str) -> str:
+        """Subject of ``node_id``'s heartbeats in the bounded beats stream."""
+        return f"{self.prefix}.beat.{node_id}"
 
     def subject(self, event: Event) -> str:
         return subject_for(event, self.prefix)
@@ -523,6 +537,21 @@ class Bus:
                 max_msg_size=MAX_MESSAGE_BYTES * 4 + 64 * 1024,
             )
         )
+        await self._ensure_stream(
+            api.StreamConfig(
+                name=n.beats_stream,
+                subjects=n.beat_subjects,
+                storage=api.StorageType.FILE,
+                retention=api.RetentionPolicy.LIMITS,
+                # Bounded: the newest heartbeat of each node, for a day after it was sent
+                # (a node that is gone leaves nothing behind for long).
+                max_msgs_per_subject=1,
+                max_age=BEATS_MAX_AGE_S,
+                max_msg_size=BEAT_MAX_BYTES,
+                discard=api.DiscardPolicy.OLD,
+                allow_direct=True,
+            )
+        )
 
     # -- publishing --------------------------------------------------------------
 
@@ -703,6 +732,59 @@ class Bus:
             cls = ConcurrencyConflict if exc.err_code == ERR_WRONG_LAST_SEQUENCE else PublishRejected
             raise cls(exc.description or str(exc), err_code=exc.err_code or 0, subject=subject) from None
         return PublishResult(ack.stream, ack.seq, bool(ack.duplicate))
+
+    async def publish_beat(self, env: Envelope, *, timeout_s: float = 5.0) -> PublishResult:
+        """Store a node's heartbeat (``env``, a :class:`~shoal.events.NodeHeartbeat`) in the
+        beats stream, on :meth:`Names.beat` of its node, and wait for the ack. The stream
+        keeps only the newest heartbeat of each node: heartbeats never reach the event log.
+
+        Raises:
+            StreamUnavailable: no beats stream answered (not declared yet, or no leader).
+            PublishRejected: any other refusal by JetStream.
+        """
+        node_id = getattr(env.event, "node_id", "")
+        subject = self.names.beat(node_id)
+        try:
+            ack = await self.js.publish(subject, codec.encode(env), timeout=timeout_s)
+        except nats.errors.NoRespondersError:
+            raise StreamUnavailable("no beats stream answered", subject=subject, event_id=env.id) from None
+        except (TimeoutError, nats.errors.TimeoutError):
+            if subject.lower() in self.permission_errors:  # the server dropped it
+                raise PermissionDenied(
+                    f"permissions violation for publish to {subject!r}", subject=subject, event_id=env.id
+                ) from None
+            raise AckTimeout(f"no ack within {timeout_s}s", subject=subject, event_id=env.id) from None
+        except nats.js.errors.APIError as exc:
+            raise PublishRejected(
+                exc.description or str(exc), err_code=exc.err_code or 0, subject=subject, event_id=env.id
+            ) from None
+        return PublishResult(ack.stream, ack.seq, bool(ack.duplicate))
+
+    async def latest_beats(self, node_ids: Iterable[str]) -> dict[str, float]:
+        """The occurred-at stamp of the newest heartbeat of each of ``node_ids`` that has
+        one in the beats stream: one direct get per node, all at once (O(nodes) reads,
+        whatever rate the nodes, or a flood, heartbeat at). A stored message that does
+        not decode, is not a ``NodeHeartbeat`` or names another node is left out."""
+        ids = list(node_ids)
+
+        async def one(node_id: str) -> float | None:
+            try:
+                msg = await self.js.get_last_msg(
+                    self.names.beats_stream, self.names.beat(node_id), direct=True
+                )
+            except nats.js.errors.NotFoundError:
+                return None
+            try:
+                env = codec.decode(msg.data or b"")
+            except codec.DecodeFailure:
+                return None
+            event = env.event
+            if not isinstance(event, NodeHeartbeat) or event.node_id != node_id:
+                return None
+            return env.at
+
+        stamps = await asyncio.gather(*(one(n) for n in ids))
+        return {n: at for n, at in zip(ids, stamps, strict=True) if at is not None}
 
     # -- reading -----------------------------------------------------------------
 

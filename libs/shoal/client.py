@@ -431,7 +431,7 @@ class Client:
             if reply is not None:
                 assert reply.state is not None
                 self.last_read = ReadInfo(source="view", seq=reply.seq)
-                return reply.state
+                return await self._with_beats(reply.state)
         state = st.ClusterState()
         seq = 0
         async for batch in self.history():
@@ -439,7 +439,22 @@ class Client:
                 st.apply(state, env)
             seq = max(seq, batch.last_seq)
         self.last_read = ReadInfo(source="replay", seq=seq, reason=reason)
-        return queries.slice_state(state, what, query)
+        return await self._with_beats(queries.slice_state(state, what, query))
+
+    async def _with_beats(self, state: st.ClusterState) -> st.ClusterState:
+        """``state`` with each node's ``last_heartbeat_at`` moved up to its newest heartbeat
+        in the beats stream (heartbeats are not in the log, so the fold has only the
+        registration's stamp); unchanged when the stream cannot be read."""
+        if not state.nodes:
+            return state
+        try:
+            beats = await self.bus.latest_beats(state.nodes)
+        except (nats.errors.Error, TimeoutError):  # no beats stream (an older installation), or no answer
+            return state
+        for node_id, at in beats.items():
+            node = state.nodes[node_id]
+            node.last_heartbeat_at = max(node.last_heartbeat_at, at)
+        return state
 
     async def _query(self, what: str, query: queries.Query) -> tuple[queries.ViewReply | None, str]:
         """Admission's answer to ``query`` (joined from its parts), or None and why not."""

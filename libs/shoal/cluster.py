@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 from shoal.placement import NodeSlots, Topology
 from shoal.state import NODE_UP, ClusterState
 
@@ -23,52 +26,42 @@ def gpus_per_node(state: ClusterState) -> int:
     return max((len(n.gpus) for n in state.nodes.values() if n.status == NODE_UP), default=0)
 
 
-HEARTBEAT_FLOOR = 0.25
-"""Fraction of the heartbeat period below which a node's next heartbeat is flood: a
-reader that rate-limits heartbeats (:func:`heartbeat_counts`) takes at most one per
-``HEARTBEAT_FLOOR × heartbeat_s`` of occurred-at time per node."""
+def lost_nodes(
+    state: ClusterState, beats: Mapping[str, float], *, read_at: float | None, timeout_s: float
+) -> list[str]:
+    """Nodes that are up but whose heartbeats stopped, judged by the heartbeats' own stamps.
 
+    Heartbeats are not in the log (issue 21, bounded log growth): ``beats`` holds the
+    occurred-at stamp of each node's newest heartbeat, as the beats stream had it when
+    the reader read it (:meth:`shoal.bus.Bus.latest_beats`), and ``read_at`` is the
+    reader's clock read just before that read. A node's newest sign of life is the newer
+    of its heartbeat and its registration in the log (``last_heartbeat_at`` of the fold).
 
-def lost_nodes(state: ClusterState, *, caught_up_at: float | None, timeout_s: float) -> list[str]:
-    """Nodes that are up but whose heartbeats stopped, judged from the log alone.
-
-    The reference instant is the log's tail as far as the reader has provably read it:
-    ``min(state.clock, caught_up_at)``, where ``state.clock`` is the newest occurred-at
-    folded into ``state`` and ``caught_up_at`` an instant (the reader's clock) by
-    which every event then in the log has been folded. A node is lost when its newest
-    heartbeat (or registration) stamp is more than ``timeout_s`` older than that.
-
-    So a reader that lags never declares a node lost because it has not read its
-    heartbeats yet (it is not caught up: ``caught_up_at`` is ``None`` or older than
-    what it has not read), and a stamp from the future (a forged or skewed clock)
-    cannot make every other node look silent, since the reference is never later than
-    the instant the reader caught up at. A log in which nothing at all happens has no
-    tail that moves: nobody is declared lost (every node's heartbeats stopped at once,
-    and there is no live node to move work to).
+    The reference instant is the newest heartbeat of any node, but never later than
+    ``read_at``: a node is lost when its newest sign of life is more than ``timeout_s``
+    older than that. So what counts is how far the nodes' own stamps have drifted apart,
+    not when the reader got round to reading them (a reader that was stopped or lags
+    reads every node's current heartbeat at once and declares nobody for that), and a
+    stamp from the future (a forged or skewed clock) cannot make every other node look
+    silent. When every node's heartbeats stop at once, nothing moves the reference:
+    nobody is declared lost (there is no live node to move work to).
 
     Args:
-        state: the folded log.
-        caught_up_at: see above; ``None`` when the reader has not caught up with the
-            log (then no node is lost).
+        state: the folded log (which nodes are up, and when each registered).
+        beats: node id -> stamp of its newest heartbeat; nodes without one are judged by
+            their registration.
+        read_at: see above; ``None`` when the beats were not read (then no node is lost).
         timeout_s: occurred-at seconds without a heartbeat after which a node is lost.
 
     Returns:
         The ids of the lost nodes, in registration order.
     """
-    if caught_up_at is None:
+    if read_at is None or not beats:
         return []
-    tail = min(state.clock, caught_up_at)
+    tail = min(max(beats.values()), read_at)
     return [
         node_id
         for node_id, node in state.nodes.items()
-        if node.status == NODE_UP and tail - node.last_heartbeat_at > timeout_s
+        if node.status == NODE_UP
+        and tail - max(node.last_heartbeat_at, beats.get(node_id, -math.inf)) > timeout_s
     ]
-
-
-def heartbeat_counts(last_taken_at: float | None, at: float, floor_s: float) -> bool:
-    """Whether a reader rate-limiting heartbeats takes a node's heartbeat stamped ``at``
-    when the last it took from that node was stamped ``last_taken_at`` (``None``: none
-    yet): only one at least ``floor_s`` newer. Heartbeats faster than that are a flood
-    (a node daemon sends one per ``heartbeat_s``) and are skipped, so whatever a reader
-    does per heartbeat it does at most once per ``floor_s`` per node."""
-    return last_taken_at is None or at >= last_taken_at + floor_s

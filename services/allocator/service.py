@@ -33,17 +33,20 @@ deposed leader that still believes it leads cannot append a decision made on a
 stale view (it gets a conflict and re-reads the log). Also ``NodeLost`` for nodes
 whose heartbeats stopped.
 
-Node liveness is judged from the log, not from when this allocator got round to
-reading it (:func:`shoal.cluster.lost_nodes`): a node is lost when its newest
-heartbeat stamp is more than ``node_timeout_s`` older than the log's tail, and only
-once the allocator has caught up with the stream (it compares its folded sequence
-with the stream's last sequence, at most every ``min(1, node_timeout_s/4)`` wall
-seconds). An allocator that lags (a heartbeat flood, a busy host, a stopped process)
-therefore declares nobody lost for heartbeats it has not read. A node declared lost
-comes back when its daemon re-registers (see ``shoal_services.node_daemon.service``).
-Heartbeats are rate-limited per node (:func:`shoal.cluster.heartbeat_counts`, one per
-``heartbeat_s/4`` of occurred-at time): a flood is read and folded by the projection,
-but costs the decision state nothing.
+Node liveness is judged from the heartbeats' own stamps, not from when this allocator
+got round to reading them (:func:`shoal.cluster.lost_nodes`). Heartbeats are not in the
+log: each node daemon replaces its newest one in the bounded beats stream
+(:meth:`shoal.bus.Bus.publish_beat`), and the leader reads every node's newest one
+(:meth:`shoal.bus.Bus.latest_beats`, one direct get per node) at most every
+``min(1, node_timeout_s/4)`` wall seconds. A node is lost when its newest heartbeat (or
+registration) is more than ``node_timeout_s`` older than the newest heartbeat of any
+node, read at once: an allocator that was stopped or lags reads every node's current
+heartbeat and declares nobody lost for that, and a flood of heartbeats only replaces
+one message per node (the rate a reader sees is its own). The decision, ``NodeLost``, is
+an event in the log, so a replay rebuilds the same state. A node declared lost comes
+back when its daemon re-registers (see ``shoal_services.node_daemon.service``).
+``NodeHeartbeat`` events in the log (an installation from before the beats stream; only
+the admin may append one now) are folded by the projection but trigger nothing.
 
 Synchronized clock (emulation, :class:`shoal.clock.SharedClock`): the allocator
 releases the hold an arrival or completion was published under once it has decided
@@ -73,14 +76,14 @@ from shoal import events as ev
 from shoal.allocation import next_tick, policy_tick
 from shoal.bus import Bus, Campaign, ConcurrencyConflict, SkippedMessage
 from shoal.clock import Clock, hold, hold_key, release
-from shoal.cluster import HEARTBEAT_FLOOR, gpus_per_node, heartbeat_counts, lost_nodes
+from shoal.cluster import gpus_per_node, lost_nodes
 from shoal.events import Envelope
 from shoal.log import bound_job
 from shoal.models import Catalog
 from shoal.policies.base import Policy
 from shoal.profiling.overestimate import decide_overestimate_first
 from shoal.projection import CLUSTER_SNAPSHOT, Projection
-from shoal.state import ClusterState, apply, copy_state
+from shoal.state import NODE_UP, ClusterState, apply, copy_state
 from shoal.telemetry import producer_span, stored_context, tracing_enabled
 from shoal.view import carry_progress_forward
 
@@ -149,14 +152,11 @@ class AllocatorService:
         self.catalog = catalog
         self.network_packing = network_packing
         self.node_timeout_s = node_timeout_s
-        self.heartbeat_floor_s = HEARTBEAT_FLOOR * heartbeat_s
-        """Wall seconds: heartbeats of one node closer than this are skipped (flood)."""
-        self._heartbeat_taken: dict[str, float] = {}
-        """node id -> stamp of the newest heartbeat taken from it (rate limiting)."""
+        self.heartbeat_s = heartbeat_s
         self._liveness_due = -math.inf
         """Event-loop time of the next liveness check."""
-        self._probe: tuple[int, float] | None = None
-        """(stream's last sequence, clock instant read just before it) at the last check."""
+        self._beats: dict[str, float] = {}
+        """node id -> stamp of the newest heartbeat read from the beats stream."""
         self._declared: dict[str, float] = {}
         """node id -> heartbeat stamp it was declared lost at (not declared twice)."""
         self.snapshot_every = snapshot_every
@@ -213,14 +213,7 @@ class AllocatorService:
 
     def _on_event(self, seq: int, env: Envelope, state: ClusterState) -> None:
         if isinstance(env.event, ev.NodeHeartbeat):
-            # No decision reads heartbeats; a flood of them is skipped (rate limit).
-            node_id = env.event.node_id
-            floor = self.heartbeat_floor_s * getattr(self.clock, "scale", 1.0)
-            if node_id not in state.nodes or not heartbeat_counts(
-                self._heartbeat_taken.get(node_id), env.at, floor
-            ):
-                return
-            self._heartbeat_taken[node_id] = env.at
+            return  # no decision reads heartbeats (and new ones are not in the log)
         if self.asof is not None:
             self.buffer.append(env)
         if isinstance(env.event, ev.SharesDecided):
@@ -453,12 +446,11 @@ class AllocatorService:
     async def _mark_lost_nodes(self) -> None:
         """Publish ``NodeLost`` for the nodes :func:`shoal.cluster.lost_nodes` judges lost.
 
-        At most every ``min(1, node_timeout_s/4)`` wall seconds, this reads the stream's
-        last sequence (one request). ``caught_up_at`` is the clock instant read just
-        before it, if the projection has folded up to that sequence now, or else the
-        instant of the previous check, if it has folded up to that one's sequence: every
-        event in the log by then has been folded. A node is declared once per heartbeat
-        stamp (the ``NodeLost`` may not be folded by the next check).
+        At most every ``min(1, node_timeout_s/4)`` wall seconds, this reads the newest
+        heartbeat of every node the folded log has up (one direct get each), with the
+        clock instant read just before as ``read_at``; of each node it keeps the newest
+        stamp read so far. A node is declared once per heartbeat stamp (the ``NodeLost``
+        may not be folded by the next check).
         """
         if self.node_timeout_s is None:
             return
@@ -466,25 +458,28 @@ class AllocatorService:
         if loop.time() < self._liveness_due:
             return
         self._liveness_due = loop.time() + min(1.0, self.node_timeout_s / 4)
-        caught_up_at = None
-        if self._probe is not None and self.projection.last_seq >= self._probe[0]:
-            caught_up_at = self._probe[1]
-        at = self.clock.now()
-        last = await self.bus.last_seq()
-        if self.projection.last_seq >= last:
-            caught_up_at = at
-        self._probe = (last, at)
+        state = self.projection.state
+        up = [n for n, node in state.nodes.items() if node.status == NODE_UP]
+        if not up:
+            return
+        read_at = self.clock.now()
+        for node_id, at in (await self.bus.latest_beats(up)).items():
+            # The newest stamp read so far counts, as in the fold: a heartbeat stamped
+            # earlier (sent late, or replayed by a flood) does not move it back.
+            if at > self._beats.get(node_id, -math.inf):
+                self._beats[node_id] = at
+        beats = {n: self._beats[n] for n in up if n in self._beats}
         state = self.projection.state
         timeout = self.node_timeout_s * getattr(self.clock, "scale", 1.0)
-        for node_id in lost_nodes(state, caught_up_at=caught_up_at, timeout_s=timeout):
-            stamp = state.nodes[node_id].last_heartbeat_at
+        for node_id in lost_nodes(state, beats, read_at=read_at, timeout_s=timeout):
+            stamp = max(state.nodes[node_id].last_heartbeat_at, beats.get(node_id, -math.inf))
             if self._declared.get(node_id) == stamp:
                 continue
             self._declared[node_id] = stamp
             await self.bus.publish(
                 codec.wrap(ev.NodeLost(node_id=node_id, reason="missed heartbeats"), at=self.clock.now())
             )
-            log.warning("node_lost", node_id=node_id, last_heartbeat_at=stamp, caught_up_at=caught_up_at)
+            log.warning("node_lost", node_id=node_id, last_heartbeat_at=stamp, read_at=read_at)
 
     async def _restore_decision_cursor(self) -> None:
         """Read the stream sequence of the newest message on the decision subject (for

@@ -9,12 +9,15 @@ at the newest placement it keeps one sidecar process and sends it a
 left the node, finished or was cancelled has its sidecar stopped. Reconciliation is
 level-triggered: a missed message is repaired by the next one.
 
-Publishes: ``NodeRegistered`` at start, ``NodeHeartbeat`` every ``heartbeat_s`` (never
+Publishes: ``NodeRegistered`` at start; ``NodeHeartbeat`` every ``heartbeat_s`` (never
 faster: the next one is sent ``heartbeat_s`` after the previous one went out; a failed
 publish, e.g. while the NATS server is down, restarts the heartbeat loop after a backoff,
-:func:`shoal.tasks.keep_running`),
-``GpuHealth`` for each GPU every few heartbeats (NVML readings, or for emulated GPUs
-utilisation 1.0 while a job holds the GPU).
+:func:`shoal.tasks.keep_running`) to the bounded beats stream, which keeps only each
+node's newest (:meth:`shoal.bus.Bus.publish_beat`), never to the event log;
+``GpuHealth`` for a GPU when its reading changed since the last one published (health,
+or utilisation by a quarter step: NVML readings, or for emulated GPUs 1.0 while a job
+holds the GPU and 0.0 otherwise), checked every ``health_every`` heartbeats, so an idle
+or steadily busy node appends nothing to the log (issue 21, bounded log growth).
 
 Coming back after being declared lost: when the log (this daemon's projection) says
 this node is lost — its heartbeats did not reach the log in time: the daemon was
@@ -157,6 +160,9 @@ class NodeDaemon:
         self.heartbeat_s = heartbeat_s
         self.health_every = health_every
         self._beat = 0
+        self._health_sent: dict[int, tuple[bool, float]] = {}
+        """GPU index -> (healthy, utilisation in quarter steps) of the newest ``GpuHealth``
+        published since this node's newest registration (which resets the fold's)."""
         self.hostname = hostname
         if projection is None:
             projection = Projection(bus, snapshot_name=CLUSTER_SNAPSHOT)
@@ -216,6 +222,7 @@ class NodeDaemon:
             return
         result = await self.bus.publish(codec.wrap(self._registration(), at=self.clock.now()))
         self._registered_seq = result.seq
+        self._health_sent.clear()  # the registration reset the GPUs' readings in the fold
         self.reregistrations += 1
         log.warning("node_registered_again", node_id=self.node_id, stream_seq=result.seq)
 
@@ -447,16 +454,23 @@ class NodeDaemon:
         while not stop.is_set():
             self._beat += 1
             beat = self._beat
-            await self._publish(ev.NodeHeartbeat(node_id=self.node_id, seq=beat))
+            await self.bus.publish_beat(
+                codec.wrap(ev.NodeHeartbeat(node_id=self.node_id, seq=beat), at=self.clock.now())
+            )
             await self._register_again_if_lost()
-            if beat % self.health_every == 1:
+            if beat % self.health_every == 1 or self.health_every == 1:
                 busy = {
                     g.index for gpus in self.desired().values() for g in gpus if g.node_id == self.node_id
                 }
                 healths = []
+                sent: dict[int, tuple[bool, float]] = {}
                 for gpu in self.gpus:
                     reading = None if self.emulated else read_nvml(gpu.index)
                     util, mem, temp = reading if reading else (1.0 if gpu.index in busy else 0.0, 0, 0.0)
+                    key = (True, round(util * 4) / 4)
+                    if self._health_sent.get(gpu.index) == key:
+                        continue  # nothing new for the log
+                    sent[gpu.index] = key
                     healths.append(
                         codec.wrap(
                             ev.GpuHealth(
@@ -469,7 +483,9 @@ class NodeDaemon:
                             at=self.clock.now(),
                         )
                     )
-                await self.bus.publish_many(healths)
+                if healths:
+                    await self.bus.publish_many(healths)
+                    self._health_sent.update(sent)  # once stored (a failed publish is retried)
             # Sidecars that died get restarted at the next reconciliation; spares that
             # died are replaced.
             if any(s.proc.returncode is not None for s in self.sidecars.values()):
