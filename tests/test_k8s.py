@@ -134,6 +134,8 @@ def test_shoal_creds_k8s_keeps_seeds_and_adds_nodes(tmp_path: Path) -> None:
     assert "node-gpu-2.nk" in second
     secrets = out / "secrets.yaml"
     assert stat.S_IMODE(secrets.stat().st_mode) == 0o600
+    assert stat.S_IMODE((out / "auth.conf").stat().st_mode) == 0o600
+    assert CredentialStore(out).identities()[0].public_key in (out / "auth.conf").read_text()
     docs = {d["metadata"]["name"]: d for d in yaml.safe_load_all(secrets.read_text())}
     assert set(docs[NODES_SECRET]["data"]) == {
         "node-gpu-1-example.nk",

@@ -13,7 +13,9 @@ state directory (its owner) can do this: the files are the credentials.
 Kubernetes installation in ``DIR`` instead (the admin, every service, a node and a
 sidecar identity per node, the users; existing seeds are kept, so running it again
 with one more ``--node`` adds that node) and writes ``DIR/secrets.yaml``, the Secrets
-the manifests in ``deploy/k8s`` mount (:mod:`shoal.k8s`; ``docs/deploy.md``).
+the manifests in ``deploy/k8s`` mount (:mod:`shoal.k8s`; ``docs/deploy.md``), and
+``DIR/auth.conf``, the NATS servers' authorization block, for servers run without
+Kubernetes.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def _add(args: argparse.Namespace) -> int:
 def _k8s(args: argparse.Namespace) -> int:
     import yaml
 
-    from shoal.auth import SERVICE_ROLES, AuthError, CredentialStore
+    from shoal.auth import SERVICE_ROLES, AuthError, CredentialStore, authorization_block
     from shoal.k8s import node_id_of, secret_manifests
 
     store = CredentialStore(args.directory)
@@ -115,6 +117,12 @@ def _k8s(args: argparse.Namespace) -> int:
     with os.fdopen(fd, "w") as fh:
         fh.write(text)
     print(out)
+    # The same authorization block as a file, for NATS servers outside Kubernetes.
+    auth = Path(args.directory) / "auth.conf"
+    fd = os.open(auth, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(authorization_block(idents, args.prefix))
+    print(auth)
     return 0
 
 
