@@ -13,9 +13,11 @@ Decides, with the pure functions of :mod:`shoal.fairness.trader` (Gandiva_fair
   user's active jobs that have a *measured* model on that generation
   (``ThroughputModelUpdated`` with ``samples > 0`` — the profiler's per-generation
   profiling, §3.5), of iterations/s at the job's gang size divided by that size.
-  Speedups are ratios of one user's rates, so a user's jobs are assumed similar
-  (a multi-job, §3.4, the paper's own restriction). Users with a pinned job, or
-  rates on fewer than two generations, do not trade;
+  Speedups are ratios of one user's rates, so only a user whose jobs are
+  homogeneous trades (a multi-job, §3.4, the paper's own restriction, enforced by
+  :func:`~shoal.fairness.trader.homogeneous_user`: one gang size, measured rates
+  within 10 % of each other on every generation). Users with a pinned job, with
+  heterogeneous jobs, or with measured rates on fewer than two generations, do not trade;
 - **demand**: GPUs of the user's unpinned jobs (a trade never leaves a user
   with GPUs it cannot keep busy);
 - **active trades**: ``TradeExecuted`` not yet ``TradeUndone``, in log order.
@@ -54,7 +56,7 @@ from shoal.events import Envelope
 from shoal.fairness.hetero import generation_order
 from shoal.fairness.policy import gang_size
 from shoal.fairness.shares import fair_shares_newest_first
-from shoal.fairness.trader import Trade, Undo, trading_round, undo_trades
+from shoal.fairness.trader import Trade, Undo, homogeneous_user, trading_round, undo_trades
 from shoal.models import interpolate
 from shoal.projection import CLUSTER_SNAPSHOT, Projection
 from shoal.state import ClusterState, JobState
@@ -104,7 +106,12 @@ def _measured_rate(job: JobState, gen: str, size: int) -> float | None:
 
 
 def market(
-    state: ClusterState, *, now: float, default_tickets: float = 100.0, rank: Mapping[str, int] | None = None
+    state: ClusterState,
+    *,
+    now: float,
+    default_tickets: float = 100.0,
+    rank: Mapping[str, int] | None = None,
+    homogeneity_tolerance: float = 0.1,
 ) -> Market:
     """Read the trading inputs from the folded state (see the module docstring).
 
@@ -114,6 +121,8 @@ def market(
         default_tickets: Tickets of a user the log never gave any.
         rank: Generation name -> rank (newer is higher); default
             :data:`shoal.fairness.hetero.GENERATION_RANK`.
+        homogeneity_tolerance: Spread of measured per-GPU rates among a user's jobs
+            still taken as one job type (:func:`shoal.fairness.trader.homogeneous_user`).
 
     Returns:
         The market.
@@ -144,9 +153,14 @@ def market(
     for user, jobs in sizes.items():
         if user in pinned:
             continue  # §3.4: pinned jobs are exempt from trading
+        per_job = [
+            {g: r for g in order if (r := _measured_rate(state.jobs[j], g, s)) is not None} for j, s in jobs
+        ]
+        if not homogeneous_user([s for _, s in jobs], per_job, tolerance=homogeneity_tolerance):
+            continue  # §3.4: only a user whose jobs are one job copied trades
         per_gen: dict[str, float] = {}
         for gen in order:
-            samples = [r for j, s in jobs if (r := _measured_rate(state.jobs[j], gen, s)) is not None]
+            samples = [r[gen] for r in per_job if gen in r]
             if samples:
                 per_gen[gen] = sum(samples) / len(samples)
         if len(per_gen) >= 2:

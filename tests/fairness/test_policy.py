@@ -33,6 +33,33 @@ def run(
     return decisions, memory
 
 
+def run_measured(
+    policy: GandivaFairPolicy,
+    view: ClusterView,
+    quanta: int,
+    speed: dict[str, dict[str, float]],
+    quantum_s: float = 60.0,
+    memory: dict[str, Any] | None = None,
+    start: int = 0,
+) -> tuple[list[Decision], dict[str, Any]]:
+    """:func:`run` with jobs that progress: a scheduled 1-GPU job of user ``u`` does
+    ``speed[u][generation]`` iterations a second, so the policy measures its profiles."""
+    memory = dict(memory or {})
+    done = {j.job_id: j.iterations_done for j in view.jobs}
+    user = {j.job_id: j.user for j in view.jobs}
+    decisions = []
+    for q in range(start, start + quanta):
+        jobs = tuple(msgspec.structs.replace(j, iterations_done=done[j.job_id]) for j in view.jobs)
+        v = msgspec.structs.replace(view, now_s=q * quantum_s, jobs=jobs)
+        d = policy.decide(v, memory)
+        check_decision(v, d)
+        memory = msgspec.msgpack.decode(msgspec.msgpack.encode(d.memory))
+        decisions.append(d)
+        for j, n in d.shares.items():
+            done[j] += speed[user[j]][d.gpu_types[j]] * n * quantum_s
+    return decisions, memory
+
+
 def gpu_quanta(decisions: list[Decision], by: Any) -> dict[str, float]:
     out: dict[str, float] = {}
     for d in decisions:
@@ -117,12 +144,20 @@ def table3_view(jobs_per_user: int = 50) -> ClusterView:
     )
 
 
+TABLE3_SPEED = {
+    "A": {"k80": 1.0, "v100": 1.25},
+    "B": {"k80": 1.0, "v100": 5.0},
+    "C": {"k80": 1.0, "v100": 6.25},
+}
+
+
 def test_table3_trading_through_the_policy() -> None:
     view = table3_view()
-    decisions, memory = run(GandivaFairPolicy(), view, 60)
+    decisions, memory = run_measured(GandivaFairPolicy(), view, 60, TABLE3_SPEED)
     executed = [t for d in decisions for t in d.memory["trades_executed"]]
-    # One trade per generation pair per quantum: the four trades take four quanta.
-    assert [len(d.memory["trades_executed"]) for d in decisions[:5]] == [1, 1, 1, 1, 0]
+    # No trade before the first profiles (quantum 0 only measures); then one trade per
+    # generation pair per quantum: the four trades take four quanta.
+    assert [len(d.memory["trades_executed"]) for d in decisions[:6]] == [0, 1, 1, 1, 1, 0]
     assert len(executed) == 4
     assert {(t["buyer"], t["seller"], t["price"]) for t in executed} == {("C", "A", 5.0)}
     held = memory["entitlements"]
@@ -135,7 +170,7 @@ def test_table3_trading_through_the_policy() -> None:
         assert sum(last.shares[j] for j, g in last.gpu_types.items() if g == gen) == n
     # Progress in K80 units once trades settle and jobs have followed the traded
     # GPUs: A 40, B 40, C 50 per quantum (Table 3), averaged over 50 quanta.
-    speed = {"A": {"k80": 1.0, "v100": 1.25}, "B": {"k80": 1.0, "v100": 5.0}, "C": {"k80": 1.0, "v100": 6.25}}
+    speed = TABLE3_SPEED
     window = decisions[10:]
     progress = {
         u: sum(speed[u][d.gpu_types[j]] for d in window for j in d.shares if j.startswith(u)) / len(window)
@@ -147,7 +182,7 @@ def test_table3_trading_through_the_policy() -> None:
 def test_user_arrival_undoes_trades() -> None:
     view = table3_view()
     policy = GandivaFairPolicy()
-    _, memory = run(policy, view, 6)
+    _, memory = run_measured(policy, view, 6, TABLE3_SPEED)
     assert len(memory["trades"]) == 4
     newcomer = tuple(
         job(f"D-{k}", "D", 1, throughput_by_type={"k80": (0.0, 1.0), "v100": (0.0, 3.0)}) for k in range(50)
@@ -237,7 +272,7 @@ def test_section_5_4_shares_and_departure_through_the_policy() -> None:
 def test_arrival_within_a_quantum_undoes_trades_at_once() -> None:
     view = table3_view()
     policy = GandivaFairPolicy(quantum_s=60.0)
-    _, memory = run(policy, view, 6)
+    _, memory = run_measured(policy, view, 6, TABLE3_SPEED)
     newcomer = tuple(
         job(f"D-{k}", "D", 1, throughput_by_type={"k80": (0.0, 1.0), "v100": (0.0, 3.0)}) for k in range(50)
     )

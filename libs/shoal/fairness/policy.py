@@ -16,7 +16,16 @@ gangs: a job runs with exactly its size or not at all. Each quantum:
 3. **Trading** (§3.4-3.5, heterogeneous clusters): on every call, trades no
    longer affordable or beneficial are undone; at quantum starts one
    second-price round runs (:mod:`.trader`).
-   Holdings = entitlements + trades. Users with a pinned job do not trade.
+   Holdings = entitlements + trades. Speedups come only from the policy's own
+   measured profiles (step 1), never from the declared curves
+   (``throughput_by_type``), so no user trades before it has been profiled on two
+   generations. Only homogeneous users trade (§3.4: the paper limits trading to a
+   user whose jobs are one job copied, a hyper-parameter sweep): one gang size, and
+   the last measured per-GPU rates of its jobs within ``homogeneity_tolerance``
+   (10 %) of each other on each generation
+   (:func:`.trader.homogeneous_user`); ``homogeneous_only=False`` relaxes this and
+   ranks any user by the mean of its jobs' samples. Users with a pinned job do not
+   trade. A trade whose seller loses under the current profiles is undone.
 4. **Generation** (Algorithm 2): jobs keep their generation while they fit the
    user's holding there; new jobs and jobs pushed out by a trade or a shrunken
    share are placed again (jobs follow traded GPUs); then at most one more job
@@ -47,7 +56,7 @@ Choices where the paper or the interface leave room:
 replay reproduces every decision: ``placement`` (job -> nodes named
 ``<generation>#<index>``, which also gives each job's generation), ``central``
 and ``local`` passes (and their ``base_*`` copies from the quantum's start),
-``profiles``, ``ran``/``ran_at`` (progress when last scheduled), ``trades``,
+``profiles``, ``job_rates`` (each job's last measured per-GPU rate per generation), ``ran``/``ran_at`` (progress when last scheduled), ``trades``,
 ``trade_seq`` and ``entitlements`` (per-user holdings after trades). It grows
 by about 55 bytes per job (4,000 jobs: about 220 KB of msgpack). Besides the state, it carries what happened in
 this decision for the caller to publish: ``trades_executed`` (fields of
@@ -74,7 +83,7 @@ from shoal.fairness.hetero import (
 from shoal.fairness.shares import fair_shares_newest_first, spill_leftover
 from shoal.fairness.split_stride import PlacedJob, split_stride_quantum
 from shoal.fairness.stride import STRIDE1
-from shoal.fairness.trader import Trade, holdings, trading_round, undo_trades
+from shoal.fairness.trader import Trade, holdings, homogeneous_user, trading_round, undo_trades
 from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
 
 MEMORY_VERSION = 1
@@ -130,6 +139,8 @@ class GandivaFairPolicy:
         generation_rank: Mapping[str, int] | None = None,
         pack_on_placement: bool = False,
         spill: bool = False,
+        homogeneous_only: bool = True,
+        homogeneity_tolerance: float = 0.1,
     ) -> None:
         """Configure the policy.
 
@@ -151,6 +162,10 @@ class GandivaFairPolicy:
                 unallocated (:func:`.shares.spill_leftover`). Off by default: on the
                 Philly runs of ``benchmarks/fairness_heterogeneity.py`` it lowers the
                 users' shortfall a little but raises the average JCT (see the report).
+            homogeneous_only: Trade only for users whose jobs are homogeneous (§3.4);
+                False relaxes the paper's condition (see the module docstring).
+            homogeneity_tolerance: Spread of measured per-GPU rates among a user's
+                jobs still taken as one job type.
         """
         self.quantum_s = quantum_s
         self.stride1 = stride1
@@ -165,6 +180,8 @@ class GandivaFairPolicy:
         self.generation_rank = generation_rank
         self.pack_on_placement = pack_on_placement
         self.spill = spill
+        self.homogeneous_only = homogeneous_only
+        self.homogeneity_tolerance = homogeneity_tolerance
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Decide which jobs run this quantum, on which generation.
@@ -200,6 +217,9 @@ class GandivaFairPolicy:
         # 1. Opportunistic profiling (§3.5).
         profiles: dict[str, dict[str, list[float]]] = mem.get("profiles", {})
         profiles = {u: p for u, p in profiles.items() if u in by_user}
+        job_rates: dict[str, dict[str, float]] = {
+            j: r for j, r in mem.get("job_rates", {}).items() if j in jobs
+        }
         if new_quantum:
             t0 = float(mem.get("ran_at", now))
             last_gen = _generation_of(mem.get("placement", {}))
@@ -211,7 +231,13 @@ class GandivaFairPolicy:
                 sample = (job.iterations_done - it0) / (now - t0) / size[jid]
                 per_user = profiles.setdefault(job.user, {})
                 per_user[gen] = record_sample(per_user.get(gen, []), sample, window=self.profile_window)
+                job_rates.setdefault(jid, {})[gen] = sample
         rates = {u: self._rates(u, by_user[u], jobs, size, profiles, gens) for u in by_user}
+        # Trading reads measured profiles only (§3.5 "Profiling"), never declared curves.
+        measured = {
+            u: {g: r for g in gens if (r := profiled_rate(profiles.get(u, {}).get(g, []))) is not None}
+            for u in by_user
+        }
 
         # 2. Entitlements: newest generation first, pinned demand on its generation.
         cap = dict(gens)
@@ -240,8 +266,17 @@ class GandivaFairPolicy:
         if len(gens) > 1 and self.trading:
             traders = {
                 u: r
-                for u, r in rates.items()
-                if u not in pinned and sum(1 for g in gens if r.get(g, 0.0) > 0) >= 2
+                for u, r in measured.items()
+                if u not in pinned
+                and sum(1 for g in gens if r.get(g, 0.0) > 0) >= 2
+                and (
+                    not self.homogeneous_only
+                    or homogeneous_user(
+                        [size[j] for j in by_user[u] if jobs[j].pinned_gpu_type is None],
+                        [job_rates[j] for j in by_user[u] if j in job_rates],
+                        tolerance=self.homogeneity_tolerance,
+                    )
+                )
             }
             # The undo check runs on every call (arrivals and departures, §3.5);
             # new trades only at quantum starts.
@@ -421,6 +456,7 @@ class GandivaFairPolicy:
                 "central": central_all,
                 "local": local_all,
                 "profiles": profiles,
+                "job_rates": job_rates,
                 "ran": {j: jobs[j].iterations_done for j in sorted(shares)},
                 "ran_at": now,
                 "trades": [msgspec.structs.asdict(t) for t in active],
@@ -455,7 +491,10 @@ class GandivaFairPolicy:
         profiles: Mapping[str, Mapping[str, list[float]]],
         gens: Mapping[str, int],
     ) -> dict[str, float]:
-        """Per-GPU rate of the user's jobs on each generation: profile, else declared curves."""
+        """Per-GPU rate of the user's jobs on each generation: profile, else declared curves.
+
+        For the generation choice (Algorithm 2) only; trading reads measured profiles alone.
+        """
         out: dict[str, float] = {}
         for g in gens:
             r = profiled_rate(profiles.get(user, {}).get(g, []))

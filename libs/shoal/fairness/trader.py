@@ -30,13 +30,19 @@ Choices where the paper is silent (NOTES §1.1.G, §1.5.6):
 - Pairs are visited fast generation newest first, then slow generation oldest
   first (V100/K80, V100/P100, P100/K80 for ``order = (v100, p100, k80)``).
 - Hysteresis: a trade needs ``s_buyer ≥ (1 + min_gain) · s_seller`` (default 10 %);
-  a trade is undone only when a party *loses* under current rates by more than
-  ``undo_tolerance`` of the trade's value. ``max_trades_per_pair`` bounds trades
+  a trade is undone when its *seller* loses anything under current rates, or when
+  its buyer loses more than ``undo_tolerance`` of the value it paid (the buyer chose
+  the price; the seller only accepted it). ``max_trades_per_pair`` bounds trades
   per pair per round (``None``: trade until no pair gains).
-- Fairness guard. Every kept trade is weakly beneficial to both parties under the
-  current rates, so no user's progress falls below that of its untraded
-  entitlement. Holdings never go negative: when entitlements shrink, the newest
-  trades that gave away the missing GPUs are undone first.
+- Fairness guard. A new trade's price lies between the two speedups, so it is weakly
+  beneficial to both parties under the rates it was made on; a kept trade never
+  leaves its seller worse off under the current rates (above). Holdings never go
+  negative: when entitlements shrink, the newest trades that gave away the missing
+  GPUs are undone first.
+- Who trades (the caller decides, with :func:`homogeneous_user`): the paper limits
+  trading to users whose jobs are homogeneous, a hyper-parameter sweep of one job
+  (§3.4, NOTES §1.1.G), because a user's speedup is one number for all its jobs.
+  Rates must be measured (profiles), never a model table.
 - Bonus tickets and trades: trades are applied on top of the post-water-filling
   entitlements (bonus shares included); they are recomputed every round, so a
   trade never survives a loss of the GPUs it traded.
@@ -110,6 +116,37 @@ def trade_gains(trade: Trade, rates: Mapping[str, Mapping[str, float]]) -> tuple
     return buyer, seller
 
 
+def homogeneous_user(
+    sizes: Sequence[int],
+    job_rates: Sequence[Mapping[str, float]],
+    *,
+    tolerance: float = 0.1,
+) -> bool:
+    """Whether a user's jobs are homogeneous enough to trade (Gandiva_fair §3.4).
+
+    The paper trades only for users whose jobs are one job copied (a sweep). Rule
+    (the paper gives none): every job has the same gang size, and on each generation
+    the measured per-GPU rates of the user's jobs that have one lie within a factor
+    ``1 + tolerance`` of each other (largest ≤ (1 + tolerance) × smallest).
+
+    Args:
+        sizes: Gang size of each of the user's (unpinned) jobs.
+        job_rates: Per job, generation -> its measured per-GPU rate there.
+        tolerance: Relative spread of measured rates still counted as one job type.
+
+    Returns:
+        True when the user may trade (False for a user with no job).
+    """
+    if not sizes or len(set(sizes)) > 1:
+        return False
+    gens = {g for r in job_rates for g in r}
+    for g in gens:
+        values = [r[g] for r in job_rates if g in r]
+        if min(values) <= 0 or max(values) > (1.0 + tolerance) * min(values) + 1e-12:
+            return False
+    return True
+
+
 def undo_trades(
     entitlements: Mapping[str, Mapping[str, float]],
     trades: Sequence[Trade],
@@ -123,8 +160,9 @@ def undo_trades(
         entitlements: User -> generation -> untraded fair share, for active users.
         trades: Active trades, oldest first.
         rates: User -> generation -> progress per GPU (current profile).
-        undo_tolerance: A trade is kept while each party's loss under current
-            rates is at most this fraction of the value it gave up.
+        undo_tolerance: A trade is kept while its buyer's loss under current rates
+            is at most this fraction of the value it paid; a seller's loss of any
+            size undoes it (no trade leaves its seller worse off).
 
     Returns:
         (trades kept, oldest first; trades undone, with reasons).
@@ -139,7 +177,7 @@ def undo_trades(
         rb, rs = rates.get(t.buyer, {}), rates.get(t.seller, {})
         paid_b = t.slow_gpus * rb.get(t.slow_type, 0.0)
         paid_s = t.fast_gpus * rs.get(t.fast_type, 0.0)
-        if not rb or not rs or gb < -undo_tolerance * paid_b or gs < -undo_tolerance * paid_s:
+        if not rb or not rs or gb < -undo_tolerance * paid_b or gs < -1e-9 * max(paid_s, 1.0):
             undone.append(Undo(trade_id=t.trade_id, reason="no longer beneficial"))
             continue
         kept.append(t)
