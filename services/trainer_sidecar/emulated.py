@@ -73,6 +73,7 @@ from shoal.bus import Bus, ConcurrencyConflict
 from shoal.clock import HOLD_TTL_S, Clock, SharedClock, done_key, hold, release
 from shoal.log import bound_job
 from shoal.models import Catalog, interpolate
+from shoal.profiling import PROFILER_KINDS
 from shoal.sim.costs import ReconfigCosts, classify
 from shoal.telemetry import extract, trace_fields
 
@@ -159,9 +160,16 @@ class EmulatedTrainer:
         want = self.spec.max_gpus
         curve: tuple[float, ...] | None = None
         # The job's own throughput model in the log (a profile, or the calibrated
-        # curve a trace replay published, as the simulator does) comes first.
+        # curve a trace replay published, as the simulator does) comes first. What the
+        # profiler published is its *measurement* of this trainer (an estimate, a fit):
+        # taking it for the truth would make the emulated job run as the profiler
+        # guessed, so it is skipped (AFS §4.5's overestimate would come true).
         model = await self._last_event("profile.throughput_model_updated")
-        if isinstance(model, ev.ThroughputModelUpdated) and model.throughput:
+        if (
+            isinstance(model, ev.ThroughputModelUpdated)
+            and model.throughput
+            and model.model_kind not in PROFILER_KINDS
+        ):
             curve = interpolate(dict(model.throughput), upto=want)
         elif self.spec.profile:
             table = self.spec.profile.get("") or self.spec.profile[sorted(self.spec.profile)[0]]

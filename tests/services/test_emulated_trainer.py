@@ -127,3 +127,25 @@ async def test_a_job_moved_at_the_instant_it_started_starts_on_its_new_node(bus:
     started = [(s.epoch, s.kind, s.from_world) for s in await events_of(bus, ev.ReconfigurationStarted)]
     assert started == [(2, "start", 0), (3, "start", 0)]
     assert b.is_leader and b.finish_at() == 10.0 + 1000.0  # no stop time charged
+
+
+async def test_the_profilers_model_is_not_taken_for_the_jobs_truth(bus: Bus) -> None:
+    # A job with no profile and no catalog runs at linear scaling; what the profiler
+    # published about it (AFS §4.5's estimate) must not become how fast it runs, or the
+    # overestimate would come true. A trace's table still is the truth.
+    spec = ev.JobSpec(user="u", min_gpus=1, max_gpus=4, requested_gpus=2, total_iterations=1000)
+    await bus.publish(codec.wrap(ev.JobSubmitted(job_id="j", spec=spec), at=0.0))
+    guess = {k: 5.0 * k for k in range(1, 5)}
+    await bus.publish(
+        ev.ThroughputModelUpdated(
+            job_id="j", gpu_type="", model_kind="afs-overestimate", throughput=guess, overestimated=True
+        )
+    )
+    t = EmulatedTrainer(bus, "j", "n0", clock=ManualClock(), costs=get_costs("free"))
+    await t.load()
+    assert t.curve == (0.0, 1.0, 2.0, 3.0, 4.0)
+    await bus.publish(
+        ev.ThroughputModelUpdated(job_id="j", gpu_type="", model_kind="table", throughput=guess)
+    )
+    await t.load()
+    assert t.curve[1:] == (5.0, 10.0, 15.0, 20.0)

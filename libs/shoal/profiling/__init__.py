@@ -82,6 +82,8 @@ from shoal.state import FINISHED_STATUSES, JobState
 OVERESTIMATE_KIND = "afs-overestimate"
 #: ``model_kind`` of measured values plus the job's known profile, re-scaled to them.
 PROFILE_KIND = "profile-calibrated"
+#: Every ``model_kind`` the profiler publishes (a measurement of the job, not its truth).
+PROFILER_KINDS = frozenset({OVERESTIMATE_KIND, PROFILE_KIND, MODEL_KIND})
 
 
 class Reason(StrEnum):
@@ -375,6 +377,7 @@ def convergence_update(
 
 __all__ = [
     "OVERESTIMATE_KIND",
+    "PROFILER_KINDS",
     "PROFILE_KIND",
     "ConvergenceModel",
     "ProfileBook",
