@@ -17,6 +17,23 @@ checkpoints, writes the metadata (checkpoint directory, step, epoch) to the KV
 bucket ``<P>_TRAIN_META`` and releases the lease, so the next leader takes over at
 once instead of after the TTL.
 
+Leader handover without a restart (EDL §4.2, "if the leader is instructed to leave"):
+when the leader is stopped and the newest order places the job only on other nodes
+(the leader's node was taken out of the share), it first carries that order out (a
+graceful scale-in: its own workers leave at the switch), then detaches
+(:meth:`~shoal.train.controller.Controller.detach`): it closes its control server
+without killing the surviving workers, writes the running generation (members,
+GPUs, epoch) into the metadata as ``handover`` and releases the lease. The survivors
+keep training in their process group meanwhile. The next leader adopts them
+(:meth:`~shoal.train.controller.Controller.adopt`): those of its own node from its
+worker host, those of other nodes through their sidecars (``adopt`` in
+``remote.py``); the workers find its control server through the leader file in the
+checkpoint directory. Nobody reloads the checkpoint. Followers keep the workers of
+a leader that handed over (instead of killing them as orphans) for
+``handover_keep_s``. A leader that is killed cannot hand over: its own workers die
+with it, the survivors' collective fails, and the next leader restarts the job from
+the checkpoint (consistent recovery, EDL §4.2).
+
 Workers run on the nodes the placement names (see ``remote.py``): the leader starts
 those of its own node as its children, and those of another node through that
 node's sidecar of the job, which runs them as its children (they die with it) and
@@ -66,8 +83,9 @@ from shoal.bus import Bus, ConcurrencyConflict, LeaderLease
 from shoal.events import GpuRef
 from shoal.log import bound_job
 from shoal.telemetry import extract
+from shoal.train import protocol as pr
 from shoal.train.config import ENV_PREFIX, TrainConfig
-from shoal.train.controller import Controller, OrderError
+from shoal.train.controller import Controller, OrderError, ReconfigurationFailedError
 from shoal.train.launch import LaunchRequest, WorkerProcess, launch_local
 from shoal_services.trainer_sidecar.remote import RemoteWorkers, WorkerHost
 
@@ -94,6 +112,7 @@ class RealSidecar:
         advertise_host: str = "127.0.0.1",
         drain_s: float = 5.0,
         poll_s: float = 1.0,
+        handover_keep_s: float | None = None,
     ) -> None:
         self.bus = bus
         self.job_id = job_id
@@ -109,6 +128,8 @@ class RealSidecar:
         self.advertise_host = advertise_host
         self.drain_s = drain_s
         self.poll_s = poll_s
+        self.handover_keep_s = self.train.rendezvous_timeout_s if handover_keep_s is None else handover_keep_s
+        """How long followers keep the workers of a leader that handed over, unadopted."""
         self.holder = f"{node_id}-{os.getpid()}"
         self.commands: asyncio.Queue[ev.Reconfigure] = asyncio.Queue()
         self.order_context: dict[int, dict[str, str]] = {}
@@ -216,16 +237,19 @@ class RealSidecar:
             return {}
         return json.loads(entry.value or b"{}")
 
-    async def write_meta(self) -> None:
+    async def write_meta(self, handover: pr.Handover | None = None) -> None:
         ctl = self.controller
         if ctl is None:
             return
-        meta = {
+        meta: dict[str, object] = {
             "checkpoint_dir": ctl.train.checkpoint_dir,
             "step": ctl.progress.step if ctl.progress else 0,
             "epoch": ctl.epoch,
             "leader": self.holder,
         }
+        if handover is not None:
+            meta["handover"] = msgspec.to_builtins(handover)
+            meta["handover_at"] = time.time()
         kv = await self._meta()
         await kv.put(f"train.{self.job_id}", json.dumps(meta).encode())  # type: ignore[attr-defined]
 
@@ -235,10 +259,14 @@ class RealSidecar:
         """Became leader: start the controller on the newest order, from the handed-over state."""
         assert self.spec is not None
         self._leading = True
-        if self.host is not None:
-            # Workers this node ran for the previous leader belong to no generation now.
-            await self.host.drop_others(self.holder)
         meta = await self.read_meta()
+        handover = self._handover_in(meta)
+        adopted_here: dict[int, asyncio.subprocess.Process] = {}
+        if self.host is not None:
+            if handover is not None:
+                adopted_here = self.host.release(handover.leader, handover.members)
+            # Other workers this node ran for the previous leader belong to no generation now.
+            await self.host.drop_others(self.holder)
         checkpoint_dir = str(meta.get("checkpoint_dir") or self.workdir / self.job_id / "checkpoint")
         env = dict(self.spec.env)
         train = self.train
@@ -275,12 +303,88 @@ class RealSidecar:
             gpu_type=self.gpu_type,
             host=self.advertise_host,
             launch=self._launch,
+            leader_id=self.holder,
         )
         await self.controller.start()
+        if handover is not None:
+            await self._adopt(handover, adopted_here)
         await self.write_meta()
         log.info("sidecar_leads", job_id=self.job_id, holder=self.holder, meta=meta)
         if self.newest is not None:
             await self.controller.apply(self.newest)
+
+    def _handover_in(self, meta: dict[str, object]) -> pr.Handover | None:
+        """The generation a previous leader handed over in ``meta``, if it is recent."""
+        raw = meta.get("handover")
+        at = meta.get("handover_at")
+        if not raw or meta.get("leader") == self.holder or not isinstance(at, int | float):
+            return None
+        if time.time() - at > self.handover_keep_s:
+            return None  # the followers no longer keep its workers
+        try:
+            return msgspec.convert(raw, pr.Handover)
+        except msgspec.ValidationError as exc:
+            log.error("bad_handover", job_id=self.job_id, error=str(exc))
+            return None
+
+    async def _adopt(self, handover: pr.Handover, here: dict[int, asyncio.subprocess.Process]) -> bool:
+        """Take over the workers ``handover`` names (see the module docstring); on any
+        missing one, kill the ones taken and let the newest order start the job afresh."""
+        assert self.controller is not None and self.remote is not None
+        procs: dict[int, WorkerProcess] = {}
+        for wid, (node, _index) in zip(handover.members, handover.gpus, strict=True):
+            if node == self.node_id:
+                if wid in here:
+                    procs[wid] = here.pop(wid)
+            elif (remote := await self.remote.adopt(node, handover.leader, wid)) is not None:
+                procs[wid] = remote
+        try:
+            if len(procs) != len(handover.members):
+                raise ReconfigurationFailedError(
+                    f"workers {sorted(set(handover.members) - set(procs))} are gone"
+                )
+            await self.controller.adopt(handover, procs)
+        except ReconfigurationFailedError as exc:
+            log.warning("handover_not_adopted", job_id=self.job_id, error=str(exc))
+            for proc in [*procs.values(), *here.values()]:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+            return False
+        for proc in here.values():  # this node's workers of the old leader outside the generation
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+        log.info("handover_adopted", job_id=self.job_id, previous=handover.leader, gen=handover.gen)
+        return True
+
+    async def _hand_over(self) -> bool:
+        """A leader that is stopped: hand the job over in place when the newest order
+        places it only on other nodes (see the module docstring). Returns whether it did;
+        if not, the caller resigns with a checkpoint."""
+        # Orders that came with the end of stdin are carried out first.
+        while not self.commands.empty():
+            await self._on_order(self.commands.get_nowait())
+        ctl, newest = self.controller, self.newest
+        if ctl is None or newest is None or not newest.gpus:
+            return False
+        if any(g.node_id == self.node_id for g in newest.gpus):
+            return False  # the job goes on here: this node is not leaving it
+        try:
+            await ctl.wait_idle(self.train.rendezvous_timeout_s + self.train.collective_timeout_s)
+        except ReconfigurationFailedError as exc:
+            log.warning("handover_impossible", job_id=self.job_id, error=str(exc))
+            return False
+        if ctl.current is None or set(ctl.current.gpus) != set(newest.gpus) or not ctl.can_hand_over():
+            return False
+        handover = await ctl.detach()
+        with contextlib.suppress(Exception):
+            await self.write_meta(handover)
+        self.controller = None
+        if self.remote is not None:
+            await self.remote.close()  # stops polling; the followers keep the workers
+            self.remote = None
+        self._leading = False
+        log.info("leader_handed_over", job_id=self.job_id, gen=handover.gen, members=handover.members)
+        return True
 
     async def _resign(self, *, checkpoint: bool) -> None:
         if self.controller is None:
@@ -324,9 +428,15 @@ class RealSidecar:
                 changed.set()
             if not lease.is_leader and self.host is not None and self.host.leaders():
                 # Workers run here for a leader that no longer holds the lease (it died):
-                # they must not outlive it. The grace covers a lease read that lags a spawn.
+                # they must not outlive it, unless it handed them over to the next leader.
+                # The grace covers a lease read that lags a spawn.
                 with contextlib.suppress(Exception):
-                    await self.host.drop_others(await lease.holder_now(), grace_s=self.lease_ttl_s)
+                    holder = await lease.holder_now()
+                    keep: set[str] = set()
+                    if self.host.leaders() - {holder}:
+                        handover = self._handover_in(await self.read_meta())
+                        keep = {handover.leader} if handover is not None else set()
+                    await self.host.drop_others(holder, grace_s=self.lease_ttl_s, keep=keep)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.lease_ttl_s / 3)
 
@@ -350,7 +460,9 @@ class RealSidecar:
         await asyncio.to_thread(importlib.import_module, "torch.distributed")
         lease: LeaderLease = await self.bus.lease(f"train.{self.job_id}", self.holder, ttl_s=self.lease_ttl_s)
         changed = asyncio.Event()
-        campaign = asyncio.create_task(self._campaign(lease, stop, changed))
+        # Its own stop: a leader keeps its lease while it hands over after ``stop``.
+        campaigning = asyncio.Event()
+        campaign = asyncio.create_task(self._campaign(lease, campaigning, changed))
         try:
             while not stop.is_set():
                 order: ev.Reconfigure | None = None
@@ -369,10 +481,18 @@ class RealSidecar:
                 if self.controller is not None and self.controller.done.is_set():
                     await self._complete()
         finally:
+            handed = False
+            if lease.is_leader and self.controller is not None:
+                try:
+                    handed = await self._hand_over()
+                except Exception as exc:
+                    log.error("handover_failed", job_id=self.job_id, error=str(exc))
+            campaigning.set()
             campaign.cancel()
             await asyncio.gather(campaign, return_exceptions=True)
-            if lease.is_leader:
-                await self._resign(checkpoint=True)
+            if lease.is_leader or handed:
+                if not handed:
+                    await self._resign(checkpoint=True)
                 await lease.release()
             await self.host.close(drain_s=self.drain_s)
 

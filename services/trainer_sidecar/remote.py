@@ -19,6 +19,8 @@ is stored):
   (idempotent per leader and worker id, so a retried request never starts two);
 * ``<P>.sidecar.<job>.<node>.signal``: :class:`SignalRequest` -> :class:`StatusReply`;
 * ``<P>.sidecar.<job>.<node>.status``: :class:`StatusRequest` -> :class:`StatusReply`;
+* ``<P>.sidecar.<job>.<node>.adopt``: :class:`AdoptRequest` -> :class:`SpawnReply` (a new
+  leader takes over a worker the follower runs for the leader that handed over to it);
 * ``<P>.sidecar.<job>.exited``: :class:`ExitNote`, published by a follower when a
   worker it hosts exits.
 
@@ -30,7 +32,12 @@ controller handles such exits as worker deaths (forced scale-in with recovery).
 
 Who may run workers: a follower kills the workers of a leader that no longer holds
 the job's lease (``drop_others``, checked by the sidecar at every lease tick), so
-the workers of a leader that died do not outlive it on other nodes.
+the workers of a leader that died do not outlive it on other nodes. The exception is
+a leader that handed over (``keep``): its workers live on until the next leader adopts
+them (``adopt``: they are then that leader's) or the sidecar stops keeping them.
+
+These subjects are under ``<P>.sidecar.>``, which only the ``sidecar`` and ``admin``
+identities may use (:mod:`shoal.auth`).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import msgspec
@@ -80,6 +87,14 @@ class StatusRequest(msgspec.Struct, frozen=True, kw_only=True):
 class StatusReply(msgspec.Struct, frozen=True, kw_only=True):
     workers: dict[int, int | None] = {}
     """Worker id -> exit code (None: running), for the asking leader's workers."""
+
+
+class AdoptRequest(msgspec.Struct, frozen=True, kw_only=True):
+    leader: str
+    """The new leader."""
+    previous: str
+    """The leader that handed over; the worker must be one the follower runs for it."""
+    worker: int
 
 
 class ExitNote(msgspec.Struct, frozen=True, kw_only=True):
@@ -220,6 +235,27 @@ class RemoteWorkers:
         self.procs[(node, request.worker)] = proc
         return proc
 
+    async def adopt(self, node: str, previous: str, worker: int) -> RemoteProcess | None:
+        """Take over ``worker``, which ``node``'s sidecar runs for the leader ``previous``
+        (a handover); ``None`` when it does not run it (any more) or does not answer."""
+        payload = msgspec.json.encode(AdoptRequest(leader=self.leader, previous=previous, worker=worker))
+        try:
+            msg = await self.nc.request(
+                subject(self.prefix, self.job_id, node, "adopt"), payload, timeout=self.request_timeout_s
+            )
+            reply = msgspec.json.decode(msg.data, type=SpawnReply)
+        except Exception as exc:
+            log.warning("remote_adopt_failed", job_id=self.job_id, node=node, worker=worker, error=str(exc))
+            return None
+        if reply.error:
+            log.warning(
+                "remote_adopt_refused", job_id=self.job_id, node=node, worker=worker, error=reply.error
+            )
+            return None
+        proc = RemoteProcess(self, node, worker, reply.pid)
+        self.procs[(node, worker)] = proc
+        return proc
+
     def signal(self, proc: RemoteProcess, sig: int) -> None:
         task = asyncio.create_task(self._signal(proc, sig))
         self._tasks.add(task)
@@ -346,7 +382,13 @@ class WorkerHost:
         self._lock = asyncio.Lock()
 
     async def start(self) -> None:
-        for name, cb in (("spawn", self._on_spawn), ("signal", self._on_signal), ("status", self._on_status)):
+        handlers = (
+            ("spawn", self._on_spawn),
+            ("signal", self._on_signal),
+            ("status", self._on_status),
+            ("adopt", self._on_adopt),
+        )
+        for name, cb in handlers:
             self._subs.append(
                 await self.nc.subscribe(subject(self.prefix, self.job_id, self.node_id, name), cb=cb)
             )
@@ -358,11 +400,15 @@ class WorkerHost:
         """Leaders that have workers running here."""
         return {h.leader for h in self.running()}
 
-    async def drop_others(self, holder: str | None, *, grace_s: float = 0.0) -> None:
-        """Kill the workers of every leader but ``holder`` (started over ``grace_s`` ago)
-        and forget the exited ones: their leader no longer holds the job's lease."""
+    async def drop_others(
+        self, holder: str | None, *, grace_s: float = 0.0, keep: Collection[str] = ()
+    ) -> None:
+        """Kill the workers of every leader but ``holder`` and those in ``keep`` (leaders
+        that handed over), started over ``grace_s`` ago, and forget the exited ones: their
+        leader no longer holds the job's lease."""
         now = time.monotonic()
-        doomed = [h for h in self.hosted.values() if h.leader != holder and now - h.started >= grace_s]
+        spared = {holder, *keep}
+        doomed = [h for h in self.hosted.values() if h.leader not in spared and now - h.started >= grace_s]
         running = [h for h in doomed if h.proc.returncode is None]
         if running:
             log.warning(
@@ -378,6 +424,17 @@ class WorkerHost:
         await asyncio.gather(*(h.proc.wait() for h in running), return_exceptions=True)
         for h in doomed:
             self.hosted.pop((h.leader, h.worker), None)
+
+    def release(self, leader: str, workers: Collection[int]) -> dict[int, asyncio.subprocess.Process]:
+        """Hand the running ``workers`` of ``leader`` to this node's own sidecar (it leads
+        now and adopts them): they are no longer hosted, and stay its children."""
+        out = {}
+        for wid in workers:
+            hosted = self.hosted.get((leader, wid))
+            if hosted is not None and hosted.proc.returncode is None:
+                del self.hosted[(leader, wid)]
+                out[wid] = hosted.proc
+        return out
 
     async def close(self, drain_s: float = 0.0) -> None:
         """Stop answering; give running workers ``drain_s`` to exit on their own (a leaving
@@ -485,6 +542,23 @@ class WorkerHost:
             with contextlib.suppress(ProcessLookupError):
                 hosted.proc.send_signal(req.signal)
         await self._reply(msg, self._status(req.leader))
+
+    async def _on_adopt(self, msg: Msg) -> None:
+        try:
+            req = msgspec.json.decode(msg.data, type=AdoptRequest)
+        except msgspec.DecodeError as exc:
+            await self._reply(msg, SpawnReply(error=f"malformed adopt request: {exc}"))
+            return
+        async with self._lock:
+            hosted = self.hosted.get((req.previous, req.worker))
+            if hosted is None or hosted.proc.returncode is not None:
+                await self._reply(msg, SpawnReply(error=f"no running worker {req.worker} of {req.previous}"))
+                return
+            del self.hosted[(req.previous, req.worker)]
+            hosted.leader = req.leader  # its exit note now goes to the new leader
+            self.hosted[(req.leader, req.worker)] = hosted
+        log.info("remote_worker_adopted", job_id=self.job_id, leader=req.leader, worker=req.worker)
+        await self._reply(msg, SpawnReply(pid=hosted.proc.pid))
 
     async def _on_status(self, msg: Msg) -> None:
         try:

@@ -33,6 +33,16 @@ job, which runs them as its children and reports their exits
 (:mod:`shoal.train.launch`, ``services/trainer_sidecar/remote.py``); every worker
 connects back to the leader's control server and store by address.
 
+Leader handover (EDL §4.2): a leader whose node leaves the job scales in to the other
+nodes, then detaches (:meth:`~shoal.train.controller.Controller.detach`) without killing the
+survivors, which keep training in their process group (gloo's connections are
+between the workers; the store is needed only to build a group; the NCCL path has
+not been run).
+The next leader adopts them in place (:meth:`~shoal.train.controller.Controller.adopt`);
+each worker finds the new control server in ``leader.json`` in the checkpoint
+directory (``SHOAL_TRAIN_LEADER`` names the leader it knows). Nothing is reloaded.
+A leader that is killed takes its own workers with it; that is a worker failure.
+
 Data plane: workers hold process groups (gloo on CPU, NCCL on GPU) built directly
 from the store, with a timeout on every collective and rendezvous. Each step does
 one all-reduce of a flat buffer: the gradients, each scaled by the worker's sample

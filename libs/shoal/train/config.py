@@ -22,6 +22,11 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """``host:port`` of the sidecar's control server; empty outside shoal."""
     worker: int = -1
     job: str = ""
+    leader: str = ""
+    """Id of the leader whose control server ``control`` is. When that connection closes
+    (the leader handed over, EDL §4.2), the worker looks in ``<checkpoint_dir>/leader.json``
+    for a leader with another id, for up to ``rendezvous_timeout_s``, and reconnects to it;
+    meanwhile it keeps training in its current process group."""
     device: str = "cpu"
     """``cpu`` (gloo) or ``cuda`` (NCCL; ``CUDA_VISIBLE_DEVICES`` holds this worker's GPU)."""
     checkpoint_dir: str = ""

@@ -23,6 +23,7 @@ import math
 import signal
 import socket
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,6 +128,8 @@ class Controller:
             ``gpu_index(gpu)`` (:func:`shoal.train.launch.launch_local`).
         failure_settle_s: how long a recovery waits to learn which worker failed when
             the first death it sees is a worker whose collective broke under it.
+        leader_id: this controller's id, given to its workers as ``SHOAL_TRAIN_LEADER``
+            (default: a random one); see :meth:`detach` and :meth:`adopt`.
     """
 
     def __init__(
@@ -148,6 +151,7 @@ class Controller:
         host: str = "127.0.0.1",
         launch: Launcher | None = None,
         failure_settle_s: float = 3.0,
+        leader_id: str = "",
     ) -> None:
         if not argv:
             raise ValueError(f"job {job_id} has no entrypoint to run")
@@ -167,6 +171,7 @@ class Controller:
         self.host = host
         self.launch: Launcher = launch or self.launch_local
         self.failure_settle_s = failure_settle_s
+        self.leader_id = leader_id or f"ctl-{uuid.uuid4().hex[:12]}"
         self._failed: dict[int, Worker] = {}
         """Members that died unexpectedly since the last recovery (see :meth:`_culprits`)."""
         self.epoch = -1
@@ -236,6 +241,111 @@ class Controller:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
         self._store = None
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """The job's checkpoint directory; it also holds the leader file (:data:`protocol.LEADER_FILE`)."""
+        return self.train.checkpoint_dir or str(self.workdir / "checkpoint")
+
+    def can_hand_over(self) -> bool:
+        """Whether :meth:`detach` may hand the running generation over: the API is used,
+        training runs and is not over, and no reconfiguration or recovery is under way."""
+        return (
+            self.api
+            and self.current is not None
+            and self.inflight is None
+            and self._queued is None
+            and not self._recovering
+            and not self.done.is_set()
+            and all(m in self.workers for m in self.current.members)
+        )
+
+    async def detach(self) -> pr.Handover:
+        """Leave the job without stopping it (EDL §4.2, the leader's graceful exit): close the
+        control server and every worker's connection and drop the rendezvous store, but
+        kill no worker. The workers keep training in their process group (gloo's connections
+        are between the workers and the store is only needed to build a group; NCCL has not
+        been tried) and look for the next leader (:meth:`adopt`) through the leader file.
+
+        The caller decides whether the workers outlive this process: the ones it started as
+        its own children die with it. Returns what the next leader needs.
+
+        Raises:
+            ReconfigurationFailedError: :meth:`can_hand_over` is false.
+        """
+        if not self.can_hand_over():
+            raise ReconfigurationFailedError("nothing to hand over: no running generation, or one in flux")
+        cur = self.current
+        assert cur is not None
+        handover = pr.Handover(
+            leader=self.leader_id,
+            gen=cur.gen,
+            members=cur.members,
+            gpus=tuple((g.node_id, g.index) for g in cur.gpus),
+            next_worker=self._next_worker,
+            epoch=self.epoch,
+            step=self.progress.step if self.progress else 0,
+        )
+        self._closing = True
+        for w in self.workers.values():
+            w.expected_exit = True
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            self._server.close()
+        for w in self.workers.values():
+            if w.writer is not None:
+                w.writer.close()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+        self._store = None
+        self.current = None
+        self.workers = {}  # no longer this controller's: close() must not kill them
+        log.info("leader_detached", job_id=self.job_id, gen=handover.gen, members=handover.members)
+        return handover
+
+    async def adopt(self, handover: pr.Handover, procs: dict[int, WorkerProcess]) -> None:
+        """Take over the generation another leader handed over (:meth:`detach`), after
+        :meth:`start`: its workers become this controller's, in place, with their model,
+        optimizer and data progress in memory; nothing is restarted or reloaded. Writes the
+        leader file so that they reconnect here; later plans name this controller's store.
+
+        ``procs`` holds a process handle for every member (a child here, or a worker on
+        another node through its sidecar). Reconfigurations wait until every member has
+        reconnected (up to the rendezvous timeout).
+
+        Raises:
+            ReconfigurationFailedError: this controller already runs a generation, or a
+                member has no process handle.
+        """
+        if self.current is not None or self.workers:
+            raise ReconfigurationFailedError("cannot adopt workers: this controller already runs some")
+        missing = [m for m in handover.members if m not in procs]
+        if missing:
+            raise ReconfigurationFailedError(f"cannot adopt workers {missing}: no process handle")
+        gpus = tuple(GpuRef(node, index) for node, index in handover.gpus)
+        self.epoch = max(self.epoch, handover.epoch)
+        self._next_worker = max(self._next_worker, handover.next_worker)
+        self._next_gen = max(self._next_gen, handover.gen)
+        for wid, gpu in zip(handover.members, gpus, strict=True):
+            w = Worker(id=wid, gpu=gpu, proc=procs[wid])
+            self.workers[wid] = w
+            self._spawn_task(self._on_exit(w))
+        self.current = Generation(handover.gen, handover.members, gpus)
+        pr.write_leader_file(
+            self.checkpoint_dir, pr.LeaderAddress(control=self.control_address, leader=self.leader_id)
+        )
+        log.info("workers_adopted", job_id=self.job_id, gen=handover.gen, members=handover.members)
+
+    def connected(self) -> bool:
+        """Every member of the running generation has a control connection to this controller."""
+        cur = self.current
+        return cur is not None and all(
+            (w := self.workers.get(m)) is not None and w.writer is not None and not w.writer.is_closing()
+            for m in cur.members
+        )
 
     # -- orders ---------------------------------------------------------------------------
 
@@ -421,6 +531,14 @@ class Controller:
         ws = {w: self.workers[w] for w in cur.members if w in self.workers}
         if len(ws) != len(cur.members):
             raise ReconfigurationFailedError("a worker of the current generation has exited")
+        # Adopted workers (a leader handover) may still be on their way to this control server.
+        await self._wait(
+            lambda: self.connected() or inflight.cancel_by >= 0,
+            self.train.rendezvous_timeout_s,
+            "the current workers to connect",
+            watch=list(ws.values()),
+        )
+        self._check_cancel(inflight)
         keep = tuple(w for w in cur.members if ws[w].gpu in inflight.target)
         leave = tuple(w for w in cur.members if w not in keep)
         held = {ws[w].gpu for w in keep}
@@ -792,7 +910,8 @@ class Controller:
                 "control": self.control_address if self.api else "",
                 "worker": wid,
                 "job": self.job_id,
-                "checkpoint_dir": self.train.checkpoint_dir or str(self.workdir / "checkpoint"),
+                "leader": self.leader_id,
+                "checkpoint_dir": self.checkpoint_dir,
             }
         )
         request = LaunchRequest(
@@ -891,6 +1010,9 @@ class Controller:
                         writer.close()
                         return
                     worker.writer = writer
+                    if msg.gen >= 0:
+                        log.info("worker_reconnected", job_id=self.job_id, worker=msg.worker, gen=msg.gen)
+                    await self._notify()
                     if worker.plan is not None:
                         self._send(worker, worker.plan)
                     continue

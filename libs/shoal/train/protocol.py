@@ -15,6 +15,9 @@ timeouts of :class:`shoal.train.config.TrainConfig`.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import msgspec
 
 
@@ -26,8 +29,13 @@ class Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
 
 
 class Hello(Msg, frozen=True, tag="hello"):
+    """First line on every control connection; a worker that reconnects to a new leader
+    after a handover also says which generation it is in and its step."""
+
     worker: int
     pid: int
+    gen: int = -1
+    step: int = -1
 
 
 class Ready(Msg, frozen=True, tag="ready"):
@@ -137,6 +145,60 @@ class Abort(Msg, frozen=True, tag="abort"):
 
 ToSidecar = Hello | Ready | Progress | Switched | Aborted | Left | Stopped | Done | WorkerFailed
 ToWorker = Plan | Commit | Abort
+
+# --- leader handover (EDL §4.1-§4.2) -------------------------------------------------
+
+LEADER_FILE = "leader.json"
+"""In the job's checkpoint directory: where the current leader's control server is."""
+
+
+class LeaderAddress(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker whose control connection closed reads to find the new leader."""
+
+    control: str
+    """``host:port`` of the new leader's control server."""
+    leader: str
+    """The new leader's id (``SHOAL_TRAIN_LEADER`` of the workers it starts)."""
+
+
+class Handover(msgspec.Struct, frozen=True, kw_only=True):
+    """A leader's running generation, handed to the next leader so that it adopts the
+    workers in place instead of restarting them (EDL §4.2, scale-in of the leader).
+
+    Written by :meth:`shoal.train.controller.Controller.detach`, read by
+    :meth:`~shoal.train.controller.Controller.adopt`.
+    """
+
+    leader: str
+    """Id of the leader that handed over (its workers know it as ``SHOAL_TRAIN_LEADER``)."""
+    gen: int
+    members: tuple[int, ...]
+    """Worker ids in rank order."""
+    gpus: tuple[tuple[str, int], ...]
+    """``(node_id, index)`` of each member, in the same order."""
+    next_worker: int
+    """The next free worker id: the new leader numbers its workers from here."""
+    epoch: int
+    step: int = 0
+
+
+def write_leader_file(directory: str | Path, address: LeaderAddress) -> Path:
+    """Atomically write ``address`` to ``directory / LEADER_FILE``; returns the path."""
+    path = Path(directory) / LEADER_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(msgspec.json.encode(address))
+    os.replace(tmp, path)
+    return path
+
+
+def read_leader_file(directory: str | Path) -> LeaderAddress | None:
+    """The address in ``directory / LEADER_FILE``; ``None`` when missing or malformed."""
+    try:
+        return msgspec.json.decode((Path(directory) / LEADER_FILE).read_bytes(), type=LeaderAddress)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
 
 _enc = msgspec.json.Encoder()
 _dec_sidecar = msgspec.json.Decoder(ToSidecar)

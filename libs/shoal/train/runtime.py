@@ -19,7 +19,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -104,39 +104,92 @@ class Step:
 
 
 class _Control:
-    """The worker's connection to its sidecar: a reader thread and a locked writer."""
+    """The worker's connection to its sidecar: a reader thread and a locked writer.
 
-    def __init__(self, address: str, worker: int, timeout_s: float) -> None:
-        host, _, port = address.rpartition(":")
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self.sock = socket.create_connection((host, int(port)), timeout=5.0)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise ConnectionError(f"no trainer sidecar at {address} after {timeout_s}s") from None
-                time.sleep(0.05)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.settimeout(None)
-        # A stalled sidecar must not block a worker's progress report for ever.
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 10, 0))
+    With ``checkpoint_dir`` and ``leader`` set, a closed connection is not the end: the
+    reader looks in ``checkpoint_dir/leader.json`` for a leader other than the one it
+    lost, for up to ``timeout_s``, connects to it and says hello again (``hello()``
+    gives the worker's generation and step). Messages sent while it has no leader are
+    dropped (progress reports; nothing is in flight during a handover).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        worker: int,
+        timeout_s: float,
+        *,
+        leader: str = "",
+        checkpoint_dir: str = "",
+        hello: Callable[[], pr.Hello] | None = None,
+    ) -> None:
         self.worker = worker
+        self.timeout_s = timeout_s
+        self.leader = leader
+        self.checkpoint_dir = checkpoint_dir
+        self._hello = hello or (lambda: pr.Hello(worker=worker, pid=os.getpid()))
+        self._closing = False
+        self.sock = self._connect(address, timeout_s)
         self.inbox: queue.Queue[pr.ToWorker | None] = queue.Queue()
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="shoal-control", daemon=True)
         self._reader.start()
         self.send(pr.Hello(worker=worker, pid=os.getpid()))
 
+    @staticmethod
+    def _connect(address: str, timeout_s: float) -> socket.socket:
+        host, _, port = address.rpartition(":")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=5.0)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"no trainer sidecar at {address} after {timeout_s}s") from None
+                time.sleep(0.05)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)
+        # A stalled sidecar must not block a worker's progress report for ever.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 10, 0))
+        return sock
+
     def _read(self) -> None:
-        f = self.sock.makefile("rb")
-        try:
-            for line in f:
-                self.inbox.put(pr.decode_to_worker(line))
-        except (OSError, ValueError):
-            pass
+        while True:
+            f = self.sock.makefile("rb")
+            try:
+                for line in f:
+                    self.inbox.put(pr.decode_to_worker(line))
+            except (OSError, ValueError):
+                pass
+            if self._closing or not self._follow_leader():
+                break
         # The sidecar is gone: nothing will coordinate this worker any more.
         self.inbox.put(None)
+
+    def _follow_leader(self) -> bool:
+        """After the connection closed: connect to the next leader (see the class docstring)."""
+        if not (self.checkpoint_dir and self.leader):
+            return False
+        lost = self.leader
+        deadline = time.monotonic() + self.timeout_s
+        while not self._closing and time.monotonic() < deadline:
+            found = pr.read_leader_file(self.checkpoint_dir)
+            if found is not None and found.leader != lost:
+                try:
+                    sock = self._connect(found.control, 2.0)
+                except ConnectionError:
+                    time.sleep(0.1)
+                    continue
+                with self._lock:
+                    old, self.sock = self.sock, sock
+                    self.leader = found.leader
+                with contextlib.suppress(OSError):
+                    old.close()
+                self.send(self._hello())
+                return True
+            time.sleep(0.05)
+        return False
 
     def send(self, msg: pr.Msg) -> None:
         data = pr.encode(msg)
@@ -144,6 +197,7 @@ class _Control:
             self.sock.sendall(data)
 
     def close(self) -> None:
+        self._closing = True
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
@@ -193,7 +247,14 @@ class ElasticJob:
             self.device = torch.device("cuda", 0)
         if cfg.control:
             self.mode = "elastic"
-            self._control = _Control(cfg.control, cfg.worker, cfg.rendezvous_timeout_s)
+            self._control = _Control(
+                cfg.control,
+                cfg.worker,
+                cfg.rendezvous_timeout_s,
+                leader=cfg.leader,
+                checkpoint_dir=cfg.checkpoint_dir,
+                hello=lambda: pr.Hello(worker=cfg.worker, pid=os.getpid(), gen=self.gen, step=self.iteration),
+            )
             threading.Thread(target=self._dispatch, name="shoal-dispatch", daemon=True).start()
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1 or "TORCHELASTIC_RUN_ID" in os.environ:
             self.mode = "torchrun"
