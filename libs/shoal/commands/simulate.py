@@ -58,7 +58,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cluster", help="heterogeneous inventory, e.g. 64xk80,24xp100,12xv100")
     g.add_argument(
         "--costs",
-        help="reconfiguration costs: free, coddl, restart or kind=seconds,... (default: free if --flat, else coddl)",
+        help=(
+            "reconfiguration costs: measured, free, coddl, restart, sidecar-paper, termination-paper or "
+            "field=seconds,... (default: free if --flat, else measured)"
+        ),
     )
     g.add_argument("--placer", default="min-migration", choices=("min-migration", "consolidated"))
     g.add_argument("--no-packing", action="store_true", help="do not regulate shares to server sizes")

@@ -80,9 +80,9 @@ class DefaultK8s:
         """
         self.seed = seed
 
-    def count(self, job: JobView) -> int:
-        """The job's drawn GPU count (0 when it has no option)."""
-        opts = options(job)
+    def count(self, job: JobView, total_gpus: int | None = None) -> int:
+        """The job's drawn GPU count among its options that fit ``total_gpus`` (0 when none)."""
+        opts = tuple(c for c in options(job) if total_gpus is None or c <= total_gpus)
         if not opts:
             return 0
         h = hashlib.sha256(f"{self.seed}:{job.job_id}".encode()).digest()
@@ -95,7 +95,7 @@ class DefaultK8s:
         for j in jobs:
             if j.job_id in shares:
                 continue
-            n = self.count(j)
+            n = self.count(j, view.total_gpus)
             if 0 < n <= free:
                 shares[j.job_id] = n
                 free -= n

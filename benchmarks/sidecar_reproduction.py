@@ -1,0 +1,368 @@
+"""Reproduce the shape of SideCar's Fig. 6 and Table VIII; writes benchmarks/reports/sidecar_reproduction.md.
+
+    python benchmarks/sidecar_reproduction.py            # W1-W4, seeds 0-2 (a few minutes)
+    python benchmarks/sidecar_reproduction.py --seeds 1  # one seed
+
+Workloads like the paper's (§IV; NOTES 4.3), generated with ``--seed``: a 16-GPU
+cluster (the paper's two 8-GPU servers, as one pool: SideCar's algorithms count GPUs
+only, NOTES 4.5 item 2), job types drawn uniformly from seven, arrivals exponential
+within [0, 11000] s, each job declaring the optional counts {1, 2, 4, 8}:
+
+* W1: 40 jobs of job set One (ResNet-8/18/34/50 types); W2: 20 jobs of set One;
+* W3: 40 jobs of set Two (ResNet, Inception, VGG, GoogLeNet, AlexNet, LeNet types);
+* W4: W3's jobs, but SideCar does not know their lengths: each stops at the accuracy it
+  reaches in W3, and its remaining iterations are predicted from an accuracy curve fitted
+  to noisy accuracy samples (:func:`shoal.profiling.accuracy.predict_total_iterations`,
+  the offline profile's first points plus one sample per 500 iterations trained).
+
+The job types' single-GPU run times and speedups are stand-ins shaped after the paper's
+Table IV and Fig. 2 (1 → 2 GPUs 1.7×, 2 → 4 2.4× for ResNet-18 b64; speedup falls with
+smaller batches and smaller models); the paper's own per-type profiles are not published.
+
+Policies (``shoal simulate --policy ...`` runs each): ``sidecar`` (Algorithms 1–2,
+early initialisation), ``sidecar-termination`` (reshaping up only, by terminate and
+restart) and ``sidecar-default-k8s`` (a random optional count, fixed). Each is charged
+its mechanism's costs by the one cost model (:mod:`shoal.sim.costs`), which SideCar's
+and Termination's predictions use too: ``sidecar-paper`` for SideCar,
+``termination-paper`` for the other two (the case study's numbers; Default-K8s never
+reshapes, so it pays only the new-job init, the same 110 s). A second table charges
+shoal's own trainer (``measured``) to all three.
+
+Metrics: makespan, average JCT, and Table VIII's overhead = time spent removing and
+adding GPUs (the nominal stop of every resize of a running job: ``charge`` without the
+prepare-phase and early-initialisation credits) / total runtime of all jobs (first
+start → completion, summed); also with the new jobs' initialisation added.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import math
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from shoal import events as ev
+from shoal.models import ThroughputCurve
+from shoal.policies.base import ClusterView, Decision
+from shoal.policies.registry import get_policy
+from shoal.profiling.accuracy import predict_total_iterations
+from shoal.sim.costs import ReconfigCosts, charge, classify, get_costs
+from shoal.sim.engine import SimConfig, SimResult, Simulator
+from shoal.workloads import TraceJob, make_job
+
+ROOT = Path(__file__).resolve().parents[1]
+REPORT = ROOT / "benchmarks" / "reports" / "sidecar_reproduction.md"
+GPUS = 16
+OPTIONS = (1, 2, 4, 8)
+POLICIES = ("sidecar", "sidecar-termination", "sidecar-default-k8s")
+PAPER_COSTS = {"sidecar": "sidecar-paper", "sidecar-termination": "termination-paper"}
+PAPER_COSTS_DEFAULT = "termination-paper"
+
+# (name, single-GPU seconds for the job's epochs, speedup at 2, 4, 8 GPUs)
+SET_ONE = (
+    ("resnet18-b64", 6000.0, (1.7, 2.4, 2.9)),
+    ("resnet18-b128", 5200.0, (1.8, 2.9, 4.0)),
+    ("resnet18-b256", 4600.0, (1.9, 3.3, 5.1)),
+    ("resnet34-b64", 9800.0, (1.7, 2.5, 3.2)),
+    ("resnet34-b128", 8800.0, (1.8, 3.0, 4.4)),
+    ("resnet50-b64", 13500.0, (1.8, 3.1, 4.7)),
+    ("resnet8-cifar10-b1024", 2400.0, (1.4, 1.6, 1.6)),
+)
+SET_TWO = (
+    ("resnet18-b256", 4600.0, (1.9, 3.3, 5.1)),
+    ("resnet34-b128", 8800.0, (1.8, 3.0, 4.4)),
+    ("inceptionv3-b128", 15000.0, (1.9, 3.4, 5.6)),
+    ("vgg16-b64", 12000.0, (1.5, 2.0, 2.3)),
+    ("googlenet-b512", 7000.0, (1.9, 3.5, 6.0)),
+    ("alexnet-b256", 3000.0, (1.3, 1.5, 1.5)),
+    ("lenet-mnist-b1024", 900.0, (1.1, 1.1, 1.0)),
+)
+WORKLOADS = {"W1": (SET_ONE, 40), "W2": (SET_ONE, 20), "W3": (SET_TWO, 40), "W4": (SET_TWO, 40)}
+PAPER_FIG6 = {  # % reduction by SideCar (Fig. 6)
+    "W1": (45, 17, 63, 27),
+    "W2": (34, 20, 58, 37),
+    "W3": (42, 17, 61, 35),
+    "W4": (36, 18, 55, 36),
+}
+PAPER_TABLE8 = {"W1": (29.3, 8.9), "W2": (21.9, 6.7), "W3": (27.1, 7.6), "W4": (28.6, 8.3)}
+
+
+def _curve(name: str, speedups: tuple[float, float, float]) -> ThroughputCurve:
+    points = {1: 1.0, 2: speedups[0], 4: speedups[1], 8: speedups[2]}
+    table = [0.0]
+    for n in range(1, 9):
+        lo = max(k for k in points if k <= n)
+        hi = min(k for k in points if k >= n)
+        table.append(
+            points[lo] if lo == hi else points[lo] + (points[hi] - points[lo]) * (n - lo) / (hi - lo)
+        )
+    return ThroughputCurve(model=name, throughput=tuple(table))
+
+
+def workload(name: str, seed: int) -> list[TraceJob]:
+    """The jobs of workload ``name`` (W1-W4) for ``seed``."""
+    types, n = WORKLOADS[name]
+    rng = random.Random(f"sidecar:{'W3' if name == 'W4' else name}:{seed}")
+    gaps = [rng.expovariate(1.0) for _ in range(n)]
+    scale = 11000.0 / sum(gaps)
+    t = 0.0
+    jobs = []
+    for i in range(n):
+        t += gaps[i] * scale
+        tname, single_s, speedups = rng.choice(types)
+        curve = _curve(tname, speedups)
+        request = rng.choice(OPTIONS)
+        at = float(math.floor(min(t, 11000.0)))
+        duration = single_s / curve.throughput[request]
+        jobs.append(make_job(f"{name.lower()}-{i:02d}", at, duration, request, curve))
+    return jobs
+
+
+class AccuracyPredicted:
+    """W4: the policy sees each job's remaining iterations as predicted by the accuracy fit.
+
+    Every job has a hidden accuracy curve ``acc(k) = b2 − 1/(b0·k + b1)`` (its type's,
+    drawn per job); its target is the accuracy it reaches at its true length (what the
+    same job reached in W3). The policy's view gets ``remaining_iterations`` = the fit of
+    the points seen so far (the profile's points at 1, 5, 10, 20 iterations and a noisy
+    sample every 500 iterations trained) minus the iterations done.
+    """
+
+    def __init__(self, policy: Any, jobs: list[TraceJob], seed: int) -> None:
+        self.policy = policy
+        self.name = policy.name
+        self.elastic = getattr(policy, "elastic", True)
+        self.seed = seed
+        self.curves: dict[str, tuple[float, float, float]] = {}
+        self.targets: dict[str, float] = {}
+        self.errors: list[float] = []
+        for j in jobs:
+            rng = random.Random(f"acc:{seed}:{j.job_id}")
+            total = j.spec.total_iterations or 1.0
+            b2 = rng.uniform(0.80, 0.95)
+            b0 = rng.uniform(2.0, 6.0) / total  # reaches near its plateau around its length
+            b1 = 1.0 / (b2 - 0.005)
+            self.curves[j.job_id] = (b0, b1, b2)
+            self.targets[j.job_id] = b2 - 1.0 / (b0 * total + b1)
+
+    def planning_costs(self) -> ReconfigCosts | None:
+        fn = getattr(self.policy, "planning_costs", None)
+        return fn() if callable(fn) else None
+
+    def bind_costs(self, costs: ReconfigCosts) -> None:
+        fn = getattr(self.policy, "bind_costs", None)
+        if callable(fn):
+            fn(costs)
+
+    def _points(self, job_id: str, done: float) -> list[tuple[float, float]]:
+        b0, b1, b2 = self.curves[job_id]
+        rng = random.Random(f"noise:{self.seed}:{job_id}")
+        pts = [(k, b2 - 1.0 / (b0 * k + b1)) for k in (1.0, 5.0, 10.0, 20.0)]
+        k = 500.0
+        while k <= done:
+            pts.append((k, b2 - 1.0 / (b0 * k + b1) + rng.gauss(0.0, 0.004)))
+            k += 500.0
+        return pts
+
+    def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        jobs = []
+        for jv in view.jobs:
+            predicted = predict_total_iterations(
+                self._points(jv.job_id, jv.iterations_done), self.targets[jv.job_id]
+            )
+            if predicted is None or not math.isfinite(predicted):
+                predicted = 2 * max(jv.iterations_done, 1.0)
+            remaining = max(1.0, predicted - jv.iterations_done)
+            if jv.remaining_iterations:
+                self.errors.append(abs(remaining - jv.remaining_iterations) / jv.remaining_iterations)
+            jobs.append(msgspec.structs.replace(jv, remaining_iterations=remaining))
+        return self.policy.decide(msgspec.structs.replace(view, jobs=tuple(jobs)), memory)
+
+
+def run_one(wl: str, seed: int, policy_name: str, costs: str) -> dict[str, Any]:
+    jobs = workload(wl, seed)
+    policy: Any = (
+        get_policy(policy_name, seed=seed)
+        if policy_name == "sidecar-default-k8s"
+        else get_policy(policy_name)
+    )
+    wrapped = (
+        AccuracyPredicted(policy, jobs, seed)
+        if wl == "W4" and policy_name != "sidecar-default-k8s"
+        else policy
+    )
+    cost_model = get_costs(costs)
+    sim = Simulator(jobs, wrapped, SimConfig(total_gpus=GPUS, flat=True, costs=cost_model))
+    result: SimResult = sim.run()
+    first_start: dict[str, float] = {}
+    adds = removes = 0
+    resize_stop = 0.0
+    world: dict[str, int] = {}
+    for env in sim.log.envelopes:
+        e = env.event
+        if isinstance(e, ev.ReconfigurationCompleted):
+            old = world.get(e.job_id, 0)
+            if old == 0:
+                first_start.setdefault(e.job_id, env.at - e.stop_time_s)
+            elif e.world_size != old:
+                # The resize's own stop (a restart's, not the equivalent stop that credits
+                # early initialisation's overlap): charge() without rates.
+                kind = classify(old, e.world_size, False)
+                resize_stop += charge(cost_model, kind, old, e.world_size).stop_s if kind else 0.0
+                adds += e.world_size > old
+                removes += e.world_size < old
+            world[e.job_id] = e.world_size
+    done = {o.job_id: o for o in result.jobs}
+    runtime = sum(
+        o.completion_s - first_start.get(o.job_id, o.arrival_s)
+        for o in done.values()
+        if o.completion_s is not None
+    )
+    return {
+        "makespan_s": result.summary["makespan_s"],
+        "avg_jct_s": result.summary["avg_jct_s"],
+        "overhead": resize_stop / runtime if runtime else 0.0,
+        "overhead_init": (resize_stop + cost_model.start_s * len(first_start)) / runtime if runtime else 0.0,
+        "adds": adds,
+        "removes": removes,
+        "completed": int(result.summary["completed"]),
+        "jobs": len(jobs),
+        "w4_error": statistics.median(wrapped.errors)
+        if isinstance(wrapped, AccuracyPredicted) and wrapped.errors
+        else None,
+    }
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    return statistics.fmean(r[key] for r in rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per workload")
+    p.add_argument("--out", type=Path, default=REPORT)
+    args = p.parse_args()
+    t0 = time.monotonic()
+    seeds = list(range(args.seeds))
+    results: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for model in ("paper", "measured"):
+        for wl in WORKLOADS:
+            for pol in POLICIES:
+                costs = (PAPER_COSTS.get(pol, PAPER_COSTS_DEFAULT)) if model == "paper" else "measured"
+                rows = [run_one(wl, s, pol, costs) for s in seeds]
+                results[(model, wl, pol)] = rows
+                print(
+                    f"{model:8} {wl} {pol:22} makespan {_mean(rows, 'makespan_s'):9.0f} s  avg JCT {_mean(rows, 'avg_jct_s'):8.0f} s",
+                    flush=True,
+                )
+    text = render(results, seeds, time.monotonic() - t0, args)
+    args.out.write_text(text)
+    print(text)
+
+
+def _red(base: float, x: float) -> str:
+    return f"{(1 - x / base) * 100:.0f}" if base else "n/a"
+
+
+def render(
+    results: dict[tuple[str, str, str], list[dict[str, Any]]],
+    seeds: list[int],
+    elapsed: float,
+    args: argparse.Namespace,
+) -> str:
+    cmd = "python benchmarks/sidecar_reproduction.py" + (f" --seeds {args.seeds}" if args.seeds != 3 else "")
+    lines = [
+        "# SideCar reproduction: Fig. 6 and Table VIII (shape)",
+        "",
+        f"Generated by `{cmd}` on {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC ({platform.machine()}, "
+        f"{os.cpu_count()} CPUs; {elapsed:.0f} s). Every number below comes from this run: the simulator "
+        f"(`shoal simulate --flat --gpus {GPUS} --policy <policy> --costs <costs>` runs the same cells on its own "
+        f"traces), seeds {', '.join(map(str, seeds))} per workload, means over the seeds.",
+        "",
+        "Workloads, policies, costs and metrics: see the docstring of `benchmarks/sidecar_reproduction.py`. "
+        "In short: 16 GPUs, W1/W2/W3 = 40/20/40 jobs with optional counts {1, 2, 4, 8} arriving exponentially "
+        "within [0, 11000] s; W4 = W3's jobs whose lengths SideCar predicts from a fitted accuracy curve "
+        "(Termination's predictions use the same fit; Default-K8s needs none).",
+        "",
+    ]
+    for model, title in (
+        (
+            "paper",
+            "Costs of the paper's mechanisms (`sidecar-paper` for SideCar, `termination-paper` for the baselines)",
+        ),
+        ("measured", "shoal's own trainer for every policy (`measured`)"),
+    ):
+        lines += [
+            f"## {title}",
+            "",
+            "| workload | policy | makespan (s) | avg JCT (s) | overhead | add events | remove events |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for wl in WORKLOADS:
+            for pol in POLICIES:
+                rows = results[(model, wl, pol)]
+                lines.append(
+                    f"| {wl} | {pol} | {_mean(rows, 'makespan_s'):,.0f} | {_mean(rows, 'avg_jct_s'):,.0f} | "
+                    f"{_mean(rows, 'overhead') * 100:.1f}% | {_mean(rows, 'adds'):.1f} | {_mean(rows, 'removes'):.1f} |"
+                )
+        lines += [
+            "",
+            "Fig. 6: reduction by SideCar, % (this run / paper):",
+            "",
+            "| workload | makespan vs Default-K8s | makespan vs Termination | avg JCT vs Default-K8s | avg JCT vs Termination |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for wl in WORKLOADS:
+            sc = results[(model, wl, "sidecar")]
+            te = results[(model, wl, "sidecar-termination")]
+            de = results[(model, wl, "sidecar-default-k8s")]
+            pm = PAPER_FIG6[wl]
+            cells = [
+                (_red(_mean(de, "makespan_s"), _mean(sc, "makespan_s")), pm[0]),
+                (_red(_mean(te, "makespan_s"), _mean(sc, "makespan_s")), pm[1]),
+                (_red(_mean(de, "avg_jct_s"), _mean(sc, "avg_jct_s")), pm[2]),
+                (_red(_mean(te, "avg_jct_s"), _mean(sc, "avg_jct_s")), pm[3]),
+            ]
+            lines.append(f"| {wl} | " + " | ".join(f"{a} / {b}" for a, b in cells) + " |")
+        lines += [
+            "",
+            "Table VIII: overhead = resize stop time / total runtime, % (this run / paper):",
+            "",
+            "| | " + " | ".join(WORKLOADS) + " | average |",
+            "|---|" + "---:|" * (len(WORKLOADS) + 1),
+        ]
+        for pol, idx, label in (("sidecar-termination", 0, "Termination"), ("sidecar", 1, "SideCar")):
+            vals = [_mean(results[(model, wl, pol)], "overhead") * 100 for wl in WORKLOADS]
+            paper = [PAPER_TABLE8[wl][idx] for wl in WORKLOADS]
+            lines.append(
+                f"| {label} | "
+                + " | ".join(f"{v:.1f} / {pv}" for v, pv in zip(vals, paper, strict=True))
+                + f" | {statistics.fmean(vals):.1f} / {statistics.fmean(paper):.1f} |"
+            )
+        lines.append("")
+        lines.append(
+            "With the new jobs' initialisation counted as overhead too (Termination / SideCar, average over "
+            "the workloads): "
+            f"{statistics.fmean(_mean(results[(model, wl, 'sidecar-termination')], 'overhead_init') for wl in WORKLOADS) * 100:.1f}% / "
+            f"{statistics.fmean(_mean(results[(model, wl, 'sidecar')], 'overhead_init') for wl in WORKLOADS) * 100:.1f}%."
+        )
+        w4 = [r["w4_error"] for r in results[(model, "W4", "sidecar")] if r["w4_error"] is not None]
+        if w4:
+            lines += [
+                "",
+                f"W4: median relative error of SideCar's predicted remaining iterations over its decisions: {statistics.fmean(w4) * 100:.0f}% (mean over seeds).",
+            ]
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
