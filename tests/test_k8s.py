@@ -332,7 +332,7 @@ async def test_rendered_nats_config_admits_only_shoal_identities(
 
 @pytest.mark.slow
 def test_check_script_with_policy_scan() -> None:
-    tools = os.environ.get("SHOAL_K8S_TOOLS")
+    tools = os.environ.get("K8S_TOOLS_DIR")
     if shutil.which("checkov") is None and not (tools and (Path(tools) / "checkov").exists()):
         pytest.skip("checkov not installed: .ci/run's k8s step installs '.[k8s]' into its own virtualenv")
     r = subprocess.run(

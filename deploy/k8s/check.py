@@ -87,7 +87,7 @@ VARIANTS = ("dev", "prod", "prod-monitoring")
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--tools", default=os.environ.get("SHOAL_K8S_TOOLS"), help="directory of the tools")
+    p.add_argument("--tools", default=os.environ.get("K8S_TOOLS_DIR"), help="directory of the tools")
     p.add_argument("--versions", default=",".join(VERSIONS), help="Kubernetes versions, comma-separated")
     p.add_argument("--no-scan", action="store_true", help="skip the checkov scan")
     args = p.parse_args(argv)
