@@ -46,7 +46,12 @@ async def test_streams_buckets_and_snapshots_get_three_replicas_on_a_three_node_
     bus = await connect(nats_cluster, prefix)
     try:
         assert bus.replicas == 3
-        for stream in (bus.names.events_stream, bus.names.ctl_stream, bus.names.dlq_stream):
+        for stream in (
+            bus.names.events_stream,
+            bus.names.ctl_stream,
+            bus.names.dlq_stream,
+            bus.names.beats_stream,
+        ):
             info = await bus.js.stream_info(stream)
             assert info.config.num_replicas == 3, stream
             assert info.cluster is not None and len(info.cluster.replicas or []) == 2

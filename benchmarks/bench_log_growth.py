@@ -1,0 +1,162 @@
+"""Growth of the permanent event log of an idle installation (issue 21, bounded log growth).
+
+Starts ``shoal up --nodes N`` (the command a user runs; emulated nodes, no job), lets it
+settle, then counts the event stream's messages and bytes per subject at the start and
+the end of ``--seconds`` of idleness, and the messages the bounded heartbeat stream
+(``<P>_BEATS``, one per node at most) holds. The rate is extrapolated to a day.
+
+    .venv/bin/python -m benchmarks.bench_log_growth --label after --seconds 60
+
+Each run is stored under its ``--label`` in ``benchmarks/reports/log_growth.json`` and
+``benchmarks/reports/log_growth.md`` is rewritten from every stored run (so a run on the
+code before a change and one after it sit side by side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.js.errors
+
+from benchmarks.bench_services import _machine
+
+REPORTS = Path(__file__).parent / "reports"
+STORE = REPORTS / "log_growth.json"
+REPORT = REPORTS / "log_growth.md"
+
+
+def _kind(subject: str) -> str:
+    """``shoal.node.node0.heartbeat`` -> ``node.*.heartbeat`` (per node/job ids folded)."""
+    parts = subject.split(".")[1:]
+    if len(parts) >= 3 and parts[0] in ("node", "job", "user"):
+        parts[1] = "*"
+    return ".".join(parts)
+
+
+async def _count(url: str, creds: str) -> dict[str, Any]:
+    nc = await nats.connect(url, nkeys_seed=creds)
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info("SHOAL_EVENTS", subjects_filter=">")
+        kinds: dict[str, int] = {}
+        for subject, n in (info.state.subjects or {}).items():
+            kinds[_kind(subject)] = kinds.get(_kind(subject), 0) + n
+        out: dict[str, Any] = {
+            "messages": int(info.state.messages),
+            "bytes": int(info.state.bytes),
+            "kinds": kinds,
+        }
+        try:
+            beats = await js.stream_info("SHOAL_BEATS")
+            out["beats_messages"] = int(beats.state.messages)
+            out["beats_bytes"] = int(beats.state.bytes)
+        except nats.js.errors.NotFoundError:
+            out["beats_messages"] = None
+        return out
+    finally:
+        await nc.close()
+
+
+def measure(nodes: int, seconds: float, settle_s: float) -> dict[str, Any]:
+    from shoal.audit import local_installation
+
+    with tempfile.TemporaryDirectory() as tmp:
+        state_dir = str(Path(tmp) / "state")
+        with local_installation(state_dir, nodes=nodes, mqtt=False) as target:
+            # Every node registered and its first GPU readings in (on a busy machine the
+            # node daemons may take longer than `shoal up`'s "running" line), then a pause.
+            deadline = time.monotonic() + 120
+            while True:
+                kinds = asyncio.run(_count(target.url, target.admin))["kinds"]
+                if (
+                    kinds.get("node.*.registered", 0) >= nodes
+                    and kinds.get("node.*.gpu_health", 0) >= 4 * nodes
+                ):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the {nodes} nodes did not register within 120 s: {kinds}")
+                time.sleep(0.5)
+            time.sleep(settle_s)  # not a synchronisation: the measured window starts after it
+            first = asyncio.run(_count(target.url, target.admin))
+            t0 = time.monotonic()
+            time.sleep(seconds)
+            last = asyncio.run(_count(target.url, target.admin))
+            elapsed = time.monotonic() - t0
+    kinds = {
+        k: last["kinds"].get(k, 0) - first["kinds"].get(k, 0)
+        for k in sorted(set(first["kinds"]) | set(last["kinds"]))
+    }
+    grown = last["messages"] - first["messages"]
+    grown_bytes = last["bytes"] - first["bytes"]
+    return {
+        "nodes": nodes,
+        "seconds": round(elapsed, 1),
+        "events_per_s": grown / elapsed,
+        "bytes_per_s": grown_bytes / elapsed,
+        "events_per_day": grown / elapsed * 86400,
+        "bytes_per_day": grown_bytes / elapsed * 86400,
+        "kinds_per_s": {k: v / elapsed for k, v in kinds.items() if v},
+        "beats_messages": last["beats_messages"],
+        "total_messages": last["messages"],
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip(),
+        "machine": _machine(),
+    }
+
+
+def render(store: dict[str, Any]) -> str:
+    lines = [
+        "# Log growth of an idle installation",
+        "",
+        "Produced by `python -m benchmarks.bench_log_growth --label <label> --seconds <s>`: `shoal up "
+        "--nodes N` (emulated nodes of 4 GPUs, no job), once every node has registered and sent its first GPU "
+        "readings a settling pause, then the event stream's "
+        "messages and bytes counted at the start and the end of the window. *beats stream* is the "
+        "bounded heartbeat stream (`SHOAL_BEATS`, at most one message per node); `-`: it does not exist.",
+        "",
+        "| run | commit | nodes | window s | events/s | bytes/s | events/day | MB/day | beats stream |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, r in store.items():
+        beats = "-" if r["beats_messages"] is None else str(r["beats_messages"])
+        lines.append(
+            f"| {label} | {r['commit']} | {r['nodes']} | {r['seconds']} | {r['events_per_s']:.2f} "
+            f"| {r['bytes_per_s']:.0f} | {r['events_per_day']:,.0f} | {r['bytes_per_day'] / 1e6:,.1f} "
+            f"| {beats} |"
+        )
+    lines += ["", "Events per second by subject (node and job ids folded to `*`):", ""]
+    for label, r in store.items():
+        kinds = ", ".join(f"`{k}` {v:.2f}" for k, v in sorted(r["kinds_per_s"].items())) or "none"
+        lines.append(f"- **{label}**: {kinds}")
+    lines += ["", f"Machine: {next(iter(store.values()))['machine']}." if store else "", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--label", required=True, help="name of this run in the report (e.g. before, after)")
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--settle", type=float, default=10.0, help="seconds after start before the window")
+    args = parser.parse_args()
+    if not re.fullmatch(r"[A-Za-z0-9_ -]+", args.label):
+        parser.error("--label: letters, digits, space, '_' or '-'")
+    store = json.loads(STORE.read_text()) if STORE.exists() else {}
+    store[args.label] = measure(args.nodes, args.seconds, args.settle)
+    STORE.write_text(json.dumps(store, indent=2) + "\n")
+    REPORT.write_text(render(store))
+    print(REPORT.read_text())
+
+
+if __name__ == "__main__":
+    main()
