@@ -70,7 +70,11 @@ def test_termination_starts_at_the_minimum_and_only_adds_when_the_restart_pays()
     short = job("s", current=1, remaining=100.0)
     long = job("l", current=1, remaining=100_000.0)
     d = policy.decide(view(short, long, total=4), {})
-    assert d.shares["s"] == 1 and d.shares["l"] == 2
+    assert d.shares == {"s": 1, "l": 2}
+    # One add per decision: GPUs are left, so it asks to run again after the restart.
+    assert d.memory["next_decision_at_s"] == pytest.approx(223.0)
+    d = policy.decide(view(short, job("l", current=2, remaining=100_000.0), total=4), {})
+    assert d.shares == {"s": 1, "l": 2} and "next_decision_at_s" not in d.memory  # 2 -> 4 needs 2 GPUs
     # Never reshapes down.
     d = policy.decide(view(job("x", current=4), job("y", arrival=1.0, request=4), total=4), {})
     assert d.shares == {"x": 4}

@@ -9,12 +9,13 @@
 * :class:`Termination` (``sidecar-termination``, the paper's "Optimus algorithm"):
   reshaping up only. An incoming job gets its smallest optional count when that many
   GPUs are idle, else it waits (arrival order, no skipping: the first that does not fit
-  blocks the queue; choice). Idle GPUs left when no job waits go to running jobs one
-  step at a time (to the next optional count), each step to the job whose predicted
-  completion falls the most per added GPU once the restart is paid
-  (:func:`shoal.sim.costs.charge` with the policy's costs), and only while it falls;
-  every resize is a terminate-and-restart. A job's final count changes at most once per
-  decision (one restart).
+  blocks the queue; choice). Idle GPUs left when no job waits go to a running job one
+  step per decision (to its next optional count), to the job whose predicted completion
+  falls the most per added GPU once the restart is paid (:func:`shoal.sim.costs.charge`
+  with the policy's costs), and only when it falls; every resize is a
+  terminate-and-restart. When idle GPUs remain, the decision asks to be run again when
+  that restart is over (``memory["next_decision_at_s"]``), so GPUs are added one
+  restart at a time, as the paper's baseline does.
 
 Both take a job's optional counts as :class:`~shoal.policies.sidecar.SideCarAdaptive`
 does (powers of two and the request within its feasible counts, or its
@@ -170,20 +171,24 @@ class Termination:
             return Decision(shares=shares)
         running = [j for j in jobs if shares.get(j.job_id) == j.current_gpus and j.current_gpus]
         gpn = view.gpus_per_node
-        while free > 0:
-            best: tuple[float, str, int] | None = None
-            for j in running:
-                now = shares[j.job_id]
-                nxt = next((c for c in options(j) if c > now), None)
-                if nxt is None or nxt - now > free:
-                    continue
-                before = self._finish(j, now, gpn)
-                gain = (before - self._finish(j, nxt, gpn)) / (nxt - now)
-                if gain > 0 and (best is None or gain > best[0]):
-                    best = (gain, j.job_id, nxt)
-            if best is None:
-                break
-            _, jid, nxt = best
-            free -= nxt - shares[jid]
-            shares[jid] = nxt
-        return Decision(shares=shares)
+        best: tuple[float, str, int] | None = None
+        for j in running:
+            now = shares[j.job_id]
+            nxt = next((c for c in options(j) if c > now), None)
+            if nxt is None or nxt - now > free:
+                continue
+            gain = (self._finish(j, now, gpn) - self._finish(j, nxt, gpn)) / (nxt - now)
+            if gain > 0 and (best is None or gain > best[0]):
+                best = (gain, j.job_id, nxt)
+        if best is None:
+            return Decision(shares=shares)
+        _, jid, nxt = best
+        old = shares[jid]
+        free -= nxt - old
+        shares[jid] = nxt
+        memory: dict[str, Any] = {}
+        if free > 0:
+            # The next add once this restart is over (one add at a time, §IV).
+            stop = charge(self.costs, "restart", old, nxt, gpus_per_node=gpn).stop_s
+            memory["next_decision_at_s"] = view.now_s + max(1.0, stop)
+        return Decision(shares=shares, memory=memory)
