@@ -214,6 +214,21 @@ def test_every_pod_is_locked_down_and_probed(rendered: dict[str, list[dict[str, 
         assert client_rule["from"] == [{"podSelector": {"matchLabels": {"shoal.io/nats-client": "true"}}}]
 
 
+def test_settings_are_shoal_settings(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Every SHOAL_* variable the manifests set is one shoal reads, with a valid value."""
+    from shoal.settings import Settings, unknown_variables
+
+    for variant, docs in rendered.items():
+        settings = _one(docs, "ConfigMap", "shoal-settings")["data"]
+        for w in _workloads(docs):
+            for c in w["spec"]["template"]["spec"]["containers"]:
+                env = {**settings, **{e["name"]: e.get("value", "x") for e in c.get("env", [])}}
+                if c["name"] == "nats":
+                    continue
+                assert unknown_variables(env) == [], f"{variant} {w['metadata']['name']}"
+                Settings.load({k: v for k, v in env.items() if k != "SHOAL_SIDECAR_HOST"})
+
+
 def test_control_plane_replicas_and_durability(rendered: dict[str, list[dict[str, Any]]]) -> None:
     for docs in rendered.values():
         nats_set = _one(docs, "StatefulSet", "nats")
