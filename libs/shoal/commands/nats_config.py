@@ -1,0 +1,127 @@
+"""``shoal nats-config DIR``: the configuration and credentials of a NATS cluster for
+shoal on several hosts or containers (the compose stack's one-shot ``nats-config``
+service runs it).
+
+It writes three directories, each readable by its owner only:
+
+``DIR/server``
+    ``<server>.conf`` for each of ``--servers`` (:func:`shoal.nats_config.server_config`:
+    JetStream, routes with a password of their own, MQTT, and every identity's
+    permissions) and ``route.password``. Only the NATS servers need it.
+``DIR/creds``
+    The nkey seeds of the services (admission, allocator, placer, profiler, trader) and
+    of each node of ``--nodes`` (``node-<n>.nk`` for its daemon, ``sidecar-<n>.nk`` for
+    its sidecars). The service and node-daemon containers need it.
+``DIR/operator``
+    The admin's seed and each user's of ``--users`` (``user-<u>.nk``, and with
+    ``--mqtt`` an MQTT password in ``user-<u>.mqtt``). Hand these to the people; no
+    service needs them.
+
+``--password-file PATH`` also makes a random password in ``PATH`` (e.g. the compose
+stack's Grafana admin password).
+
+Running it again keeps every seed and password it made before and adds what is new, so
+the servers' configuration can be regenerated (then have each server reload it: SIGHUP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from shoal.cli import CommandError
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "nats-config",
+        help="write a NATS cluster's server configurations and every identity's credentials",
+    )
+    p.add_argument("directory", help="where to write server/, creds/ and operator/")
+    p.add_argument("--servers", default="nats-1,nats-2,nats-3", help="server host names, comma-separated")
+    p.add_argument("--cluster", default="shoal", help="the cluster's name")
+    p.add_argument("--prefix", default="shoal", help="the installation's subject prefix")
+    p.add_argument(
+        "--nodes", default="", help="node ids, comma-separated (a daemon and sidecar identity each)"
+    )
+    p.add_argument("--users", default="", help="user names, comma-separated (a client identity each)")
+    p.add_argument("--mqtt", action="store_true", help="enable MQTT and give each user an MQTT password")
+    p.add_argument("--store-dir", default="/var/lib/shoal/data", help="JetStream store of each server")
+    p.add_argument(
+        "--password-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="also make a random password in PATH if it has none (e.g. a dashboard's admin password)",
+    )
+    p.set_defaults(func=_run)
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def _secret(path: Path) -> str:
+    """The secret kept in ``path``, made (letters and digits, 32 of them) if missing."""
+    from shoal.auth import _write_private
+
+    if path.exists():
+        return path.read_text().strip()
+    value = secrets.token_hex(16)
+    _write_private(path, value.encode() + b"\n")
+    return value
+
+
+def _run(args: argparse.Namespace) -> int:
+    from shoal.auth import SERVICE_ROLES, AuthError, CredentialStore, _write_private
+    from shoal.nats_config import server_config
+
+    out = Path(args.directory)
+    servers = _names(args.servers)
+    if not servers:
+        raise CommandError("--servers names no server")
+    dirs = {name: out / name for name in ("server", "creds", "operator")}
+    for d in dirs.values():
+        d.mkdir(parents=True, exist_ok=True)
+        os.chmod(d, 0o700)
+    services = CredentialStore(dirs["creds"])
+    operator = CredentialStore(dirs["operator"])
+    try:
+        for role in SERVICE_ROLES:
+            services.ensure(role)
+        for node in _names(args.nodes):
+            services.ensure("node", node)
+            services.ensure("sidecar", node)
+        operator.ensure("admin")
+        for user in _names(args.users):
+            password_file = dirs["operator"] / f"user-{user}.mqtt"
+            fresh = args.mqtt and not password_file.exists()
+            password = _secret(password_file) if args.mqtt else None
+            operator.ensure("client", user, mqtt_password=password if fresh else None)
+    except (AuthError, PermissionError) as exc:
+        raise CommandError(str(exc)) from None
+    route_password = _secret(dirs["server"] / "route.password")
+    for path in args.password_file:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        _secret(Path(path))
+    identities = [*services.identities(), *operator.identities()]
+    for server in servers:
+        try:
+            text = server_config(
+                server,
+                servers=servers,
+                identities=identities,
+                route_password=route_password,
+                cluster_name=args.cluster,
+                prefix=args.prefix,
+                store_dir=args.store_dir,
+                mqtt=args.mqtt,
+            )
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+        _write_private(dirs["server"] / f"{server}.conf", text.encode())
+    print(f"wrote {len(servers)} server configurations and {len(identities)} identities under {out}")
+    return 0
