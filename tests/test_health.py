@@ -62,6 +62,7 @@ def test_state_gauges() -> None:
     assert g["epoch"] == 7
     assert g["jobs_pending"] == 1
     assert g["jobs_active"] == 2
+    assert g["queue_length"] == 1  # b: active without a GPU
     assert g["gpus_total"] == 4  # the lost node's GPU does not count
     assert g["gpus_allocated"] == 3
     assert g["gpu_allocation_ratio"] == 0.75
@@ -154,3 +155,23 @@ def test_state_digest_metric_is_the_folded_state_at_its_sequence() -> None:
     ]
     assert [x.labels for x in samples] == [{"digest": st.digest(s), "seq": "7"}]
     assert st.digest(s) != st.digest(st.ClusterState())
+
+
+def test_job_share_metric_gives_each_active_jobs_gpus() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    s = st.ClusterState()
+    s.shares = {"a": 3, "b": 1}
+    health = Health("allocator")
+    health.projection = SimpleNamespace(state=s, last_seq=1)  # type: ignore[assignment]
+    health.bus = SimpleNamespace(stats=SimpleNamespace(dead_lettered=0))  # type: ignore[assignment]
+    samples = {
+        x.labels["job_id"]: x.value
+        for f in text_string_to_metric_families(generate_latest(health.registry).decode())
+        for x in f.samples
+        if x.name == "shoal_job_share"
+    }
+    assert samples == {"a": 3, "b": 1}

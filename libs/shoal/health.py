@@ -115,6 +115,15 @@ def state_gauges(state: st.ClusterState) -> Iterator[Gauge]:
     yield Gauge("placement_epoch", "The newest PlacementDecided epoch folded.", state.placement_epoch)
     yield Gauge("jobs_pending", "Jobs submitted and not yet running (the queue).", pending)
     yield Gauge("jobs_active", "Jobs not finished (pending or running).", active)
+    yield Gauge(
+        "queue_length",
+        "QL of AFS §2.2: active jobs that hold no GPU in the current shares.",
+        sum(
+            1
+            for job_id, j in state.jobs.items()
+            if j.status not in st.FINISHED_STATUSES and state.shares.get(job_id, 0) == 0
+        ),
+    )
     yield Gauge("gpus_total", "GPUs of the nodes that are up.", total)
     yield Gauge("gpus_allocated", "GPUs in the current shares.", allocated)
     yield Gauge(

@@ -199,6 +199,14 @@ class _StateCollector:
             return
         for g in state_gauges(h.projection.state):
             yield GaugeMetricFamily("shoal_" + g.name, g.help, value=g.value)
+        shares = GaugeMetricFamily(
+            "shoal_job_share",
+            "GPUs of each active job in the current shares (SharesDecided).",
+            labels=["job_id"],
+        )
+        for job_id, gpus in sorted(h.projection.state.shares.items()):
+            shares.add_metric([job_id], gpus)
+        yield shares
         applied = h.projection.last_seq
         yield GaugeMetricFamily(
             "shoal_bus_applied_seq", "The last stream sequence this process has folded.", value=applied
