@@ -11,6 +11,7 @@ import pytest
 from shoal import admission, auth, codec
 from shoal import events as ev
 from shoal.bus import Bus, PermissionDenied
+from shoal.client import Client
 from shoal.nats_server import EmbeddedNats
 from shoal.state import ClusterState
 
@@ -238,7 +239,7 @@ async def test_tls_with_a_certificate_made_here(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 async def test_a_node_stores_only_its_own_heartbeat_and_none_in_the_log(
-    nats_server: EmbeddedNats, bus: Bus, prefix: str
+    nats_server: EmbeddedNats, bus: Bus, prefix: str, admin_creds: str
 ) -> None:
     """Issue 21: a node's heartbeats go to the bounded beats stream, on its own subject
     only; another node's subject, the log's heartbeat subject and a client are refused
@@ -265,6 +266,11 @@ async def test_a_node_stores_only_its_own_heartbeat_and_none_in_the_log(
         info = await bus.js.stream_info(bus.names.beats_stream)
         assert info.state.messages == 1, "one heartbeat kept per node"
         assert await bus.last_seq() == 0, "nothing reached the event log"
+        # The SDK's nodes (`shoal nodes`) take the newest heartbeat from the beats stream
+        # (no admission here: the view is a replay of the log, which has the registration).
+        await node.publish(codec.wrap(ev.NodeRegistered(node_id="hb1", gpus=()), at=newer.at - 50))
+        async with await Client.connect(nats_server.url, prefix, creds=admin_creds) as sdk:
+            assert (await sdk.nodes())["hb1"].last_heartbeat_at == newer.at
     finally:
         await node.close()
         await client.close()
