@@ -1,0 +1,179 @@
+"""The compose stack's configuration, checked offline (default run, a few seconds): the
+files of the services the container test cannot start (Grafana's dashboard and
+provisioning, the OpenTelemetry collector), Prometheus's configuration with promtool, the
+NATS servers' configuration that ``shoal nats-config`` writes (with nats-server's own
+``-t`` check), and that nothing in compose.yaml runs without credentials."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from shoal.commands.run import CLI_ARGV
+from shoal.nats_config import server_config
+from shoal.nats_server import find_nats_server
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_DIR = ROOT / "deploy" / "compose"
+
+
+def compose() -> dict[str, Any]:
+    return dict(yaml.safe_load((COMPOSE_DIR / "compose.yaml").read_text()))
+
+
+def shoal_services() -> dict[str, dict[str, Any]]:
+    """The services that run `shoal run <service>`."""
+    return {
+        name: svc for name, svc in compose()["services"].items() if (svc.get("command") or [None])[0] == "run"
+    }
+
+
+def exported_metric_names() -> set[str]:
+    """Every metric name shoal's code declares (prometheus_client adds _total, _bucket, ...)."""
+    names: set[str] = set()
+    for path in [ROOT / "libs/shoal/probes.py", ROOT / "services/allocator/service.py"]:
+        names |= set(re.findall(r'"(shoal_[a-z_]+)"', path.read_text()))
+    from shoal import state as st
+    from shoal.health import state_gauges
+
+    names |= {"shoal_" + g.name for g in state_gauges(st.ClusterState())}
+    return names
+
+
+def test_grafana_dashboard_loads_and_uses_exported_metrics() -> None:
+    dashboard = json.loads((COMPOSE_DIR / "grafana/dashboards/shoal.json").read_text())
+    assert dashboard["uid"] and dashboard["title"] and dashboard["schemaVersion"] >= 30
+    datasources = yaml.safe_load(
+        (COMPOSE_DIR / "grafana/provisioning/datasources/prometheus.yaml").read_text()
+    )
+    [source] = datasources["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    provider = yaml.safe_load((COMPOSE_DIR / "grafana/provisioning/dashboards/shoal.yaml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    known = exported_metric_names()
+    ids = set()
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for wanted in ("shares per job", "queue length", "reconfiguration", "decision latency"):
+        assert wanted in titles, (wanted, titles)
+    for panel in dashboard["panels"]:
+        assert panel["type"] and set(panel["gridPos"]) == {"x", "y", "w", "h"}
+        ids.add(panel["id"])
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == source["uid"]
+            for metric in re.findall(r"shoal_[a-z_]+", target["expr"]):
+                base = re.sub(r"_(bucket|total|count|sum)$", "", metric)
+                assert metric in known or base in known, f"{panel['title']}: {metric} is not exported"
+    assert len(ids) == len(dashboard["panels"]), "panel ids must be unique"
+
+
+def test_promtool_accepts_the_prometheus_config() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool missing (.ci/run installs Debian's prometheus package)")
+        pytest.skip("promtool not installed (apt-get install prometheus)")
+    out = subprocess.run(
+        [promtool, "check", "config", "--syntax-only", str(COMPOSE_DIR / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_prometheus_scrapes_every_shoal_service() -> None:
+    config = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
+    targets = {
+        t.split(":")[0]
+        for job in config["scrape_configs"]
+        for sc in job.get("static_configs", [])
+        for t in sc["targets"]
+    }
+    assert set(shoal_services()) <= targets, set(shoal_services()) - targets
+
+
+def test_otel_collector_config_has_a_traces_pipeline_to_jaeger() -> None:
+    config = yaml.safe_load((COMPOSE_DIR / "otel-collector.yaml").read_text())
+    pipeline = config["service"]["pipelines"]["traces"]
+    for kind in ("receivers", "processors", "exporters"):
+        for name in pipeline[kind]:
+            assert name in config[kind], f"{kind}: {name} is used but not defined"
+    assert pipeline["receivers"] == ["otlp"] and "http" in config["receivers"]["otlp"]["protocols"]
+    assert config["exporters"]["otlp/jaeger"]["endpoint"] == "jaeger:4317"
+    # The services export to the collector's OTLP/HTTP port by default.
+    env = compose()["x-shoal"]["environment"]
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"].endswith("-http://otel-collector:4318}")
+
+
+def test_every_shoal_container_authenticates_and_ports_stay_local() -> None:
+    services = shoal_services()
+    assert {"admission", "profiler", "placer", "trader", "allocator-1", "allocator-2"} <= set(services)
+    for name, svc in services.items():
+        creds = svc["environment"]["SHOAL_NATS_CREDS"]
+        assert creds.startswith("/var/lib/shoal/creds/"), name
+        assert any(v.startswith("creds:") and v.endswith(":ro") for v in svc["volumes"]), name
+        if svc["command"][1] == "node-daemon":
+            assert svc["environment"]["SHOAL_SIDECAR_CREDS"].startswith("/var/lib/shoal/creds/sidecar-")
+    for name, svc in compose()["services"].items():
+        for port in svc.get("ports", []):
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} beyond this host"
+        # Only the one-shot that writes them sees the operator's (admin and users') seeds.
+        if name != "nats-config":
+            assert not any(v.startswith("operator-creds:") for v in svc.get("volumes", [])), name
+
+
+def test_nats_config_writes_valid_server_configs_and_keeps_seeds(tmp_path: Path) -> None:
+    out = tmp_path / "cfg"
+    argv = [*CLI_ARGV, "nats-config", str(out), "--nodes", "n1", "--users", "alice", "--mqtt"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert first.returncode == 0, first.stderr
+    seeds = {p.name: p.read_bytes() for p in out.glob("*/*.nk")}
+    assert set(seeds) == {
+        "admission.nk",
+        "allocator.nk",
+        "placer.nk",
+        "profiler.nk",
+        "trader.nk",
+        "node-n1.nk",
+        "sidecar-n1.nk",
+        "admin.nk",
+        "user-alice.nk",
+    }
+    assert (out / "operator/admin.nk").exists() and not (out / "creds/admin.nk").exists()
+    for path in out.rglob("*"):
+        assert path.stat().st_mode & 0o077 == 0, f"{path} is readable by others"
+    again = subprocess.run([*argv, "--users", "bob"], capture_output=True, text=True, timeout=60, env=env)
+    assert again.returncode == 0, again.stderr
+    assert {p.name: p.read_bytes() for p in out.glob("*/*.nk") if p.name in seeds} == seeds
+    conf = out / "server/nats-2.conf"
+    text = conf.read_text()
+    password = (out / "server/route.password").read_text().strip()
+    assert f"route:{password}@nats-1:6222" in text and f'password: "{password}"' in text
+    from shoal.auth import CredentialStore
+
+    bob = next(i for i in CredentialStore(out / "operator").identities() if i.subject == "bob")
+    assert bob.public_key in text
+    check = subprocess.run(
+        [find_nats_server(), "-c", str(conf), "-t"], capture_output=True, text=True, timeout=30
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_server_config_refuses_what_would_break_its_syntax() -> None:
+    with pytest.raises(ValueError, match="not one of"):
+        server_config("x", servers=["a"], identities=[], route_password="p")
+    with pytest.raises(ValueError, match="route password"):
+        server_config("a", servers=["a"], identities=[], route_password='p"')
+    with pytest.raises(ValueError, match="server or cluster name"):
+        server_config("a b", servers=["a b"], identities=[], route_password="p")
+    assert sys.version_info >= (3, 11)
