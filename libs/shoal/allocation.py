@@ -26,6 +26,10 @@ Choices:
 * Placement: ``min-migration`` (CoDDL §4.4) or ``consolidated`` (Optimus §5). A job
   the placer could not place (``Placement.unplaced``) is absent from
   ``PlacementDecided.placements`` and therefore runs on nothing at that epoch.
+  A policy that chooses nodes itself (Gandiva_fair §3.2-3.3) names them in
+  ``policy_memory["node_hints"]``; :func:`place` then places those jobs on those
+  nodes (:func:`shoal.placement.hinted.place_hinted`) whichever placer is set, and the
+  placer places only the jobs the hints cannot.
 """
 
 from __future__ import annotations
@@ -145,7 +149,7 @@ def place(
         topology: usable GPUs per node.
         shares: the decision to place.
         previous: job id -> GPUs each job holds now.
-        placer: one of :data:`PLACERS`.
+        placer: one of :data:`PLACERS` (for the jobs without a node hint).
 
     Returns:
         The ``PlacementDecided`` event (same epoch) and the placer's full result.
@@ -154,8 +158,17 @@ def place(
         ValueError: unknown placer.
     """
     from shoal.placement import place_consolidated, place_min_migration
+    from shoal.placement.hinted import NODE_HINTS, place_hinted
 
-    if placer == "min-migration":
+    hints = shares.policy_memory.get(NODE_HINTS)
+    if placer not in PLACERS:
+        raise ValueError(f"unknown placer {placer!r}; choose one of {', '.join(PLACERS)}")
+    if isinstance(hints, dict) and hints:
+        fallback = place_min_migration if placer == "min-migration" else place_consolidated
+        result = place_hinted(
+            topology, shares.shares, previous, hints, shares.gpu_types or None, fallback=fallback
+        )
+    elif placer == "min-migration":
         result = place_min_migration(topology, shares.shares, previous, shares.gpu_types or None)
     elif placer == "consolidated":
         result = place_consolidated(topology, shares.shares, previous, shares.gpu_types or None)

@@ -31,8 +31,18 @@ gangs: a job runs with exactly its size or not at all. Each quantum:
    share are placed again (jobs follow traded GPUs); then at most one more job
    per quantum moves between generations when that gains (§3.5 "Migration").
 5. **Placement** (§3.2-3.3): new (or moved) jobs go to the least ticket-loaded
-   node(s) of their generation, then at most one balance move and one packing
-   move per generation (:mod:`.balance`).
+   node(s) of their generation; then, at quantum starts, at most one balance move
+   (eq. (2) ticket load per GPU) and a batch of up to node-size 1-GPU packing moves
+   per generation (:func:`.balance.packing_migrations`). The nodes are real: the
+   nodes of every scheduled job go out in ``node_hints`` (job -> ``<generation>#<i>``,
+   the ``i``-th server of that generation), and the one placement step of the
+   simulator and the placer service (:func:`shoal.allocation.place`) puts the job on
+   those servers (:mod:`shoal.placement.hinted`), keeping the GPUs it holds there.
+   A suspended gang keeps its nodes in ``placement``, so it resumes on the same
+   servers (on the same GPUs only if the placer finds them free and nothing else was
+   placed there first: the policy does not see GPU indices). A reported migration
+   of a running job is a move to other servers; one of a suspended job takes effect
+   when it next runs.
 6. **Split stride** (§3.1) per generation (:mod:`.split_stride`), with
    ``tickets_per_gpu`` of a user on a generation = its holding there divided by
    the GPUs its jobs there need (eq. (1) on effective, post-trade tickets), and
@@ -56,10 +66,11 @@ Choices where the paper or the interface leave room:
 replay reproduces every decision: ``placement`` (job -> nodes named
 ``<generation>#<index>``, which also gives each job's generation), ``central``
 and ``local`` passes (and their ``base_*`` copies from the quantum's start),
-``profiles``, ``job_rates`` (each job's last measured per-GPU rate per generation), ``ran``/``ran_at`` (progress when last scheduled), ``trades``,
+``profiles``, ``job_rates`` (each job's last measured per-GPU rate per generation),
+``ran``/``ran_at`` (progress when last scheduled), ``trades``,
 ``trade_seq`` and ``entitlements`` (per-user holdings after trades). It grows
 by about 55 bytes per job (4,000 jobs: about 220 KB of msgpack). Besides the state, it carries what happened in
-this decision for the caller to publish: ``trades_executed`` (fields of
+this decision for the caller to publish: ``node_hints`` (above), ``trades_executed`` (fields of
 :class:`~shoal.events.TradeExecuted`), ``trades_undone`` (``trade_id``,
 ``reason``) and ``migrations`` (``job_id``, ``source``, ``target``, ``reason``).
 """
@@ -84,6 +95,7 @@ from shoal.fairness.shares import fair_shares_newest_first, spill_leftover
 from shoal.fairness.split_stride import PlacedJob, split_stride_quantum
 from shoal.fairness.stride import STRIDE1
 from shoal.fairness.trader import Trade, holdings, homogeneous_user, trading_round, undo_trades
+from shoal.placement.hinted import NODE_HINTS
 from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
 
 MEMORY_VERSION = 1
@@ -453,6 +465,7 @@ class GandivaFairPolicy:
             {
                 "v": MEMORY_VERSION,
                 "placement": new_placement,
+                NODE_HINTS: {j: new_placement[j] for j in sorted(shares)},
                 "central": central_all,
                 "local": local_all,
                 "profiles": profiles,

@@ -111,6 +111,7 @@ from msgspec import Struct
 from shoal import events as ev
 from shoal.allocation import decide_shares, place
 from shoal.events import GpuInfo
+from shoal.placement.hinted import NODE_HINTS
 from shoal.policies.base import ClusterView, JobView, Policy, prime_jobs_by_id
 from shoal.profiling.overestimate import decide_overestimate_first
 from shoal.profiling.ratelimit import MIN_INTERVAL_S
@@ -772,10 +773,11 @@ class Simulator:
         placements: Mapping[str, tuple[ev.GpuRef, ...]] = {}
         if not self.placing:
             new_alloc = shares.shares
-        elif unchanged and (not emitted or self._placer_keeps_same):
+        elif unchanged and (not emitted or (self._placer_keeps_same and NODE_HINTS not in memory)):
             # No new SharesDecided: the placer service has nothing to place. With one
             # but the same shares, min-migration keeps every job where it is (all GPUs
-            # can be kept), so asking it would return the current placement.
+            # can be kept), so asking it would return the current placement; not so
+            # when the policy names nodes (a Gandiva_fair migration keeps the shares).
             if cfg.series:
                 self._sample(now)
             return

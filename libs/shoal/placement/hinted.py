@@ -1,0 +1,137 @@
+"""Placement that honours the policy's own node choice (Gandiva_fair §3.2-3.3).
+
+Gandiva_fair chooses each job's server(s) itself: new jobs go to the least
+ticket-loaded node, balance and packing migrations move jobs between nodes, and its
+split stride schedules gangs node by node. The policy names those nodes
+``<generation>#<i>`` (the ``i``-th server of that generation) and publishes, in
+``SharesDecided.policy_memory[NODE_HINTS]``, the nodes of every job it schedules.
+:func:`shoal.allocation.place` (the one placement step of the simulator and the placer
+service) then calls :func:`place_hinted`, so the node choice, the load balancing and
+the migrations the policy reports are the ones carried out.
+
+Rules:
+
+* ``<generation>#<i>`` is the ``i``-th node of the topology whose ``gpu_type`` is
+  the generation (exact, else case-insensitive), in the topology's order; the empty
+  generation (a homogeneous cluster) counts every node.
+* A job takes its GPUs on its hinted nodes, in hint order: first the GPUs it holds
+  now (``previous``) that are still free there, then the lowest free indices. Jobs
+  that hold GPUs on their hinted nodes are placed first (ties by job id), so a job
+  the policy left in place keeps its GPUs, and a gang resumed after a suspension goes
+  back to its servers.
+* A job whose hint names no such node, or whose hinted nodes lack free GPUs (drained
+  GPUs the policy does not see), is placed by ``fallback`` (min-migration) on the
+  GPUs left, or stays unplaced: a gang is placed whole or not at all.
+* ``migrations`` counts, as every placer does, placed jobs that held GPUs and keep
+  none (:func:`~shoal.placement.topology.count_migrations`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from shoal.events import GpuRef
+from shoal.placement.topology import NodeSlots, Placement, Topology, count_migrations
+
+NODE_HINTS = "node_hints"
+"""Key of ``SharesDecided.policy_memory``: job id -> node names ``<generation>#<i>``."""
+
+Fallback = Callable[
+    [Topology, Mapping[str, int], Mapping[str, tuple[GpuRef, ...]], Mapping[str, str] | None], Placement
+]
+
+
+def resolve_hint(topology: Topology, names: Sequence[str]) -> list[NodeSlots] | None:
+    """The topology's nodes for hint names ``<generation>#<i>``; ``None`` if one is missing."""
+    out: list[NodeSlots] = []
+    for name in names:
+        gen, sep, idx = str(name).rpartition("#")
+        if not sep or not idx.isdigit():
+            return None
+        of_gen = [n for n in topology.nodes if not gen or n.gpu_type == gen]
+        if gen and not of_gen:
+            of_gen = [n for n in topology.nodes if n.gpu_type.lower() == gen.lower()]
+        i = int(idx)
+        if i >= len(of_gen):
+            return None
+        out.append(of_gen[i])
+    return out
+
+
+def place_hinted(
+    topology: Topology,
+    shares: Mapping[str, int],
+    previous: Mapping[str, tuple[GpuRef, ...]],
+    hints: Mapping[str, Sequence[str]],
+    gpu_types: Mapping[str, str] | None = None,
+    *,
+    fallback: Fallback | None = None,
+) -> Placement:
+    """Place ``shares`` on the nodes the policy chose (see the module docstring).
+
+    Args:
+        topology: Usable GPUs per node.
+        shares: job id -> GPUs.
+        previous: job id -> GPUs it holds now.
+        hints: job id -> node names ``<generation>#<i>``; jobs without one go to ``fallback``.
+        gpu_types: job id -> GPU type, for the fallback.
+        fallback: Placer for the jobs the hints cannot place (default min-migration).
+
+    Returns:
+        The placement.
+    """
+    if fallback is None:
+        from shoal.placement.min_migration import place_min_migration
+
+        fallback = place_min_migration
+    free: dict[str, list[int]] = {n.node_id: sorted(n.gpu_indices) for n in topology.nodes}
+    wanted = {j: s for j, s in shares.items() if s > 0}
+    targets: dict[str, list[NodeSlots]] = {}
+    rest: dict[str, int] = {}
+    for job, share in wanted.items():
+        nodes = resolve_hint(topology, hints.get(job, ())) if hints.get(job) else None
+        if nodes is None:
+            rest[job] = share
+        else:
+            targets[job] = nodes
+
+    def holds_here(job: str) -> bool:
+        ids = {n.node_id for n in targets[job]}
+        return any(g.node_id in ids for g in previous.get(job, ()))
+
+    placements: dict[str, tuple[GpuRef, ...]] = {}
+    for job in sorted(targets, key=lambda j: (not holds_here(j), j)):
+        need = wanted[job]
+        ids = [n.node_id for n in targets[job]]
+        taken: list[GpuRef] = []
+        for g in previous.get(job, ()):
+            if need and g.node_id in ids and g.index in free[g.node_id]:
+                free[g.node_id].remove(g.index)
+                taken.append(g)
+                need -= 1
+        for node in dict.fromkeys(ids):
+            while need and free[node]:
+                taken.append(GpuRef(node_id=node, index=free[node].pop(0)))
+                need -= 1
+        if need:
+            for g in taken:  # give back: the whole gang or nothing
+                free[g.node_id].append(g.index)
+                free[g.node_id].sort()
+            rest[job] = wanted[job]
+        else:
+            placements[job] = tuple(sorted(taken))
+    unplaced: dict[str, int] = {}
+    if rest:
+        left = Topology(
+            nodes=tuple(
+                NodeSlots(node_id=n.node_id, gpu_indices=tuple(free[n.node_id]), gpu_type=n.gpu_type)
+                for n in topology.nodes
+                if free[n.node_id]
+            )
+        )
+        sub = fallback(left, rest, {j: previous[j] for j in rest if j in previous}, gpu_types)
+        placements.update({j: g for j, g in sub.placements.items() if g})
+        unplaced = dict(sub.unplaced)
+    return Placement(
+        placements=placements, migrations=count_migrations(previous, placements), unplaced=unplaced
+    )
