@@ -17,9 +17,11 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,7 @@ import nkeys
 import pytest
 import yaml
 from shoal.auth import CredentialStore, identity_name
-from shoal.k8s import AUTH_SECRET, NODES_SECRET, node_id_of, secret_manifests, service_secret
+from shoal.k8s import AUTH_SECRET, NODES_SECRET, cluster_conf, node_id_of, secret_manifests, service_secret
 from shoal.nats_server import find_nats_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +96,10 @@ def test_secret_manifests_hold_each_seed_once_and_never_the_admins(tmp_path: Pat
     store.ensure("client", "alice")
     idents = store.identities()
     seeds = {i.name: store.path(i.name).read_bytes() for i in idents}
-    docs = {d["metadata"]["name"]: d for d in secret_manifests(idents, seeds, prefix="shoal", namespace="ns")}
+    docs = {
+        d["metadata"]["name"]: d
+        for d in secret_manifests(idents, seeds, route_password="abc123", prefix="shoal", namespace="ns")
+    }
     assert set(docs) == {AUTH_SECRET, NODES_SECRET, *(service_secret(r) for r in check_roles())}
     data = {name: {k: base64.b64decode(v) for k, v in d["data"].items()} for name, d in docs.items()}
     assert data[service_secret("allocator")] == {"allocator.nk": seeds["allocator"]}
@@ -105,6 +110,10 @@ def test_secret_manifests_hold_each_seed_once_and_never_the_admins(tmp_path: Pat
     every_value = b"".join(v for d in data.values() for v in d.values())
     assert seeds["admin"] not in every_value and seeds["user-alice"] not in every_value
     auth = data[AUTH_SECRET]["auth.conf"].decode()
+    assert data[AUTH_SECRET]["cluster.conf"].decode() == cluster_conf("abc123", namespace="ns")
+    assert "route:abc123@nats-2.nats-headless.ns.svc.cluster.local:6222" in cluster_conf(
+        "abc123", namespace="ns"
+    )
     for ident in idents:
         assert ident.public_key in auth
     assert all(d["metadata"]["namespace"] == "ns" for d in docs.values())
@@ -125,6 +134,7 @@ def test_shoal_creds_k8s_keeps_seeds_and_adds_nodes(tmp_path: Path) -> None:
     out = tmp_path / "creds"
     subprocess.run([*SHOAL_CLI, "creds", "k8s", str(out), "--node", "gpu-1.example"], check=True)
     first = {p.name: p.read_bytes() for p in out.glob("*.nk")}
+    route_password = (out / "route-password").read_text()
     assert {"admin.nk", "allocator.nk", "node-gpu-1-example.nk", "sidecar-gpu-1-example.nk"} <= set(first)
     subprocess.run(
         [*SHOAL_CLI, "creds", "k8s", str(out), "--node", "gpu-1.example", "--node", "gpu-2"], check=True
@@ -132,9 +142,11 @@ def test_shoal_creds_k8s_keeps_seeds_and_adds_nodes(tmp_path: Path) -> None:
     second = {p.name: p.read_bytes() for p in out.glob("*.nk")}
     assert {k: second[k] for k in first} == first  # nothing re-keyed
     assert "node-gpu-2.nk" in second
+    assert (out / "route-password").read_text() == route_password
     secrets = out / "secrets.yaml"
     assert stat.S_IMODE(secrets.stat().st_mode) == 0o600
     assert stat.S_IMODE((out / "auth.conf").stat().st_mode) == 0o600
+    assert stat.S_IMODE((out / "route-password").stat().st_mode) == 0o600
     assert CredentialStore(out).identities()[0].public_key in (out / "auth.conf").read_text()
     docs = {d["metadata"]["name"]: d for d in yaml.safe_load_all(secrets.read_text())}
     assert set(docs[NODES_SECRET]["data"]) == {
@@ -293,11 +305,12 @@ async def test_rendered_nats_config_admits_only_shoal_identities(
 ) -> None:
     docs = rendered["dev"]
     conf = _one(docs, "ConfigMap", "nats-config")["data"]["nats.conf"]
-    auth = base64.b64decode(_one(docs, "Secret", AUTH_SECRET)["data"]["auth.conf"])
+    nats_auth = _one(docs, "Secret", AUTH_SECRET)["data"]
     seeds = _one(docs, "Secret", service_secret("allocator"))["data"]
     (tmp_path / "config").mkdir()
     (tmp_path / "auth").mkdir()
-    (tmp_path / "auth" / "auth.conf").write_bytes(auth)
+    for name in ("auth.conf", "cluster.conf"):
+        (tmp_path / "auth" / name).write_bytes(base64.b64decode(nats_auth[name]))
     # Only where it listens and stores changes: 127.0.0.1, ports of its choosing, tmp_path.
     local = (
         conf.replace("listen: 0.0.0.0:4222", "listen: 127.0.0.1:-1")
@@ -338,6 +351,62 @@ async def test_rendered_nats_config_admits_only_shoal_identities(
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_nats_routes_need_the_route_password(tmp_path: Path) -> None:
+    """Three servers with cluster.conf as `shoal creds k8s` writes it (the StatefulSet's
+    host names replaced by 127.0.0.1 ports): b, with the password, joins a; c, with
+    another, is refused."""
+    route_a = _free_port()
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    monitor: dict[str, int] = {}
+    try:
+        for name, password in (("a", "abc123"), ("c", "wrong1"), ("b", "abc123")):
+            d = tmp_path / name
+            d.mkdir()
+            host = "nats-0.nats-headless.ns.svc.cluster.local:6222"
+            (d / "cluster.conf").write_text(
+                cluster_conf(password, namespace="ns", servers=1).replace(host, f"127.0.0.1:{route_a}")
+            )
+            monitor[name] = _free_port()
+            route = route_a if name == "a" else _free_port()
+            (d / "nats.conf").write_text(
+                f"server_name: {name}\nlisten: 127.0.0.1:-1\nhttp: 127.0.0.1:{monitor[name]}\n"
+                f'cluster {{\n  name: shoal\n  listen: 127.0.0.1:{route}\n  include "cluster.conf"\n}}\n'
+            )
+            procs[name] = subprocess.Popen(
+                [find_nats_server(), "-c", str(d / "nats.conf"), "-l", str(d / "log")],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+
+        def routes(name: str) -> set[str]:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{monitor[name]}/routez", timeout=2) as r:
+                    return {x["remote_name"] for x in json.load(r)["routes"] or []}
+            except OSError:
+                return set()
+
+        def refused() -> bool:
+            log = tmp_path / "a" / "log"
+            return log.exists() and "Authentication Failure" in log.read_text()
+
+        for _ in range(300):
+            if "b" in routes("a") and refused():
+                break
+            await asyncio.sleep(0.05)
+        assert routes("a") == {"b"} and routes("b") == {"a"}
+        assert refused() and routes("c") == set()
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+            proc.wait(timeout=10)
 
 
 # ---------------------------------------------------------------------------

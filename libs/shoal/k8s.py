@@ -5,8 +5,9 @@ objects the manifests in ``deploy/k8s`` mount (``docs/deploy.md``):
 
 ``shoal-nats-auth``
     ``auth.conf``: the NATS servers' ``authorization`` block, every identity's public
-    nkey and its permissions, from :func:`shoal.auth.authorization_block`. It holds no
-    seed; it is a Secret because it carries the MQTT password hashes.
+    nkey and its permissions, from :func:`shoal.auth.authorization_block` (no seed;
+    MQTT password hashes if any). ``cluster.conf``: the route password the servers of
+    the StatefulSet require of each other, and their routes (:func:`cluster_conf`).
 ``shoal-creds-<service>`` (admission, allocator, placer, profiler, trader)
     ``<service>.nk``: that service's seed alone, so each Deployment mounts only its own.
 ``shoal-creds-nodes``
@@ -36,6 +37,26 @@ def node_id_of(node_name: str) -> str:
     return node_name.replace(".", "-")
 
 
+ROUTE_USER = "route"
+
+
+def cluster_conf(password: str, *, namespace: str = "shoal", servers: int = 3) -> str:
+    """What ``deploy/k8s``'s ``nats.conf`` includes in its ``cluster`` block: the route
+    user and password every server requires of the others, and the routes to the
+    StatefulSet's ``servers`` pods (``nats-<i>.nats-headless.<namespace>``) with them.
+
+    Raises:
+        ValueError: a password that is not letters and digits (it is part of a URL).
+    """
+    if not password.isalnum():
+        raise ValueError("the route password must be letters and digits (it is part of a URL)")
+    routes = "\n".join(
+        f"  nats-route://{ROUTE_USER}:{password}@nats-{i}.nats-headless.{namespace}.svc.cluster.local:6222"
+        for i in range(servers)
+    )
+    return f'authorization {{\n  user: {ROUTE_USER}\n  password: "{password}"\n}}\nroutes: [\n{routes}\n]\n'
+
+
 def service_secret(role: str) -> str:
     """The name of the Secret that holds service ``role``'s seed."""
     return f"shoal-creds-{role}"
@@ -59,16 +80,23 @@ def secret_manifests(
     identities: Iterable[Identity],
     seeds: Mapping[str, bytes],
     *,
+    route_password: str,
     prefix: str = "shoal",
     namespace: str = "shoal",
+    nats_servers: int = 3,
 ) -> list[dict[str, Any]]:
-    """The Secrets of ``identities`` (``seeds``: identity name -> seed file content).
+    """The Secrets of ``identities`` (``seeds``: identity name -> seed file content) and
+    of the NATS servers' routes (``route_password``, :func:`cluster_conf`).
 
     Raises:
         KeyError: a service, node or sidecar identity whose seed is not in ``seeds``.
     """
     idents = sorted(identities, key=lambda i: i.name)
-    out = [_secret(AUTH_SECRET, namespace, {"auth.conf": authorization_block(idents, prefix).encode()})]
+    nats_files = {
+        "auth.conf": authorization_block(idents, prefix).encode(),
+        "cluster.conf": cluster_conf(route_password, namespace=namespace, servers=nats_servers).encode(),
+    }
+    out = [_secret(AUTH_SECRET, namespace, nats_files)]
     for ident in idents:
         if ident.role in SERVICE_ROLES:
             out.append(

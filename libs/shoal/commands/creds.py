@@ -11,8 +11,9 @@ state directory (its owner) can do this: the files are the credentials.
 
 ``shoal creds k8s DIR --node gpu-1.example --user alice`` keeps the identities of a
 Kubernetes installation in ``DIR`` instead (the admin, every service, a node and a
-sidecar identity per node, the users; existing seeds are kept, so running it again
-with one more ``--node`` adds that node) and writes ``DIR/secrets.yaml``, the Secrets
+sidecar identity per node, the users, and the password of the NATS servers' routes;
+existing seeds are kept, so running it again with one more ``--node`` adds that node)
+and writes ``DIR/secrets.yaml``, the Secrets
 the manifests in ``deploy/k8s`` mount (:mod:`shoal.k8s`; ``docs/deploy.md``), and
 ``DIR/auth.conf``, the NATS servers' authorization block, for servers run without
 Kubernetes.
@@ -49,6 +50,9 @@ def register(subparsers: Any) -> None:
     k8s.add_argument("--user", action="append", default=[], help="a user (repeat for each)")
     k8s.add_argument("--prefix", default="shoal", help="the installation's SHOAL_PREFIX")
     k8s.add_argument("--namespace", default="shoal", help="the namespace of the Secrets")
+    k8s.add_argument(
+        "--nats-servers", type=int, default=3, help="servers of the NATS StatefulSet (default 3)"
+    )
     k8s.set_defaults(func=_k8s)
     ls = sub.add_parser("list", help="every identity and its role")
     ls.set_defaults(func=_list)
@@ -90,6 +94,8 @@ def _add(args: argparse.Namespace) -> int:
 
 
 def _k8s(args: argparse.Namespace) -> int:
+    import secrets
+
     import yaml
 
     from shoal.auth import SERVICE_ROLES, AuthError, CredentialStore, authorization_block
@@ -109,7 +115,20 @@ def _k8s(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from None
     idents = store.identities()
     seeds = {i.name: store.path(i.name).read_bytes() for i in idents if i.role not in ("admin", "client")}
-    docs = secret_manifests(idents, seeds, prefix=args.prefix, namespace=args.namespace)
+    # The password the NATS servers require of each other's routes, kept with the seeds.
+    route_file = Path(args.directory) / "route-password"
+    if not route_file.exists():
+        fd = os.open(route_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_hex(24) + "\n")
+    docs = secret_manifests(
+        idents,
+        seeds,
+        route_password=route_file.read_text().strip(),
+        prefix=args.prefix,
+        namespace=args.namespace,
+        nats_servers=args.nats_servers,
+    )
     out = Path(args.directory) / "secrets.yaml"
     text = "# Made by `shoal creds k8s`: seeds; keep out of version control.\n"
     text += yaml.safe_dump_all(docs, sort_keys=False)
