@@ -43,6 +43,27 @@ larger than the current share that have no measurement yet, largest first (the
 job first runs with its share, then shrinks through the smaller units).
 :func:`allocatable_units` lists the counts network packing allows (AFS appendix
 E: 1, 2, 4 … up to a node, then whole nodes).
+
+Where it runs. :func:`decide_overestimate_first` is the allocation step of §4.5,
+called by the simulator (``SimConfig.profiling="overestimate"``) and by the allocator
+service on every decision, with :func:`shoal.view.estimated_jobs` of the folded log
+saying which jobs are on the estimate and which counts are measured:
+
+* :func:`first_share_view` caps a new job (nothing measured, no known curve) at the
+  fair share :func:`fair_share` ``= max(1, ⌊M/n⌋)``, n the active jobs;
+* :func:`probe_shares` takes a job measured at its share through the unmeasured
+  allocatable units below it, one decision per measurement, then lets the policy
+  re-adjust it.
+
+Measurements come from the profiler (``shoal.profiling.throughput_update``: one per
+newly measured count, at least ``profiler_min_interval_s`` apart) or, in the
+simulator, once the job has run ``SimConfig.measure_s`` (the same interval by
+default) at a count. Not done: the live emulated stack of ``benchmarks/conformance.py``
+runs no profiler and gives every job its curve as a profile, so the conformance
+report compares the oracle setting only (the live profiler publishes a measurement
+when a progress report at the new count arrives, the simulator at a fixed window
+after the change; the synchronized clock does not know the profiler's next
+publication).
 """
 
 from __future__ import annotations
