@@ -75,6 +75,8 @@ async def test_shoal_backup_and_restore_through_the_snapshot_api(tmp_path: Path)
                 ev.JobSubmitted(job_id=f"j{i}", spec=ev.JobSpec(user="alice", total_iterations=100))
             )
         await bus.publish(ev.JobCancelled(job_id="j3"))
+        kv = await bus.js.create_key_value(bucket="SHOAL_LEASES_TEST")  # a bucket of the installation
+        await kv.put("allocator", b"holder-1")
         await bus.close()
         before = await _log(server.url, admin)
         # Only the admin may snapshot: a service's identity is refused by the server.
@@ -89,6 +91,12 @@ async def test_shoal_backup_and_restore_through_the_snapshot_api(tmp_path: Path)
         assert done.returncode == 0, done.stderr
         assert "SHOAL_EVENTS: 51 messages restored" in done.stdout
         after = await _log(fresh.url, admin)
+        bus = await Bus.connect(fresh.url, "shoal", creds=admin, declare=False)
+        try:
+            kv = await bus.js.key_value("SHOAL_LEASES_TEST")
+            assert (await kv.get("allocator")).value == b"holder-1"
+        finally:
+            await bus.close()
         again = _cli("restore", str(backup), url=fresh.url, creds=admin)
         assert again.returncode != 0 and "already has" in again.stderr
     assert after == before
