@@ -14,6 +14,14 @@ job's catalog curve for ``spec.model``, else linear scaling). The trainer comput
 the exact virtual instant the job finishes and wakes for it, so completion times
 do not depend on a polling period.
 
+A job of unknown length (``convergence_target``) has no real loss here, so the
+trainer gives it one: Optimus eq. (1) through
+:func:`shoal.profiling.convergence.curve_reaching`, reaching the target after
+``SHOAL_TRAIN_EMULATED_ITERATIONS`` iterations from the job's ``env`` (default
+:data:`CONVERGENCE_ITERATIONS`). Every progress report carries the loss at its
+iteration (the profiler fits it and publishes ``ConvergenceEstimated``), and the job
+completes when the loss reaches the target.
+
 Timing at a high time scale. At 1000× a 30 ms control-plane path (allocator →
 placer → node daemon → this process, plus spawning the process) would be 30
 virtual seconds per change, an artefact of emulation and not of the scheduler. So
@@ -74,10 +82,28 @@ from shoal.clock import HOLD_TTL_S, Clock, SharedClock, done_key, hold, release
 from shoal.log import bound_job
 from shoal.models import Catalog, interpolate
 from shoal.profiling import PROFILER_KINDS
+from shoal.profiling.convergence import ConvergenceModel, curve_reaching
 from shoal.sim.costs import ReconfigCosts, classify
 from shoal.telemetry import extract, trace_fields
 
 log = structlog.get_logger("shoal.sidecar")
+
+CONVERGENCE_ITERATIONS = 1000
+"""Iterations an emulated job with a ``convergence_target`` takes to reach it, unless its
+``env`` sets ``SHOAL_TRAIN_EMULATED_ITERATIONS`` (choice: emulation has no real loss)."""
+
+
+def emulated_loss_curve(spec: ev.JobSpec) -> ConvergenceModel:
+    """The loss an emulated job with a ``convergence_target`` reports (module docstring)."""
+    assert spec.convergence_target is not None
+    try:
+        n = float(spec.env.get("SHOAL_TRAIN_EMULATED_ITERATIONS", CONVERGENCE_ITERATIONS))
+    except ValueError:
+        n = float(CONVERGENCE_ITERATIONS)
+    if not (math.isfinite(n) and n > 0):
+        n = float(CONVERGENCE_ITERATIONS)
+    return curve_reaching(spec.convergence_target, n)
+
 
 _EPS = 1e-6
 _DRAIN_S = 0.01
@@ -114,6 +140,8 @@ class EmulatedTrainer:
         self.commands: asyncio.Queue[ev.Reconfigure] = asyncio.Queue()
         self.spec: ev.JobSpec | None = None
         self.curve: tuple[float, ...] = (0.0, 1.0)
+        self.loss_curve: ConvergenceModel | None = None
+        """The emulated loss of a job with a ``convergence_target`` (see the module docstring)."""
         self.epoch = 0
         self.gpus: tuple[ev.GpuRef, ...] = ()
         self.iteration = 0.0
@@ -158,6 +186,8 @@ class EmulatedTrainer:
             raise RuntimeError(f"job {self.job_id} has no JobSubmitted in the log")
         self.spec = submitted.spec
         want = self.spec.max_gpus
+        if self.spec.convergence_target is not None and self.spec.total_iterations is None:
+            self.loss_curve = emulated_loss_curve(self.spec)
         curve: tuple[float, ...] | None = None
         # The job's own throughput model in the log (a profile, or the calibrated
         # curve a trace replay published, as the simulator does) comes first. What the
@@ -234,7 +264,15 @@ class EmulatedTrainer:
 
     @property
     def total(self) -> float | None:
-        return float(self.spec.total_iterations) if self.spec and self.spec.total_iterations else None
+        """Iterations until the job is done: its ``total_iterations``, or for a job with a
+        ``convergence_target`` those at which the emulated loss reaches it."""
+        if self.spec is None:
+            return None
+        if self.spec.total_iterations:
+            return float(self.spec.total_iterations)
+        if self.loss_curve is not None and self.spec.convergence_target is not None:
+            return self.loss_curve.iterations_to_loss(self.spec.convergence_target)
+        return None
 
     def iteration_at(self, t: float) -> float:
         """Iterations done at virtual time ``t`` (within the current segment)."""
@@ -408,6 +446,9 @@ class EmulatedTrainer:
                 samples_per_s=self.rate() * max(1, self.spec.global_batch_size),
                 num_gpus=self.world if num_gpus is None else num_gpus,
                 epoch=self.epoch,
+                loss=None
+                if self.loss_curve is None
+                else self.loss_curve.loss(int(self.iteration_at(at) + _EPS)),
             ),
             at=at,
         )

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from shoal.profiling.convergence import ConvergenceModel, clean_losses, fit_convergence
+from shoal.profiling.convergence import ConvergenceModel, clean_losses, curve_reaching, fit_convergence
 
 # Optimus Fig. 7 (Seq2Seq): β0 = 0.21, β1 = 1.07, β2 = 0.07.
 FIG7 = (0.21, 1.07, 0.07)
@@ -107,3 +107,16 @@ def test_closed_form_two_variable_nnls_matches_lawson_hanson() -> None:
             best = np.linalg.norm(a @ ref - wt / gap)
             assert b0[i] >= 0 and b1[i] >= 0
             assert mine <= best + 1e-9 * (1 + best)
+
+
+def test_curve_reaching_hits_the_target_at_the_given_iteration_and_is_fitted_back() -> None:
+    curve = curve_reaching(0.5, 300)
+    assert curve.loss(0) == pytest.approx(5.0)
+    assert curve.loss(300) == pytest.approx(0.5)
+    assert curve.iterations_to_loss(0.5) == pytest.approx(300)
+    fit = fit_convergence([(k, curve.loss(k)) for k in range(0, 200, 10)])
+    assert fit is not None and fit.iterations_to_loss(0.5) == pytest.approx(300, rel=0.01)
+    with pytest.raises(ValueError):
+        curve_reaching(0.5, 0)
+    with pytest.raises(ValueError):
+        curve_reaching(0.5, 10, initial_loss=0.4)

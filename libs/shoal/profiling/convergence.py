@@ -96,6 +96,31 @@ class ConvergenceModel(Struct, frozen=True, kw_only=True):
         return max(0.0, (u - self.beta1) / self.beta0)
 
 
+def curve_reaching(
+    target_loss: float, iterations: float, initial_loss: float | None = None
+) -> ConvergenceModel:
+    """A loss curve of eq. (1) that reaches ``target_loss`` at ``iterations`` steps.
+
+    For emulated trainers, which have no real loss: ``β2 = target/2`` (the asymptote
+    below the target), ``l(0) = initial_loss`` (default ``10·target``), and β0 so that
+    ``l(iterations) = target``. The profiler's fit (:func:`fit_convergence`) recovers
+    it from the reported points.
+
+    Raises:
+        ValueError: a target that is not finite and positive, ``iterations <= 0``, or an
+            initial loss not above the target.
+    """
+    if not (math.isfinite(target_loss) and target_loss > 0) or not iterations > 0:
+        raise ValueError(f"need a finite target > 0 and iterations > 0, got {target_loss}, {iterations}")
+    start = 10.0 * target_loss if initial_loss is None else float(initial_loss)
+    if not start > target_loss:
+        raise ValueError(f"the initial loss {start} must be above the target {target_loss}")
+    beta2 = target_loss / 2.0
+    beta1 = 1.0 / (start - beta2)
+    beta0 = (1.0 / (target_loss - beta2) - beta1) / float(iterations)
+    return ConvergenceModel(beta0=beta0, beta1=beta1, beta2=beta2)
+
+
 def clean_losses(
     points: Mapping[int, float] | Iterable[tuple[int, float]], *, window: int = 5
 ) -> list[tuple[int, float]]:
