@@ -158,15 +158,22 @@ def place(
         ValueError: unknown placer.
     """
     from shoal.placement import place_consolidated, place_min_migration
-    from shoal.placement.hinted import NODE_HINTS, place_hinted
+    from shoal.placement.hinted import NODE_HINTS, NODE_SLOTS, place_hinted
 
     hints = shares.policy_memory.get(NODE_HINTS)
     if placer not in PLACERS:
         raise ValueError(f"unknown placer {placer!r}; choose one of {', '.join(PLACERS)}")
     if isinstance(hints, dict) and hints:
         fallback = place_min_migration if placer == "min-migration" else place_consolidated
+        slots = shares.policy_memory.get(NODE_SLOTS)
         result = place_hinted(
-            topology, shares.shares, previous, hints, shares.gpu_types or None, fallback=fallback
+            topology,
+            shares.shares,
+            previous,
+            hints,
+            shares.gpu_types or None,
+            fallback=fallback,
+            slots=slots if isinstance(slots, dict) else None,
         )
     elif placer == "min-migration":
         result = place_min_migration(topology, shares.shares, previous, shares.gpu_types or None)

@@ -83,3 +83,27 @@ def test_place_honours_the_hints_whatever_the_placer() -> None:
     for placer in ("min-migration", "consolidated"):
         placed, _ = place(topology, shares, {}, placer=placer)
         assert placed.placements["a"][0].node_id == "n1"
+
+
+def test_a_resumed_gang_returns_to_its_gpus_when_they_are_free() -> None:
+    _, events = _sim_log()
+    memory: dict[str, Any] = {}
+    last: dict[str, tuple[ev.GpuRef, ...]] = {}
+    running: set[str] = set()
+    resumed = same = 0
+    for e in events:
+        if isinstance(e, ev.SharesDecided):
+            memory = e.policy_memory
+        elif isinstance(e, ev.PlacementDecided):
+            moved = {m["job_id"] for m in memory.get("migrations", [])}
+            for job, gpus in e.placements.items():
+                if job in running or job not in last or job in moved:
+                    continue
+                others = {g for j, gs in e.placements.items() if j != job for g in gs}
+                if not others & set(last[job]):
+                    resumed += 1
+                    same += gpus == last[job]
+                    assert gpus == last[job], (job, last[job], gpus)
+            running = set(e.placements)
+            last.update(e.placements)
+    assert resumed > 5 and same == resumed

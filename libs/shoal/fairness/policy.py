@@ -38,9 +38,11 @@ gangs: a job runs with exactly its size or not at all. Each quantum:
    the ``i``-th server of that generation), and the one placement step of the
    simulator and the placer service (:func:`shoal.allocation.place`) puts the job on
    those servers (:mod:`shoal.placement.hinted`), keeping the GPUs it holds there.
-   A suspended gang keeps its nodes in ``placement``, so it resumes on the same
-   servers (on the same GPUs only if the placer finds them free and nothing else was
-   placed there first: the policy does not see GPU indices). A reported migration
+   A job on part of one server also has a slot there (``gpu_slots``: the position
+   of its first GPU; it keeps it while it stays on the server, a new one overlaps
+   the fewest other slots), and the placer gives it those GPUs when they are free.
+   A suspended gang keeps its nodes and slot, so it resumes on the same servers, and
+   on the same GPUs when they are free. A reported migration
    of a running job is a move to other servers; one of a suspended job takes effect
    when it next runs.
 6. **Split stride** (§3.1) per generation (:mod:`.split_stride`), with
@@ -95,7 +97,7 @@ from shoal.fairness.shares import fair_shares_newest_first, spill_leftover
 from shoal.fairness.split_stride import PlacedJob, split_stride_quantum
 from shoal.fairness.stride import STRIDE1
 from shoal.fairness.trader import Trade, holdings, homogeneous_user, trading_round, undo_trades
-from shoal.placement.hinted import NODE_HINTS
+from shoal.placement.hinted import NODE_HINTS, NODE_SLOTS
 from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
 
 MEMORY_VERSION = 1
@@ -384,6 +386,8 @@ class GandivaFairPolicy:
         shares: dict[str, int] = {}
         gpu_types: dict[str, str] = {}
         new_placement: dict[str, list[str]] = {}
+        slots_mem: dict[str, int] = mem.get("slots", {})
+        new_slots: dict[str, int] = {}
         for gen in order:
             node_gpus = _node_gpus(gen, gens[gen], view.gpus_per_node)
             here = [j for j in gen_of if gen_of[j] == gen]
@@ -460,12 +464,15 @@ class GandivaFairPolicy:
                 if view.gpus_by_type:
                     gpu_types[j] = gen
             new_placement.update({j: list(n) for j, n in placed.items()})
+            new_slots.update(self._slots(node_gpus, placed, size, placement_mem, slots_mem, jobs))
 
         mem.update(
             {
                 "v": MEMORY_VERSION,
                 "placement": new_placement,
                 NODE_HINTS: {j: new_placement[j] for j in sorted(shares)},
+                "slots": new_slots,
+                NODE_SLOTS: {j: new_slots[j] for j in sorted(shares) if j in new_slots},
                 "central": central_all,
                 "local": local_all,
                 "profiles": profiles,
@@ -480,6 +487,42 @@ class GandivaFairPolicy:
             }
         )
         return Decision(shares=shares, gpu_types=gpu_types, memory=mem)
+
+    @staticmethod
+    def _slots(
+        node_gpus: Mapping[str, int],
+        placed: Mapping[str, tuple[str, ...]],
+        size: Mapping[str, int],
+        old_nodes: Mapping[str, list[str]],
+        old_slots: Mapping[str, int],
+        jobs: Mapping[str, JobView],
+    ) -> dict[str, int]:
+        """Each single-node job's GPU slot on its node: the position of its first GPU.
+
+        A job that stays on its node keeps its slot; others take the aligned slot that
+        overlaps the fewest slots of the node's other jobs (then the lowest). The placer
+        gives a job its slot's GPUs when they are free, so a gang resumed after a
+        suspension returns to the GPUs it ran on (``gpu_slots``, see the module docstring).
+        """
+        out: dict[str, int] = {}
+        used: dict[str, list[int]] = {n: [0] * g for n, g in node_gpus.items()}
+        single = [j for j, nodes in placed.items() if len(nodes) == 1 and size[j] < node_gpus[nodes[0]]]
+        rest = []
+        for j in single:
+            n, k = placed[j][0], old_slots.get(j)
+            if k is not None and old_nodes.get(j) == [n] and 0 <= k <= node_gpus[n] - size[j]:
+                out[j] = k
+                for i in range(k, k + size[j]):
+                    used[n][i] += 1
+            else:
+                rest.append(j)
+        for j in sorted(rest, key=lambda k: (jobs[k].arrival_s, k)):
+            n, s = placed[j][0], size[j]
+            k = min(range(0, node_gpus[n] - s + 1, s), key=lambda o: (sum(used[n][o : o + s]), o))
+            out[j] = k
+            for i in range(k, k + s):
+                used[n][i] += 1
+        return out
 
     @staticmethod
     def _add_load(

@@ -14,11 +14,13 @@ Rules:
 * ``<generation>#<i>`` is the ``i``-th node of the topology whose ``gpu_type`` is
   the generation (exact, else case-insensitive), in the topology's order; the empty
   generation (a homogeneous cluster) counts every node.
-* A job takes its GPUs on its hinted nodes, in hint order: first the GPUs it holds
-  now (``previous``) that are still free there, then the lowest free indices. Jobs
-  that hold GPUs on their hinted nodes are placed first (ties by job id), so a job
-  the policy left in place keeps its GPUs, and a gang resumed after a suspension goes
-  back to its servers.
+* A job takes its GPUs on its hinted nodes. First every job (those holding GPUs on
+  their hinted nodes first, then by job id) takes the GPUs it holds now
+  (``previous``) that are free there, then the free GPUs of its slot (``slots``: on
+  its first node, the usable GPUs from that position on); then each takes the lowest
+  free GPUs of its hinted nodes, in hint order. So a job the policy left in place
+  keeps its GPUs, and a gang resumed after a suspension goes back to its servers, and
+  to the GPUs of its slot when they are free.
 * A job whose hint names no such node, or whose hinted nodes lack free GPUs (drained
   GPUs the policy does not see), is placed by ``fallback`` (min-migration) on the
   GPUs left, or stays unplaced: a gang is placed whole or not at all.
@@ -35,6 +37,9 @@ from shoal.placement.topology import NodeSlots, Placement, Topology, count_migra
 
 NODE_HINTS = "node_hints"
 """Key of ``SharesDecided.policy_memory``: job id -> node names ``<generation>#<i>``."""
+NODE_SLOTS = "gpu_slots"
+"""Key of ``SharesDecided.policy_memory``: job id -> position, among its first hinted
+node's usable GPUs (sorted), of the first GPU of its slot."""
 
 Fallback = Callable[
     [Topology, Mapping[str, int], Mapping[str, tuple[GpuRef, ...]], Mapping[str, str] | None], Placement
@@ -66,6 +71,7 @@ def place_hinted(
     gpu_types: Mapping[str, str] | None = None,
     *,
     fallback: Fallback | None = None,
+    slots: Mapping[str, int] | None = None,
 ) -> Placement:
     """Place ``shares`` on the nodes the policy chose (see the module docstring).
 
@@ -76,6 +82,7 @@ def place_hinted(
         hints: job id -> node names ``<generation>#<i>``; jobs without one go to ``fallback``.
         gpu_types: job id -> GPU type, for the fallback.
         fallback: Placer for the jobs the hints cannot place (default min-migration).
+        slots: job id -> slot position on its first hinted node (see the module docstring).
 
     Returns:
         The placement.
@@ -100,26 +107,37 @@ def place_hinted(
         return any(g.node_id in ids for g in previous.get(job, ()))
 
     placements: dict[str, tuple[GpuRef, ...]] = {}
-    for job in sorted(targets, key=lambda j: (not holds_here(j), j)):
-        need = wanted[job]
-        ids = [n.node_id for n in targets[job]]
-        taken: list[GpuRef] = []
+    order = sorted(targets, key=lambda j: (not holds_here(j), j))
+    taken: dict[str, list[GpuRef]] = {j: [] for j in order}
+
+    def take(job: str, node: str, index: int) -> None:
+        free[node].remove(index)
+        taken[job].append(GpuRef(node_id=node, index=index))
+
+    # Pass 1, every job: the GPUs it holds on its hinted nodes, then its slot's free GPUs.
+    for job in order:
+        ids = {n.node_id for n in targets[job]}
         for g in previous.get(job, ()):
-            if need and g.node_id in ids and g.index in free[g.node_id]:
-                free[g.node_id].remove(g.index)
-                taken.append(g)
-                need -= 1
-        for node in dict.fromkeys(ids):
-            while need and free[node]:
-                taken.append(GpuRef(node_id=node, index=free[node].pop(0)))
-                need -= 1
-        if need:
-            for g in taken:  # give back: the whole gang or nothing
+            if len(taken[job]) < wanted[job] and g.node_id in ids and g.index in free[g.node_id]:
+                take(job, g.node_id, g.index)
+        slot = (slots or {}).get(job)
+        if isinstance(slot, int) and slot >= 0:
+            first = targets[job][0]
+            for i in sorted(first.gpu_indices)[slot : slot + wanted[job]]:
+                if len(taken[job]) < wanted[job] and i in free[first.node_id]:
+                    take(job, first.node_id, i)
+    # Pass 2: the lowest free GPUs on the hinted nodes, in hint order; whole gang or nothing.
+    for job in order:
+        for node in dict.fromkeys(n.node_id for n in targets[job]):
+            while len(taken[job]) < wanted[job] and free[node]:
+                take(job, node, free[node][0])
+        if len(taken[job]) < wanted[job]:
+            for g in taken[job]:
                 free[g.node_id].append(g.index)
                 free[g.node_id].sort()
             rest[job] = wanted[job]
         else:
-            placements[job] = tuple(sorted(taken))
+            placements[job] = tuple(sorted(taken[job]))
     unplaced: dict[str, int] = {}
     if rest:
         left = Topology(
