@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build shoal's images with podman without reaching an index from inside the build: the
-# host's pip fills deploy/wheels (pip's own cache makes a rebuild fast), then
+# host's pip fills deploy/wheels and deploy/wheels-train (pip's own cache makes a rebuild fast), then
 # deploy/compose/Dockerfile installs from there with --no-index.
 #
 #   deploy/compose/build.sh                        # the shoal image
@@ -15,28 +15,27 @@ PYTHON="${PYTHON:-python3}"
 BASE="${BASE:-python:3.11-slim-bookworm}"
 TAG="${TAG:-0.1.0}"
 [ "$#" -gt 0 ] || set -- shoal
-extras="nvml,otlp"
-needs_wheels=0
+wheels() {  # wheels() DIR EXTRAS: every dependency's wheel (and setuptools/wheel, to build
+    # shoal itself) in DIR, made again only when pyproject.toml's dependencies change.
+    local dir="$1" extras="$2" stamp
+    stamp="$("$PYTHON" -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print(p["dependencies"], {k: p["optional-dependencies"][k] for k in sys.argv[1].split(",")})' "$extras" \
+        | sha256sum | cut -c1-16)"
+    if [ "$(cat "$dir/.stamp" 2>/dev/null)" != "$stamp" ]; then
+        "$PYTHON" -m pip wheel -q --wheel-dir "$dir" ".[$extras]" "setuptools>=68" wheel
+        rm -f "$dir"/shoal-*.whl
+        echo "$stamp" > "$dir/.stamp"
+    fi
+}
 for target in "$@"; do
     case "$target" in
-        shoal) needs_wheels=1 ;;
-        shoal-train) needs_wheels=1; extras="nvml,otlp,train" ;;
+        shoal) wheels deploy/wheels nvml,otlp ;;
+        # A wheelhouse of its own, so that torch does not change the shoal image's layers.
+        shoal-train) wheels deploy/wheels nvml,otlp && wheels deploy/wheels-train train ;;
         prometheus) ;;
         *) echo "unknown target $target (shoal, shoal-train, prometheus)" >&2; exit 2 ;;
     esac
 done
-if [ "$needs_wheels" = 1 ]; then
-    # Wheels of every dependency, and setuptools/wheel for the build of shoal itself; made
-    # again only when the dependencies in pyproject.toml or the extras change.
-    stamp="$("$PYTHON" -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]
-print(p["dependencies"], {k: p["optional-dependencies"][k] for k in sys.argv[1].split(",")})' "$extras" \
-        | sha256sum | cut -c1-16)"
-    if [ "$(cat deploy/wheels/.stamp 2>/dev/null)" != "$stamp" ]; then
-        "$PYTHON" -m pip wheel -q --wheel-dir deploy/wheels ".[$extras]" "setuptools>=68" wheel
-        rm -f deploy/wheels/shoal-*.whl
-        echo "$stamp" > deploy/wheels/.stamp
-    fi
-fi
 for target in "$@"; do
     podman --runtime runc build --format docker --build-arg "BASE=$BASE" --build-arg PIP_ARGS=--no-index \
         -f deploy/compose/Dockerfile --target "$target" -t "localhost/$target:$TAG" .

@@ -19,8 +19,9 @@ in a container of the shoal image: the services export to it exactly as they wou
 collector, but it is not the collector. Prometheus is Debian's, built from the same base
 (target ``prometheus``), and scrapes every service.
 
-From the host it checks: an outsider is refused by the NATS cluster; a job submitted with
-a user's credentials through the published port completes; one reconfiguration's trace
+From the host it checks: an outsider is refused by the NATS cluster; the streams have three
+replicas; a job submitted with a user's credentials through the published port completes;
+an MQTT device submits with the user's MQTT password (and a wrong one is refused); one reconfiguration's trace
 reaches the trace receiver with spans of the allocator, the placer, the node daemon and
 the sidecar; Prometheus scrapes every service; killing the leading allocator's container
 makes the standby lead, and a job submitted after is scheduled and completes.
@@ -100,6 +101,7 @@ class Stack:
     project: str
     env: dict[str, str]
     nats_url: str
+    mqtt_port: int
     prometheus: str
     trace_sink: str
     creds: Path
@@ -189,6 +191,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         project=project,
         env=env,
         nats_url=f"nats://127.0.0.1:{ports['nats']}",
+        mqtt_port=ports["mqtt"],
         prometheus=f"http://127.0.0.1:{ports['prometheus']}",
         trace_sink=f"http://127.0.0.1:{ports['sink']}",
         creds=tmp / "operator",
@@ -311,6 +314,36 @@ def _run_job_sync(stack: Stack, job_id: str) -> list[str]:
     seen = asyncio.run(_run_job(stack, job_id))
     stack.timings[job_id] = time.monotonic() - t0
     return seen
+
+
+def test_an_mqtt_device_submits_through_the_published_port(stack: Stack) -> None:
+    """The servers' MQTT listener with the user's MQTT password (from nats-config);
+    admission's bridge answers on the user's result topic. A wrong password is refused."""
+    import aiomqtt
+
+    password = (stack.creds / "user-alice.mqtt").read_text().strip()
+
+    async def roundtrip(secret: str) -> dict[str, Any]:
+        async with aiomqtt.Client(
+            "127.0.0.1",
+            stack.mqtt_port,
+            protocol=aiomqtt.ProtocolVersion.V311,
+            username="alice",
+            password=secret,
+        ) as mq:
+            await mq.subscribe("shoal/mqtt/result/alice", qos=1)
+            spec = {"max_gpus": 1, "total_iterations": 20, "job_id": "compose-mqtt"}
+            await mq.publish("shoal/mqtt/submit/alice", json.dumps(spec).encode(), qos=1)
+            async with asyncio.timeout(60):
+                async for message in mq.messages:
+                    assert isinstance(message.payload, bytes)
+                    return dict(json.loads(message.payload))
+        raise AssertionError("no result")
+
+    result = asyncio.run(roundtrip(password))
+    assert result["type"] == "reply.accepted" and result["job_id"] == "compose-mqtt", result
+    with pytest.raises(aiomqtt.MqttError):
+        asyncio.run(roundtrip(password + "x"))
 
 
 def test_a_reconfiguration_trace_reaches_the_trace_receiver(stack: Stack) -> None:
