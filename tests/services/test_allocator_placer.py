@@ -41,7 +41,12 @@ def node(node_id: str, n: int = 4) -> ev.NodeRegistered:
 
 
 def job(job_id: str, gpus: int) -> ev.JobSubmitted:
-    spec = ev.JobSpec(user="alice", min_gpus=1, max_gpus=8, requested_gpus=gpus, total_iterations=100)
+    # A known (linear) profile: these tests are about the allocator's mechanics, so no
+    # job is on AFS §4.5's estimate (capped at 1/n, probed at its smaller units).
+    profile = {"": {k: float(k) for k in range(1, 9)}}
+    spec = ev.JobSpec(
+        user="alice", min_gpus=1, max_gpus=8, requested_gpus=gpus, total_iterations=100, profile=profile
+    )
     return ev.JobSubmitted(job_id=job_id, spec=spec)
 
 

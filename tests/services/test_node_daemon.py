@@ -87,8 +87,12 @@ async def test_jobs_run_to_completion_on_emulated_gpus(bus: Bus, nats_url: str) 
     try:
         await wait_until(lambda: "n0" in daemon.projection.state.nodes)
         # 2 GPUs each, linear curve: 2 it/s -> 100 iterations take 50 virtual s = 0.5 wall s.
+        # The curve is known (a profile), so no job is capped at AFS §4.5's fair share.
+        linear = {"": {k: float(k) for k in range(1, 5)}}
         for j in ("a", "b", "c"):
-            spec = ev.JobSpec(user="u", min_gpus=1, max_gpus=4, requested_gpus=2, total_iterations=100)
+            spec = ev.JobSpec(
+                user="u", min_gpus=1, max_gpus=4, requested_gpus=2, total_iterations=100, profile=linear
+            )
             await bus.publish(codec.wrap(ev.JobSubmitted(job_id=j, spec=spec), at=clock.now()))
         state = daemon.projection.state
         await wait_until(lambda: all(state.jobs[j].status == "completed" for j in "abc"), timeout=30)
