@@ -69,10 +69,12 @@ replay reproduces every decision: ``placement`` (job -> nodes named
 ``<generation>#<index>``, which also gives each job's generation), ``central``
 and ``local`` passes (and their ``base_*`` copies from the quantum's start),
 ``profiles``, ``job_rates`` (each job's last measured per-GPU rate per generation),
-``ran``/``ran_at`` (progress when last scheduled), ``trades``,
-``trade_seq`` and ``entitlements`` (per-user holdings after trades). It grows
-by about 55 bytes per job (4,000 jobs: about 220 KB of msgpack). Besides the state, it carries what happened in
-this decision for the caller to publish: ``node_hints`` (above), ``trades_executed`` (fields of
+``ran``/``ran_at`` (progress when last scheduled), ``slots`` (each single-node job's
+GPU slot), ``trades``, ``trade_seq`` and ``entitlements`` (per-user holdings after
+trades). It grows by about 70 bytes per job (4,000 1-, 2- and 4-GPU jobs of 20 users
+on 1,024 GPUs after three quanta: about 310 KB of msgpack). Besides the state, it
+carries what happened in this decision for the caller to publish: ``node_hints`` and
+``gpu_slots`` of the scheduled jobs (above), ``trades_executed`` (fields of
 :class:`~shoal.events.TradeExecuted`), ``trades_undone`` (``trade_id``,
 ``reason``) and ``migrations`` (``job_id``, ``source``, ``target``, ``reason``).
 """
