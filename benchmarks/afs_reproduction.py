@@ -11,7 +11,8 @@ Optimus, Max-Min, AFS-P — in two settings:
 * ``flat``: the AFS simulator's setting (REPRODUCTION.md): one pool of 64 GPUs, no
   servers, no placement, reconfigurations free (``shoal simulate --gpus 64 --flat``);
 * ``topology``: 16 servers × 4 GPUs with network packing (AFS appendix E),
-  min-migration placement (CoDDL §4.4) and the ``coddl`` stop times (§4.3)
+  min-migration placement (CoDDL §4.4) and the ``measured`` reconfiguration costs
+  (shoal's trainer as ``benchmarks/bench_reconfig.py`` measured it, :mod:`shoal.sim.costs`)
   (``shoal simulate --gpus 64``).
 
 Everything else is the workload loader's and the policies' (REPRODUCTION.md): Philly
@@ -464,7 +465,9 @@ def render(
         "go up to the model's maximum (as the policies implement it).",
         "- Settings: `flat` = 64-GPU pool, no placement, free reconfiguration (the AFS simulator; "
         "`shoal simulate --gpus 64 --flat`); `topology` = 16 × 4 GPUs, network packing, min-migration placement, "
-        "`coddl` stop times (`shoal simulate --gpus 64`).",
+        "the `measured` reconfiguration costs of shoal's own trainer (`shoal simulate --gpus 64`; "
+        "`shoal.sim.costs`, calibrated by `python benchmarks/calibrate_costs.py` from "
+        "[reconfiguration.md](reconfiguration.md): " + _costs_line() + ").",
         "- Metric: average JCT over all jobs of the trace; reduction = baseline average JCT / policy average JCT "
         "(above 1: the policy is better), both measured in the same run of this command.",
         _limits_line(cells, args),
@@ -578,13 +581,27 @@ def _setting_section(
     return lines
 
 
+def _costs_line() -> str:
+    """The measured model's parameters, from its data file."""
+    from shoal.sim.costs import load_calibration
+
+    m = load_calibration()["model"]
+    return (
+        f"stop-free scale-out whose new workers prepare for {m['prepare_s']:.1f} + {m['prepare_per_gpu_s']:.1f} s "
+        f"per GPU while the job trains on, then stop {m['scale_out_s'] * 1000:.0f} ms; graceful scale-in, "
+        f"{m['scale_in_s'] * 1000:.0f} ms; checkpoint-restart, {m['restart_s']:.1f} + "
+        f"{m['restart_per_gpu_s']:.1f} s per GPU, for moves to disjoint GPUs and resumes after a preemption"
+    )
+
+
 def _topology_section(
     cells: dict[tuple[str, str, str], Cell], order: list[str], ids: dict[str, int], policies: list[str]
 ) -> list[str]:
     lines = [
         "## The cost of topology",
         "",
-        "Average JCT with servers, packing, placement and CoDDL stop times divided by the flat pool's "
+        "Average JCT with servers, packing, placement and the measured reconfiguration costs divided by the "
+        "flat pool's "
         "(above 1: topology costs; same workload and policy):",
         "",
         "| # | VC | " + " | ".join(policies) + " |",
@@ -595,6 +612,21 @@ def _topology_section(
         for p in policies:
             a, b = _avg(cells, "topology", vc, p), _avg(cells, "flat", vc, p)
             row.append(_x(a / b) if a == a and b == b and b > 0 else "—")
+        lines.append(f"| {ids[vc]} | {vc} | " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "GPU-hours lost to reconfiguration in the `topology` setting (allocated, not training: every stop "
+        "and the new workers' prepare phase; the flat setting's reconfigurations are free):",
+        "",
+        "| # | VC | " + " | ".join(policies) + " |",
+        "|---:|---|" + "---:|" * len(policies),
+    ]
+    for vc in order:
+        row = []
+        for p in policies:
+            cell = cells.get(("topology", vc, p))
+            lost = cell.outcome.summary.get("lost_gpu_s") if cell is not None and cell.outcome.ok else None
+            row.append(f"{lost / 3600:,.1f}" if isinstance(lost, int | float) else "—")
         lines.append(f"| {ids[vc]} | {vc} | " + " | ".join(row) + " |")
     lines.append("")
     return lines
