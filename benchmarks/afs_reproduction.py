@@ -94,6 +94,7 @@ FINGERPRINT_FILES = (
     "libs/shoal/models.py",
     "libs/shoal/policies/base.py",
     "libs/shoal/policies/common.py",
+    "libs/shoal/data/reconfig_costs.json",  # the measured costs the topology setting charges
 )
 
 
@@ -154,7 +155,10 @@ def fingerprint(policy: str) -> str:
     for rel in files:
         path = ROOT / rel
         h.update(rel.encode())
-        h.update(_code_only(path.read_bytes()) if path.exists() else b"<missing>")
+        if not path.exists():
+            h.update(b"<missing>")
+        else:
+            h.update(_code_only(path.read_bytes()) if path.suffix == ".py" else path.read_bytes())
     return h.hexdigest()[:16]
 
 
