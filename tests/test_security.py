@@ -16,7 +16,7 @@ from pathlib import Path
 import aiomqtt
 import pytest
 from shoal import events as ev
-from shoal.audit import Target, _forge, local_installation, run_audit
+from shoal.audit import Target, _forge, _forge_beat, local_installation, run_audit
 
 pytestmark = pytest.mark.integration
 
@@ -38,6 +38,9 @@ def test_every_attack_is_refused_and_the_legitimate_path_works(target: Target) -
 def test_the_audit_sees_an_accepted_forgery(target: Target) -> None:
     """The audit judges by the log, so it can fail: the admin may append a heartbeat."""
     refused, how = asyncio.run(_forge(target, target.admin, ev.NodeHeartbeat(node_id="node0", seq=10**6)))
+    assert not refused, how
+    # The same for the beats stream: the admin may store a heartbeat of any node there.
+    refused, how = asyncio.run(_forge_beat(target, target.admin, "other-node"))
     assert not refused, how
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 import nats
 import nats.errors
+import nats.js.errors
 
 from shoal import codec
 from shoal import events as ev
@@ -140,6 +141,34 @@ async def _forge(t: Target, creds: str | None, event: ev.Event) -> tuple[bool, s
             if any(e.id == env.id for _, e in batch):
                 return False, f"appended to {subject}"
     return True, why or "not appended"
+
+
+async def _forge_beat(t: Target, creds: str, node_id: str) -> tuple[bool, str]:
+    """Store a heartbeat of ``node_id`` in the beats stream (one stamped at 0, which
+    would make that node look silent); refused unless that very envelope is the newest
+    message on the node's beat subject afterwards."""
+    from shoal.bus import Names
+
+    names = Names(t.prefix)
+    subject = names.beat(node_id)
+    env = codec.wrap(ev.NodeHeartbeat(node_id=node_id, seq=10**9), at=0.0)
+    conn = await _Conn.open(t.url, creds)
+    try:
+        await conn.nc.publish(subject, codec.encode(env))
+        why = await conn.violation()
+    finally:
+        await conn.close()
+    admin = await _Conn.open(t.url, t.admin)
+    try:
+        try:
+            msg = await admin.nc.jetstream().get_last_msg(names.beats_stream, subject)
+        except nats.js.errors.NotFoundError:
+            return True, why or "nothing stored"
+    finally:
+        await admin.close()
+    if codec.decode(msg.data or b"").id == env.id:
+        return False, "stored in the beats stream"
+    return True, why or "not stored"
 
 
 def codec_subject(prefix: str, event: ev.Event) -> str:
@@ -288,6 +317,11 @@ def attacks(t: Target) -> list[Attack]:
             "node heartbeats for another node",
             node,
             lambda t: _forge(t, t.node, ev.NodeHeartbeat(node_id="other-node")),
+        ),
+        (
+            "node heartbeats for another node in the beats stream",
+            node,
+            lambda t: _forge_beat(t, t.node, "other-node"),
         ),
         ("forged JobCancelled", user, lambda t: _forge(t, t.user, ev.JobCancelled(job_id="victim-job"))),
         (
