@@ -31,8 +31,9 @@ Event sequence (REPRODUCTION.md, "AFS / CoDDL"):
   ``ReconfigurationCompleted`` comes at the equivalent stop's end, not at the switch.
 * A newer change before a job's stop ends cancels the in-flight one (CoDDL §4.3):
   ``ReconfigurationCancelled(epoch, by_epoch)``, the old epoch never completes, the
-  new change's stop starts at once, and only the elapsed part of the cancelled stop
-  counts as lost GPU time (a cancelled scale-out's prepare charge counts whole).
+  new change's stop starts at once, and the unelapsed part of the cancelled change's
+  (equivalent) stop times its GPUs is taken back from the lost GPU time; the rest of a
+  cancelled scale-out's prepare charge stays counted.
 * Completion: at ``ceil(exact finish time)`` (whole seconds, a 1 µs tolerance absorbs
   float error), ``JobCompleted``.
 * Progress is continuous: ``rate = curve[gpus]`` iterations/s from
