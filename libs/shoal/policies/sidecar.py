@@ -21,7 +21,7 @@ charges it with: new-job init (``start_s``: K8s job + framework init), the resta
 reshape (checkpoint + termination + init; ``restart_s``, per GPU ``restart_per_gpu_s``),
 the cross-host restart when the job needs more hosts than it had (``cross_host_s``,
 hosts counted as ``ceil(N / gpus_per_node)``), and with early initialisation
-(``early_init``, §III.B) the victim's training on the GPUs it loses while the incoming
+(``early_init``, §III.A) the victim's training on the GPUs it loses while the incoming
 job initialises. The final checkpoint and termination, equal for every option, drop out
 of the comparison. The costs are the simulator's (:meth:`SideCarAdaptive.bind_costs`:
 ``shoal simulate`` and :class:`shoal.sim.engine.Simulator` hand theirs over, and refuse a

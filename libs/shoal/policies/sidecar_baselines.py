@@ -1,4 +1,4 @@
-"""The SideCar paper's baselines (§IV; NOTES 4.1.D): Default-K8s and Termination.
+"""The SideCar paper's baselines (§V.B; NOTES 4.1.D): Default-K8s and Termination.
 
 * :class:`DefaultK8s` (``sidecar-default-k8s``): a job's GPU count is drawn at random
   from its optional counts and never changes; jobs wait until that many GPUs are free.
@@ -13,7 +13,10 @@
   step per decision (to its next optional count), to the job whose predicted completion
   falls the most per added GPU once the restart is paid (:func:`shoal.sim.costs.charge`
   with the policy's costs), and only when it falls; every resize is a
-  terminate-and-restart. When idle GPUs remain, the decision asks to be run again when
+  terminate-and-restart. The paper adds the idle GPUs "to the job one by one" by
+  Optimus's algorithm; here Optimus's greedy rule (largest gain per GPU) picks among the
+  running jobs, which is the newly started one when it gains most (choice). When idle
+  GPUs remain, the decision asks to be run again when
   that restart is over (``memory["next_decision_at_s"]``), so GPUs are added one
   restart at a time, as the paper's baseline does.
 
@@ -188,7 +191,7 @@ class Termination:
         shares[jid] = nxt
         memory: dict[str, Any] = {}
         if free > 0:
-            # The next add once this restart is over (one add at a time, §IV).
+            # The next add once this restart is over (one add at a time, §V.B).
             stop = charge(self.costs, "restart", old, nxt, gpus_per_node=gpn).stop_s
             memory["next_decision_at_s"] = view.now_s + max(1.0, stop)
         return Decision(shares=shares, memory=memory)

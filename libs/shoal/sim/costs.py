@@ -41,7 +41,7 @@ Presets:
   ``python benchmarks/calibrate_costs.py`` from the benchmark's report). The default on
   a topology. A trace's run time already includes its first start (AFS), so a first
   start is free; a resume after a preemption is a checkpoint-restart.
-* ``sidecar-paper`` / ``termination-paper``: the SideCar paper's case study (§IV,
+* ``sidecar-paper`` / ``termination-paper``: the SideCar paper's case study (§II.C,
   Table I, Figs. 3–4): see :data:`SIDECAR_PAPER` and :data:`TERMINATION_PAPER`.
 """
 
@@ -94,7 +94,7 @@ class ReconfigCosts(Struct, frozen=True, kw_only=True):
     resume_restart: bool = False
     """A job with progress that gets GPUs again pays a checkpoint-restart, not ``start_s``."""
     early_init: bool = False
-    """SideCar's early initialisation (§III.B): a shrunk job keeps training on the GPUs it
+    """SideCar's early initialisation (§I, §III.A): a shrunk job keeps training on the GPUs it
     loses while the incoming job initialises (``start_s``), and only then restarts."""
 
     def stop_time(self, kind: str) -> float:
@@ -226,7 +226,7 @@ SIDECAR_PAPER = ReconfigCosts(
     in_place=False,
     early_init=True,
 )
-"""The SideCar framework's costs, read off the paper's case study (§IV, Table I, Figs. 3–4):
+"""The SideCar framework's costs, read off the paper's case study (§II.C, Table I, Figs. 3–4):
 a new job starts 110 s after its decision (180 → 290 s, early initialisation included);
 a reshape restarts the process inside its container: 27 s down, 37 s up, taken as their
 mean 32 s; GPUs on another host need a K8s terminate and restart (the termination
