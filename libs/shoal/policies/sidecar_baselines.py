@@ -189,9 +189,9 @@ class Termination:
         old = shares[jid]
         free -= nxt - old
         shares[jid] = nxt
-        memory: dict[str, Any] = {}
+        wake: dict[str, Any] = {}
         if free > 0:
             # The next add once this restart is over (one add at a time, §V.B).
             stop = charge(self.costs, "restart", old, nxt, gpus_per_node=gpn).stop_s
-            memory["next_decision_at_s"] = view.now_s + max(1.0, stop)
-        return Decision(shares=shares, memory=memory)
+            wake["next_decision_at_s"] = view.now_s + max(1.0, stop)
+        return Decision(shares=shares, memory=wake)
