@@ -92,7 +92,7 @@ def test_a_new_job_gets_at_most_its_fair_share_in_the_simulator() -> None:
 
 
 def test_a_job_is_measured_again_only_on_a_new_share() -> None:
-    jobs = load_workload("philly:2869ce:60", seed=0)
+    jobs = load_workload("philly:2869ce:25", seed=0)
     cfg = SimConfig(profiling="overestimate")
     sim = Simulator(jobs, ToyEqual(), cfg)
     result = sim.run()
