@@ -258,12 +258,12 @@ def plan(args: argparse.Namespace, policies: list[str]) -> list[tuple[str, str, 
         out += [
             ("fairness", LARGE, p, "topology", args.large_limit, False) for p in ("gandiva-fair", "themis")
         ]
+    if "queue" in sections:
+        out += [("queue", LARGE, "engine-only", "topology", args.engine_limit, True)]
     if "policies" in sections:
         out += [("policies", SMALL, p, "topology", args.cpu_limit, False) for p in ["engine-only", *policies]]
         large = policies if args.large_policies == "all" else [p for p in args.large_policies.split(",") if p]
         out += [("policies", LARGE, p, "topology", args.large_limit, False) for p in large if p != "none"]
-    if "queue" in sections:
-        out += [("queue", LARGE, "engine-only", "topology", args.engine_limit, True)]
     return out
 
 
