@@ -105,12 +105,14 @@ def record_one(trace: str, policy_name: str, seed: int, flat: bool) -> dict[str,
     }
 
 
-def record(out: Path) -> None:
-    """Record every run of :data:`RUNS` into ``out`` (JSON)."""
+def record(out: Path, matching: str = "") -> None:
+    """Record every run of :data:`RUNS` (whose key contains ``matching``) into ``out`` (JSON)."""
     import shoal
 
     runs = []
     for trace, policy, seed, flat in RUNS:
+        if matching not in f"{trace} {policy} seed={seed} {'flat' if flat else 'topology'}":
+            continue
         runs.append(record_one(trace, policy, seed, flat))
         print(f"  {runs[-1]['key']}: {runs[-1]['cpu_s']:.2f} CPU s", file=sys.stderr, flush=True)
     out.write_text(json.dumps({"shoal": shoal.__file__, "runs": runs}))
@@ -140,13 +142,15 @@ def compare(base: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return diffs
 
 
-def _record_at(ref: str, out: Path) -> subprocess.Popen[bytes]:
+def _record_at(ref: str, out: Path, matching: str) -> subprocess.Popen[bytes]:
     """Start recording ``ref`` from a temporary worktree (the caller waits and cleans up)."""
     tmp = Path(tempfile.mkdtemp(prefix="sim-equality-"))
     wt = tmp / "tree"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(wt), ref], check=True)
     env = dict(os.environ, PYTHONPATH=f"{wt / 'libs'}{os.pathsep}{wt}")
-    proc = subprocess.Popen([sys.executable, __file__, "record", "--out", str(out)], env=env)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "record", "--out", str(out), "--matching", matching], env=env
+    )
     proc.worktree = wt  # type: ignore[attr-defined]
     return proc
 
@@ -156,16 +160,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", help="git ref to compare this tree against (e.g. main)")
     parser.add_argument("--baseline-file", type=Path, help="a recording of the baseline (instead of a ref)")
     parser.add_argument("--keep", type=Path, help="directory to keep both recordings in")
+    parser.add_argument("--matching", default="", help="only the runs whose key contains this (a smoke run)")
     sub = parser.add_subparsers(dest="cmd")
     rec = sub.add_parser("record", help="record this tree")
     rec.add_argument("--out", type=Path, required=True)
+    rec.add_argument("--matching", default="")
     cmp_ = sub.add_parser("compare", help="compare two recordings")
     cmp_.add_argument("base", type=Path)
     cmp_.add_argument("new", type=Path)
     args = parser.parse_args(argv)
 
     if args.cmd == "record":
-        record(args.out)
+        record(args.out, args.matching)
         return 0
     if args.cmd == "compare":
         base, new = (json.loads(p.read_text()) for p in (args.base, args.new))
@@ -176,10 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         keep.mkdir(parents=True, exist_ok=True)
         new_path, base_path = keep / "new.json", args.baseline_file or keep / "baseline.json"
         # Both recordings run at once, one process each (the machine's two cores).
-        proc = _record_at(args.baseline, base_path) if not args.baseline_file else None
+        proc = _record_at(args.baseline, base_path, args.matching) if not args.baseline_file else None
         try:
             subprocess.run(
-                [sys.executable, __file__, "record", "--out", str(new_path)],
+                [sys.executable, __file__, "record", "--out", str(new_path), "--matching", args.matching],
                 check=True,
                 env=dict(os.environ, PYTHONPATH=f"{ROOT / 'libs'}{os.pathsep}{ROOT}"),
             )
