@@ -1,185 +1,419 @@
-"""Simulation speed: jobs simulated per second, per policy, on whole Philly VCs.
+"""Simulation speed: this tree against a named baseline git ref, side by side, in one run.
 
-Targets (issue "Simulation speed"): the whole 956-job VC 2869ce with AFS-P in under
-10 s, and the 51,258-job VC 6214e9 in under 5 minutes, each on one core.
+Issue 24 ("a simulator faster than the research prototypes, results bit-identical") sets
+the targets checked here (CPU seconds of one process):
 
-Every run is one process, one core, one after another (no parallelism, so the runs
-do not compete with each other). Each run is timed twice: CPU seconds of this process
-(``time.process_time``; what one core spends, robust to other load on the machine) and
-wall-clock seconds (what a user waits; inflated when the machine is shared). Loading
-the workload is timed separately and not counted.
+* ``--flat`` on 2869ce, e13805, 7f04ca and 0e4a51 with SRTF, AFS-L, AFS-P, Tiresias-L and
+  Max-Min: at least 2x faster than the AFS authors' prototype simulator
+  (:data:`PROTOTYPE_CPU_S`, the figures of issue 24: measured on this machine on the
+  same inputs, median of 3 runs; cells without a figure there are reported, not judged);
+* 6214e9 (51,258 jobs) with AFS-P and AFS-L under 30 s, flat and on the 16 x 4 topology;
+* Gandiva_fair and Themis on 2869ce under 5 s and 1 s, and on the whole of 6214e9
+  under 5 minutes;
+* the engine alone (``engine-only``: FIFO that never reads curves) on 6214e9 with
+  topology under 60 s;
+* start-up: ``shoal simulate --trace philly:<vc> --limit 1`` under 0.25 s of CPU for
+  every VC (the whole process: interpreter, imports, loading, the run).
 
-The named baseline, measured in the same run, is ``engine-only``: a FIFO that gives
-each job its request in arrival order and never looks at curves, so its time is the
-engine's own cost (fold, view, packing, placement, metrics); a policy's time above
-it is the policy's. Every policy runs in the default setting of ``shoal simulate``
-(64 GPUs as 16 servers × 4, network packing, min-migration placement, ``coddl``
-costs), with the log not retained (``retain_log=False``, as for any long trace).
-A run past ``--cpu-limit`` CPU seconds is stopped and reported with how far it got.
-On the big trace FIFO never displaces a job, so its queue grows to thousands and every
-decision walks it: there the baseline measures a long queue, not the bare engine, and
-runs under its own, shorter ``--baseline-limit``. The big trace's targets run first.
-Last, ``--large-flat-policies`` (default AFS-P) run on the big trace in the flat setting
-of ``shoal simulate --flat`` (one 64-GPU pool, no packing, no placement, free
-reconfigurations: the AFS simulator's setting), to show what placement costs.
+It also reports jobs/s and events/s for every registered policy on the 956-job VC
+(2869ce) and the 51k-job VC (6214e9), in the default setting of ``shoal simulate``
+(64 GPUs as 16 servers x 4, packing, min-migration placement, ``coddl`` costs), and
+how the cost of a decision grows with the queue length (``engine-only`` on 6214e9;
+a plot saved next to the report).
+
+Every run is a child process (one at a time, so runs do not compete), started with
+either this tree's ``libs`` or the baseline's (a temporary ``git worktree`` of
+``--baseline-ref``, removed at the end) first on ``PYTHONPATH``; the child runs this
+same script with ``--cell``, which uses only the simulator's public API. CPU seconds are
+``time.process_time`` around ``Simulator.run`` (loading the workload is timed apart);
+wall-clock seconds are inflated by other work on a shared machine. A run past its CPU
+limit is stopped at its next decision and reported with how far it got.
 
 Usage::
 
-    python benchmarks/bench_sim.py [--quick] [--out benchmarks/reports/simulation_speed.md]
+    python benchmarks/bench_sim.py --baseline-ref 5f4972a            # everything
+    python benchmarks/bench_sim.py --sections flat,startup --baseline-ref main
+    python benchmarks/bench_sim.py --sections policies --policies afs-p,srtf --baseline-ref none
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import platform
+import resource
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shoal.policies.base import ClusterView, Decision, Policy
-from shoal.sim.engine import SimConfig, Simulator, make_policy
-from shoal.sim.matrix import RunTimeout
-from shoal.workloads import load_workload
+ROOT = Path(__file__).resolve().parent.parent
 
-TARGETS = {("philly:2869ce", "afs-p"): 10.0, ("philly:6214e9", "afs-p"): 300.0}
+PROTOTYPE_CPU_S: dict[tuple[str, str], float] = {
+    ("2869ce", "srtf"): 0.22,
+    ("2869ce", "afs-l"): 0.57,
+    ("2869ce", "afs-p"): 0.95,
+    ("7f04ca", "afs-p"): 7.4,
+    ("0e4a51", "tiresias-l"): 1.09,
+    ("b436b2", "afs-p"): 18.7,
+    ("ee9e8c", "tiresias-l"): 7.2,
+    ("6214e9", "afs-l"): 38.2,
+    ("6214e9", "afs-p"): 115.3,
+}
+"""CPU seconds of the AFS authors' simulator, flat pool (issue 24's table: same inputs,
+this machine, one process at a time, median of 3 runs)."""
+
+FLAT_VCS = ("2869ce", "e13805", "7f04ca", "0e4a51")
+FLAT_POLICIES = ("srtf", "afs-l", "afs-p", "tiresias-l", "max-min")
+SMALL, LARGE = "philly:2869ce", "philly:6214e9"
+
+
+# ---------------------------------------------------------------------------
+# The child: one run
+# ---------------------------------------------------------------------------
 
 
 class EngineOnlyFifo:
-    """The baseline: requested GPUs in arrival order; running jobs keep theirs."""
+    """The engine's own cost: requested GPUs in arrival order; running jobs keep theirs.
+
+    It never reads curves, and it looks at the queue only while GPUs are free (a long
+    FIFO queue mostly waits), so its time is the engine's (fold, view, packing,
+    placement, metrics) rather than a walk of the queue."""
 
     name = "engine-only"
 
-    def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
-        free = view.total_gpus - sum(j.current_gpus for j in view.jobs)
+    def decide(self, view: Any, memory: Mapping[str, Any]) -> Any:
+        from shoal.policies.base import Decision
+
         shares = {j.job_id: j.current_gpus for j in view.jobs if j.current_gpus}
-        for job in view.jobs:  # arrival order
-            if job.job_id not in shares and job.requested_gpus <= free:
-                shares[job.job_id] = job.requested_gpus
-                free -= job.requested_gpus
+        free = view.total_gpus - sum(shares.values())
+        if free > 0:
+            for job in view.jobs:  # arrival order
+                if job.job_id not in shares and job.requested_gpus <= free:
+                    shares[job.job_id] = job.requested_gpus
+                    free -= job.requested_gpus
+                    if not free:
+                        break
         return Decision(shares=shares)
 
 
-class _Limited:
-    """Stop a run after a CPU-time deadline (checked at each decision)."""
+class _Stop(Exception):
+    pass
 
-    def __init__(self, policy: Policy, limit_s: float) -> None:
+
+class _Limited:
+    """Stops a run after a CPU-time deadline (checked at each decision); with
+    ``probe`` it also records the CPU seconds of each decision cycle by queue length."""
+
+    def __init__(self, policy: Any, limit_s: float, probe: dict[int, list[float]] | None = None) -> None:
         self._policy = policy
         self._deadline = time.process_time() + limit_s
         self.name = policy.name
+        self._probe = probe
+        self._last: tuple[float, int] | None = None
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._policy, attr)
 
-    def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
-        if time.process_time() > self._deadline:
-            raise RunTimeout
+    def decide(self, view: Any, memory: Mapping[str, Any]) -> Any:
+        now = time.process_time()
+        if now > self._deadline:
+            raise _Stop
+        if self._probe is not None:
+            if self._last is not None:
+                # The cycle since the last decision (its policy call, the engine's work
+                # on its result, and this decision's view), by the queue it saw.
+                cell = self._probe.setdefault(_bucket(self._last[1]), [0.0, 0.0])
+                cell[0] += 1
+                cell[1] += now - self._last[0]
+            queue = sum(1 for j in view.jobs if not j.current_gpus)
+            # The probe's own count is not part of the next cycle.
+            self._last = (time.process_time(), queue)
         return self._policy.decide(view, memory)
 
 
-def run(trace: str, policy_name: str, cpu_limit: float, *, flat: bool = False) -> dict[str, Any]:
-    """Simulate one (trace, policy) and time it (``flat``: the AFS simulator's flat pool)."""
+def _bucket(queue: int) -> int:
+    """Lower edge of the power-of-two bucket of a queue length (0, 1, 2, 4, 8, ...)."""
+    return 0 if queue <= 0 else 1 << (queue.bit_length() - 1)
+
+
+def run_cell(
+    trace: str, policy_name: str, setting: str, limit_s: float, probe: bool = False
+) -> dict[str, Any]:
+    """One simulation in this process; what it cost and how far it got."""
+    from shoal.sim.engine import SimConfig, Simulator, make_policy
+    from shoal.workloads import load_workload
+
+    c0 = time.process_time()
     jobs = load_workload(trace, seed=0)
-    policy: Policy = EngineOnlyFifo() if policy_name == "engine-only" else make_policy(policy_name, seed=0)
-    sim = Simulator(jobs, _Limited(policy, cpu_limit), SimConfig(retain_log=False, flat=flat), trace=trace)
-    c0, w0 = time.process_time(), time.perf_counter()
+    load_s = time.process_time() - c0
+    policy = EngineOnlyFifo() if policy_name == "engine-only" else make_policy(policy_name, seed=0)
+    buckets: dict[int, list[float]] | None = {} if probe else None
+    sim = Simulator(
+        jobs,
+        _Limited(policy, limit_s, buckets),
+        SimConfig(retain_log=False, flat=setting == "flat"),
+        trace=trace,
+    )
     status = "ok"
-    decisions = 0.0
+    c0, w0 = time.process_time(), time.perf_counter()
     try:
-        result = sim.run()
-        decisions = result.summary["decisions"]
-    except RunTimeout:
+        sim.run()
+    except _Stop:
         status = "CPU limit"
     except Exception as exc:  # reported in the table, never hidden
         status = f"error: {type(exc).__name__}: {str(exc)[:80]}"
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
-    completed = sum(1 for j in sim.jobs.values() if j.finished_at is not None)
     return {
         "trace": trace,
         "policy": policy_name,
-        "setting": "flat" if flat else "topology",
+        "setting": setting,
         "jobs": len(jobs),
-        "completed": completed,
+        "completed": sum(1 for j in sim.jobs.values() if j.finished_at is not None),
         "cpu_s": cpu,
         "wall_s": wall,
-        "decisions": decisions or sim.decisions,
+        "load_cpu_s": load_s,
+        "decisions": sim.decisions,
+        "events": len(sim.log),
         "status": status,
+        "queue_buckets": {str(k): v for k, v in sorted((buckets or {}).items())},
     }
+
+
+# ---------------------------------------------------------------------------
+# The parent: the plan, the two trees, the report
+# ---------------------------------------------------------------------------
+
+
+class Tree:
+    """A source tree whose ``libs`` a child imports shoal from."""
+
+    def __init__(self, label: str, root: Path) -> None:
+        self.label = label
+        self.root = root
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
+        env["PYTHONPATH"] = f"{self.root / 'libs'}{os.pathsep}{self.root}"
+        return env
+
+    def cell(
+        self, trace: str, policy: str, setting: str, limit_s: float, probe: bool = False
+    ) -> dict[str, Any]:
+        cmd = [sys.executable, __file__, "--cell", trace, policy, setting, str(limit_s)]
+        if probe:
+            cmd.append("--probe")
+        proc = subprocess.run(cmd, env=self.env(), capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            return {
+                "trace": trace,
+                "policy": policy,
+                "setting": setting,
+                "status": f"error: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}",
+            }
+        return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+    def startup_cpu(self, vc: str, reps: int = 3) -> float:
+        """Median CPU seconds of a whole ``shoal simulate --limit 1`` process."""
+        code = (
+            "import sys; from shoal.cli import main; sys.exit(main(['simulate', '--trace', "
+            f"'philly:{vc}', '--policy', 'afs-p', '--limit', '1', '--quiet']))"
+        )
+        cpus = []
+        for _ in range(reps):
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            subprocess.run(
+                [sys.executable, "-c", code],
+                env=self.env(),
+                capture_output=True,
+                check=True,
+                cwd=tempfile.gettempdir(),
+            )
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+        return statistics.median(cpus)
+
+
+def plan(args: argparse.Namespace, policies: list[str]) -> list[tuple[str, str, str, str, float, bool]]:
+    """(section, trace, policy, setting, CPU limit, probe) in the order they run."""
+    sections = set(args.sections.split(","))
+    out: list[tuple[str, str, str, str, float, bool]] = []
+    if "flat" in sections:
+        for vc in FLAT_VCS:
+            out += [("flat", f"philly:{vc}", p, "flat", args.cpu_limit, False) for p in FLAT_POLICIES]
+    if "large" in sections:
+        for p in ("afs-p", "afs-l"):
+            out += [("large", LARGE, p, s, args.cpu_limit, False) for s in ("flat", "topology")]
+    if "fairness" in sections:
+        out += [("fairness", SMALL, p, "topology", args.cpu_limit, False) for p in ("gandiva-fair", "themis")]
+    if "engine" in sections:
+        out += [("engine", LARGE, "engine-only", "topology", args.engine_limit, False)]
+    if "fairness" in sections:
+        out += [
+            ("fairness", LARGE, p, "topology", args.large_limit, False) for p in ("gandiva-fair", "themis")
+        ]
+    if "queue" in sections:
+        out += [("queue", LARGE, "engine-only", "topology", args.engine_limit, True)]
+    if "policies" in sections:
+        out += [("policies", SMALL, p, "topology", args.cpu_limit, False) for p in ["engine-only", *policies]]
+        large = policies if args.large_policies == "all" else [p for p in args.large_policies.split(",") if p]
+        out += [("policies", LARGE, p, "topology", args.large_limit, False) for p in large if p != "none"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/reports/simulation_speed.md"))
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/reports/simulation_speed.md")
     parser.add_argument(
-        "--policies", default="", help="policies run on the small trace (default: every registered policy)"
-    )
-    parser.add_argument("--small", default="philly:2869ce", help="trace every policy runs on")
-    parser.add_argument("--large", default="philly:6214e9", help="the big trace")
-    parser.add_argument(
-        "--large-policies", default="afs-p", help="policies (besides the baseline) run on the big trace"
-    )
-    parser.add_argument("--cpu-limit", type=float, default=600.0, help="CPU seconds before a run is stopped")
-    parser.add_argument(
-        "--baseline-limit", type=float, default=120.0, help="CPU seconds for the baseline on the big trace"
+        "--baseline-ref",
+        default="5f4972a",
+        help="git ref measured side by side (default: the commit before issue 24's work); 'none' to skip",
     )
     parser.add_argument(
-        "--large-flat-policies",
-        default="afs-p",
-        help="policies also run on the big trace in the flat setting (`shoal simulate --flat`: one pool "
-        "of 64 GPUs, no packing or placement, free reconfigurations); empty to skip",
+        "--sections",
+        default="flat,large,fairness,engine,startup,policies,queue",
+        help="what to run (flat, large, fairness, engine: the targets; startup; policies; queue)",
     )
-    parser.add_argument("--quick", action="store_true", help="small trace only (a smoke run)")
+    parser.add_argument("--policies", default="", help="policies of the 'policies' section (default: all)")
+    parser.add_argument(
+        "--large-policies",
+        default="all",
+        help="policies of the 'policies' section run on 6214e9 too ('none')",
+    )
+    parser.add_argument("--cpu-limit", type=float, default=300.0, help="CPU s before a run is stopped")
+    parser.add_argument(
+        "--large-limit", type=float, default=300.0, help="CPU s for 6214e9 runs of every policy"
+    )
+    parser.add_argument("--engine-limit", type=float, default=120.0, help="CPU s for engine-only on 6214e9")
+    parser.add_argument(
+        "--cell", nargs=4, metavar=("TRACE", "POLICY", "SETTING", "LIMIT"), help=argparse.SUPPRESS
+    )
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
+    if args.cell:
+        trace, policy, setting, limit = args.cell
+        print(json.dumps(run_cell(trace, policy, setting, float(limit), args.probe)))
+        return 0
+
+    sys.path.insert(0, str(ROOT / "libs"))
     from shoal.policies.registry import policy_names
 
-    known = set(policy_names())
-    policies = [p for p in args.policies.split(",") if p] or sorted(known)
-    plan: list[tuple[str, str, bool]] = []
-    if not args.quick:  # the big trace's target first: it matters most if time runs out
-        plan += [(args.large, p, False) for p in args.large_policies.split(",") if p]
-    plan += [(args.small, "engine-only", False)] + [(args.small, p, False) for p in policies]
-    if not args.quick:
-        plan += [(args.large, "engine-only", False)]
-        plan += [(args.large, p, True) for p in args.large_flat_policies.split(",") if p]
-    rows: list[dict[str, Any]] = []
-    for trace, policy, flat in plan:
-        if policy != "engine-only" and policy not in known:
-            rows.append({"trace": trace, "policy": policy, "status": "not registered"})
-            continue
-        limit = args.baseline_limit if (trace == args.large and policy == "engine-only") else args.cpu_limit
-        row = run(trace, policy, limit, flat=flat)
-        rows.append(row)
-        print(
-            f"{trace:>16} {policy:>18} {row['setting']:>8}: {row['status']:>10} cpu {row['cpu_s']:8.2f} s "
-            f"wall {row['wall_s']:8.2f} s {row['completed']}/{row['jobs']} jobs",
-            file=sys.stderr,
-            flush=True,
+    policies = [p for p in args.policies.split(",") if p] or policy_names()
+    trees = [Tree("new", ROOT)]
+    worktree: Path | None = None
+    if args.baseline_ref != "none":
+        sha = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline_ref],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        worktree = Path(tempfile.mkdtemp(prefix="bench-sim-")) / "baseline"
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree), sha], check=True
         )
-        # The report is rewritten after every run, so an interrupted benchmark keeps
-        # what it measured (and says which runs are missing).
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(render(rows, args, argv, pending=[(t, p) for t, p, _ in plan[len(rows) :]]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(rows, args, argv))
+        trees.insert(0, Tree(f"baseline {args.baseline_ref} ({sha})", worktree))
+    head = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    trees[-1].label = f"this tree ({head}{'+changes' if _dirty() else ''})"
+    cmd = "python benchmarks/bench_sim.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    results: dict[str, Any] = {"trees": [t.label for t in trees], "cells": [], "startup": {}}
+    todo = plan(args, policies)
+    try:
+        if "startup" in args.sections.split(","):
+            from shoal.workloads import PHILLY_VCS
+
+            for vc in PHILLY_VCS:
+                results["startup"][vc] = [t.startup_cpu(vc) for t in trees]
+                print(f"startup {vc}: {results['startup'][vc]}", file=sys.stderr, flush=True)
+                _write(args, cmd, results, todo)
+        for i, (section, trace, policy, setting, limit, probe) in enumerate(todo):
+            runs = [t.cell(trace, policy, setting, limit, probe) for t in trees]
+            results["cells"].append({"section": section, "runs": runs})
+            print(
+                f"{section:>9} {trace:>14} {policy:>16} {setting:>8}: "
+                + " | ".join(f"{r.get('cpu_s', math.nan):8.2f} s {r['status']}" for r in runs),
+                file=sys.stderr,
+                flush=True,
+            )
+            # Rewritten after every cell, so an interrupted benchmark keeps what it measured.
+            _write(args, cmd, results, todo[i + 1 :])
+    finally:
+        if worktree is not None:
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False
+            )
+    _write(args, cmd, results, [])
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 
-def render(
-    rows: list[dict[str, Any]],
-    args: argparse.Namespace,
-    argv: list[str] | None,
-    pending: list[tuple[str, str]] | None = None,
-) -> str:
-    cmd = "python benchmarks/bench_sim.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    base = {
-        (r["trace"], r.get("setting")): r
-        for r in rows
-        if r["policy"] == "engine-only" and r.get("status") == "ok"
-    }
+def _dirty() -> bool:
+    out = subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", "--", "libs"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    return bool(out.strip())
+
+
+def _write(args: argparse.Namespace, cmd: str, results: dict[str, Any], pending: list[Any]) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    (args.out.with_suffix(".json")).write_text(json.dumps(results, indent=1))
+    plot = args.out.with_name(args.out.stem + "_queue.png")
+    if any(c["section"] == "queue" for c in results["cells"]):
+        _plot_queue(results, plot)
+    args.out.write_text(render(results, cmd, pending, plot.name))
+
+
+def _plot_queue(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for cell in results["cells"]:
+        if cell["section"] != "queue":
+            continue
+        for label, run in zip(results["trees"], cell["runs"], strict=True):
+            b = run.get("queue_buckets") or {}
+            xs = [max(1, int(k)) for k in b]
+            ys = [1000 * v[1] / v[0] for v in b.values()]
+            ax.plot(xs, ys, marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("queue length (waiting jobs, power-of-two buckets; 0 shown at 1)")
+    ax.set_ylabel("CPU ms per decision cycle")
+    ax.set_title("engine-only on philly:6214e9, 16 x 4 topology")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.{digits}f}"
+
+
+def _done(run: Mapping[str, Any]) -> bool:
+    return run.get("status") == "ok"
+
+
+def render(results: dict[str, Any], cmd: str, pending: list[Any], plot_name: str) -> str:
+    trees: list[str] = results["trees"]
+    new = -1
+    base = 0 if len(trees) > 1 else None
     lines = [
         "# Simulation speed",
         "",
@@ -187,58 +421,201 @@ def render(
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
         f"load average at the end {os.getloadavg()[0]:.1f} (the machine is shared: wall-clock times are "
-        "inflated by other work, CPU seconds are what this process used on its one core).",
+        "inflated by other work; CPU seconds are what one process used on one core, and are inflated "
+        "less, but not nothing, by a loaded machine).",
         "",
-        "Setting: `shoal simulate` defaults — 64 GPUs as 16 servers × 4, network packing, min-migration "
-        "placement, `coddl` reconfiguration costs, seed 0, log not retained. One run at a time, one process. "
-        "`engine-only` is the named baseline in the same run (FIFO that never reads curves: the engine's own "
-        "cost). `× baseline` = the policy's CPU seconds / engine-only's on the same trace and setting. "
-        "Setting `flat` is `shoal simulate --flat` (one pool, no packing, no placement, free "
-        "reconfigurations: the AFS simulator), run on the big trace only.",
+        "Trees, measured side by side (each run a child process, one at a time, the trees alternating): "
+        + "; ".join(f"`{t}`" for t in trees)
+        + ". CPU s = `time.process_time` around `Simulator.run` (loading the workload excluded), seed 0, "
+        "log not retained. `flat` = `shoal simulate --flat` (one 64-GPU pool, no packing or placement, "
+        "free reconfigurations: the AFS simulator's setting); `topology` = the default (16 servers x 4, "
+        "network packing, min-migration placement, `coddl` costs). A run past its CPU limit is stopped "
+        "(`CPU limit`) and reports how far it got.",
         "",
-        "| trace | setting | policy | jobs | completed | CPU s | wall s | jobs/s (CPU) | decisions "
-        "| ms/decision (CPU) | × baseline | status |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "Prototype reference (`prototype CPU s`): the AFS authors' simulator on the same inputs, flat, "
+        "on this machine, median of 3 runs, as issue 24 states it; only the cells listed there have a figure.",
+        "",
     ]
-    for r in rows:
-        if "cpu_s" not in r:
-            lines.append(f"| {r['trace']} | | {r['policy']} | | | | | | | | | {r['status']} |")
-            continue
-        jps = r["completed"] / r["cpu_s"] if r["cpu_s"] > 0 else float("nan")
-        ms = 1000 * r["cpu_s"] / r["decisions"] if r["decisions"] else float("nan")
-        b = base.get((r["trace"], r["setting"]))
-        ratio = f"{r['cpu_s'] / b['cpu_s']:.1f}" if b and b["cpu_s"] > 0 else ""
-        lines.append(
-            f"| {r['trace']} | {r['setting']} | {r['policy']} | {r['jobs']:,} | {r['completed']:,} | {r['cpu_s']:.2f} | "
-            f"{r['wall_s']:.2f} | {jps:,.0f} | {int(r['decisions']):,} | {ms:.2f} | {ratio} | {r['status']} |"
+    header, lines = lines, []
+    cells = results["cells"]
+    targets: list[str] = []
+
+    def get(section: str, trace: str, policy: str, setting: str) -> list[dict[str, Any]] | None:
+        for c in cells:
+            r = c["runs"][new]
+            if (
+                c["section"] == section
+                and r["trace"] == trace
+                and r["policy"] == policy
+                and r["setting"] == setting
+            ):
+                return list(c["runs"])
+        return None
+
+    def cpu_cols(runs: list[dict[str, Any]]) -> str:
+        out = []
+        for r in runs:
+            out.append(_fmt(r.get("cpu_s")) + ("" if _done(r) else f" ({r['status']})"))
+        if base is not None and runs[base].get("cpu_s") and runs[new].get("cpu_s"):
+            out.append(_fmt(runs[base]["cpu_s"] / runs[new]["cpu_s"], 1) + "x")
+        elif base is not None:
+            out.append("")
+        return " | ".join(out)
+
+    head_cpu = " | ".join(f"CPU s, {t}" for t in trees) + (" | speed-up" if base is not None else "")
+    sep_cpu = "|---:" * (len(trees) + (1 if base is not None else 0))
+
+    # -- flat cells vs the prototype ------------------------------------------------
+    flat = [c for c in cells if c["section"] == "flat"]
+    if flat:
+        lines += [
+            "## Flat pool, four VCs x five policies, against the prototype",
+            "",
+            f"| VC | policy | prototype CPU s | {head_cpu} | vs prototype | target (2x faster) |",
+            f"|---|---|---:{sep_cpu}|---:|---|",
+        ]
+        for c in flat:
+            r = c["runs"][new]
+            vc = r["trace"].split(":")[1]
+            proto = PROTOTYPE_CPU_S.get((vc, r["policy"]))
+            vs = verdict = ""
+            if proto is not None and r.get("cpu_s"):
+                vs = (
+                    f"{proto / r['cpu_s']:.1f}x faster"
+                    if r["cpu_s"] < proto
+                    else f"{r['cpu_s'] / proto:.1f}x slower"
+                )
+                ok = _done(r) and r["cpu_s"] * 2 <= proto
+                verdict = "met" if ok else "MISSED"
+                targets.append(
+                    f"- `--flat` {vc} {r['policy']}: at most {proto / 2:.3g} s (prototype {proto:g} s / 2): "
+                    f"{verdict} — {r['cpu_s']:.2f} CPU s."
+                )
+            elif proto is None:
+                verdict = "no prototype figure"
+            lines.append(
+                f"| {vc} | {r['policy']} | {_fmt(proto)} | {cpu_cols(c['runs'])} | {vs} | {verdict} |"
+            )
+        lines.append("")
+
+    if not flat:
+        targets.append(
+            "- `--flat` on 2869ce, e13805, 7f04ca, 0e4a51 at least 2x faster than the prototype: not measured."
         )
+
+    # -- the other targets ------------------------------------------------------------
+    def target(section: str, trace: str, policy: str, setting: str, limit: float, what: str) -> None:
+        runs = get(section, trace, policy, setting)
+        if runs is None:
+            targets.append(f"- {what} under {limit:g} s: not measured in this report.")
+            return
+        r = runs[new]
+        ok = _done(r) and r["cpu_s"] < limit
+        got = f"{r['cpu_s']:.1f} CPU s" if "cpu_s" in r else r["status"]
+        if not _done(r):
+            got += f", {r['status']}, {r.get('completed', 0):,} of {r.get('jobs', 0):,} jobs"
+        b = ""
+        if base is not None and "cpu_s" in runs[base]:
+            b = f" (baseline {runs[base]['cpu_s']:.1f} s{'' if _done(runs[base]) else ', ' + runs[base]['status']})"
+        targets.append(f"- {what} under {limit:g} s: {'met' if ok else 'MISSED'} — {got}{b}.")
+
+    for p in ("afs-p", "afs-l"):
+        for s in ("flat", "topology"):
+            target("large", LARGE, p, s, 30.0, f"{p} on 6214e9, {s}")
+    target("fairness", SMALL, "gandiva-fair", "topology", 5.0, "gandiva-fair on 2869ce")
+    target("fairness", SMALL, "themis", "topology", 1.0, "themis on 2869ce")
+    target("fairness", LARGE, "gandiva-fair", "topology", 300.0, "gandiva-fair on 6214e9")
+    target("fairness", LARGE, "themis", "topology", 300.0, "themis on 6214e9")
+    target("engine", LARGE, "engine-only", "topology", 60.0, "engine alone (FIFO) on 6214e9 with topology")
+    if results["startup"]:
+        worst = max(v[new] for v in results["startup"].values())
+        targets.append(
+            f"- start-up, `shoal simulate --limit 1` under 0.25 s CPU on every VC: "
+            f"{'met' if worst < 0.25 else 'MISSED'} — worst VC {worst:.2f} s (table below)."
+        )
+
+    other = [c for c in cells if c["section"] in ("large", "fairness", "engine")]
+    if other:
+        lines += [
+            "## 6214e9, fairness policies and the engine alone",
+            "",
+            f"| trace | setting | policy | jobs done | {head_cpu} | decisions |",
+            f"|---|---|---|---:{sep_cpu}|---:|",
+        ]
+        for c in other:
+            r = c["runs"][new]
+            lines.append(
+                f"| {r['trace']} | {r['setting']} | {r['policy']} | {r.get('completed', 0):,}/{r.get('jobs', 0):,} "
+                f"| {cpu_cols(c['runs'])} | {r.get('decisions', 0):,} |"
+            )
+        lines.append("")
+
+    if results["startup"]:
+        lines += [
+            "## Start-up",
+            "",
+            "CPU seconds (user + system) of a whole `shoal simulate --trace philly:<vc> --policy afs-p "
+            "--limit 1 --quiet` process, median of 3.",
+            "",
+            "| VC | " + " | ".join(f"CPU s, {t}" for t in trees) + " |",
+            "|---|" + "---:|" * len(trees),
+        ]
+        for vc, v in results["startup"].items():
+            lines.append(f"| {vc} | " + " | ".join(f"{x:.2f}" for x in v) + " |")
+        lines.append("")
+
+    pol = [c for c in cells if c["section"] == "policies"]
+    if pol:
+        lines += [
+            "## Every registered policy: jobs/s and events/s",
+            "",
+            "Default setting (16 x 4 topology). jobs/s and events/s are this tree's, per CPU second "
+            "(completed jobs; events folded).",
+            "",
+            f"| trace | policy | jobs done | {head_cpu} | jobs/s | events/s | decisions |",
+            f"|---|---|---:{sep_cpu}|---:|---:|---:|",
+        ]
+        for c in pol:
+            r = c["runs"][new]
+            cpu = r.get("cpu_s") or math.nan
+            lines.append(
+                f"| {r['trace']} | {r['policy']} | {r.get('completed', 0):,}/{r.get('jobs', 0):,} | "
+                f"{cpu_cols(c['runs'])} | {_fmt(r.get('completed', 0) / cpu, 0)} | "
+                f"{_fmt(r.get('events', 0) / cpu, 0)} | {r.get('decisions', 0):,} |"
+            )
+        lines.append("")
+
+    queue = [c for c in cells if c["section"] == "queue"]
+    if queue:
+        lines += [
+            "## Cost against queue length",
+            "",
+            f"![CPU per decision against queue length]({plot_name})",
+            "",
+            "`engine-only` on 6214e9 with topology: CPU ms of each decision cycle (the decision, the "
+            "engine's work on it, the next view) by the queue length the decision saw, in power-of-two "
+            "buckets. Flat means the cost grows with events, not with queue length x events.",
+            "",
+            "| queue length from | " + " | ".join(f"decisions, ms each: {t}" for t in trees) + " |",
+            "|---:|" + "---:|" * len(trees),
+        ]
+        keys = sorted({int(k) for c in queue for r in c["runs"] for k in (r.get("queue_buckets") or {})})
+        for k in keys:
+            cols = []
+            for r in queue[0]["runs"]:
+                v = (r.get("queue_buckets") or {}).get(str(k))
+                cols.append(f"{int(v[0]):,}: {1000 * v[1] / v[0]:.2f}" if v else "")
+            lines.append(f"| {k:,} | " + " | ".join(cols) + " |")
+        lines.append("")
+
     if pending:
         lines += [
-            "",
-            "Not measured (the benchmark was interrupted before these runs): "
-            + ", ".join(f"{p} on {t}" for t, p in pending)
+            "Not measured (the benchmark was interrupted or not yet at these runs): "
+            + ", ".join(f"{p[2]} on {p[1]} ({p[3]})" for p in pending)
             + ".",
+            "",
         ]
-    lines += ["", "Targets:", ""]
-    for (trace, policy), limit in TARGETS.items():
-        hit = [
-            r
-            for r in rows
-            if r["trace"] == trace
-            and r["policy"] == policy
-            and r.get("setting") == "topology"
-            and "cpu_s" in r
-        ]
-        if not hit:
-            lines.append(f"- {policy} on {trace} under {limit:g} s: not run in this report.")
-            continue
-        r = hit[0]
-        ok = r["status"] == "ok" and r["cpu_s"] < limit
-        lines.append(
-            f"- {policy} on {trace} ({r['jobs']:,} jobs) under {limit:g} s on one core: "
-            f"{'met' if ok else 'NOT met'} — {r['cpu_s']:.1f} CPU s ({r['wall_s']:.1f} s wall), status {r['status']}."
-        )
-    return "\n".join(lines) + "\n"
+    return "\n".join([*header, "## Targets", "", *targets, "", *lines]) + "\n"
 
 
 if __name__ == "__main__":

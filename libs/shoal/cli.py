@@ -24,20 +24,39 @@ class CommandError(Exception):
         self.code = code
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every command, or only ``command``'s module when it has one of
+    that name that registers it (importing every command module costs more CPU than a
+    short simulation: NATS, asyncio, Rich)."""
+    if command:
+        module = command.replace("-", "_")
+        if not module.startswith("_") and any(
+            m.name == module for m in pkgutil.iter_modules(shoal.commands.__path__)
+        ):
+            parser, sub = _parser()
+            _register(sub, module)
+            if command in sub.choices:
+                return parser
+    parser, sub = _parser()
+    for info in sorted(pkgutil.iter_modules(shoal.commands.__path__), key=lambda m: m.name):
+        if not info.name.startswith("_"):
+            _register(sub, info.name)
+    return parser
+
+
+def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     parser = argparse.ArgumentParser(
         prog="shoal",
         description="Elastic, fair, heterogeneity-aware scheduling of deep-learning training.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="<command>")
-    for info in sorted(pkgutil.iter_modules(shoal.commands.__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"shoal.commands.{info.name}")
-        register = getattr(module, "register", None)
-        if register is not None:
-            register(sub)
-    return parser
+    return parser, parser.add_subparsers(dest="command", metavar="<command>")
+
+
+def _register(sub: argparse._SubParsersAction, module_name: str) -> None:
+    module = importlib.import_module(f"shoal.commands.{module_name}")
+    register = getattr(module, "register", None)
+    if register is not None:
+        register(sub)
 
 
 def _logs_to_stderr() -> None:
@@ -51,13 +70,17 @@ def _logs_to_stderr() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    _logs_to_stderr()
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv[0] if argv and not argv[0].startswith("-") else None)
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return 2
+    # A command that never logs (it sets ``logs=False``: nothing it imports uses
+    # structlog) skips importing structlog, which pulls in Rich and asyncio.
+    if getattr(args, "logs", True):
+        _logs_to_stderr()
     try:
         return int(func(args) or 0)
     except CommandError as exc:

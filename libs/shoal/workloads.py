@@ -44,15 +44,25 @@ Modelling choices (REPRODUCTION.md, "AFS / CoDDL"):
 
 from __future__ import annotations
 
+import csv
 import math
 import random
+import re
 from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 
 from msgspec import Struct
 
 from shoal.events import JobSpec
-from shoal.models import AFS_TABLE4_MODELS, Catalog, ThroughputCurve, afs_catalog, get_catalog, read_rows
+from shoal.models import (
+    AFS_TABLE4_MODELS,
+    Catalog,
+    ThroughputCurve,
+    afs_catalog,
+    get_catalog,
+    open_data,
+    read_rows,
+)
 
 #: The 11 Philly VCs of AFS Table 3, in the paper's order.
 PHILLY_VCS: tuple[str, ...] = (
@@ -195,22 +205,23 @@ def assign_models(
 # ---------------------------------------------------------------------------
 
 
+def _philly_row(r: Mapping[str, str]) -> PhillyRow:
+    return PhillyRow(
+        job_id=r["job_id"],
+        vc=r["vc"],
+        submit_time_s=int(r["submit_time_s"]),
+        submit_time_local=r["submit_time_local"],
+        duration_s=int(r["duration_s"]),
+        num_gpus=int(r["num_gpus"]),
+        in_afs_pcs_trace=r["in_afs_pcs_trace"] == "1",
+        in_pollux_subset=r["in_pollux_subset"] == "1",
+    )
+
+
 @cache
 def philly_rows() -> tuple[PhillyRow, ...]:
     """Every row of the shipped Philly file (all 11 VCs, both trace flags)."""
-    return tuple(
-        PhillyRow(
-            job_id=r["job_id"],
-            vc=r["vc"],
-            submit_time_s=int(r["submit_time_s"]),
-            submit_time_local=r["submit_time_local"],
-            duration_s=int(r["duration_s"]),
-            num_gpus=int(r["num_gpus"]),
-            in_afs_pcs_trace=r["in_afs_pcs_trace"] == "1",
-            in_pollux_subset=r["in_pollux_subset"] == "1",
-        )
-        for r in read_rows("philly_afs_11vc_jobs.csv")
-    )
+    return tuple(_philly_row(r) for r in read_rows("philly_afs_11vc_jobs.csv"))
 
 
 def philly_summary() -> dict[str, dict[str, str]]:
@@ -218,13 +229,34 @@ def philly_summary() -> dict[str, dict[str, str]]:
     return {r["vc"]: r for r in read_rows("philly_afs_11vc_summary.csv")}
 
 
-def philly_vc_rows(vc: str, *, afs_only: bool = True) -> list[PhillyRow]:
-    """Rows of one VC in submission order (ties by job id)."""
+@cache
+def _philly_vc_fields(vc: str) -> tuple[dict[str, int], tuple[list[str], ...]]:
+    """The header (column -> index) and the raw fields of one VC's rows (both trace
+    flags), in file order. Only that VC's lines are parsed: the file holds all 11 VCs
+    (110k rows) and parsing them all was most of ``shoal simulate``'s start-up. A
+    row's ``job_id`` starts with its VC hash, so a line of another VC is skipped before
+    CSV parsing; the ``vc`` column is checked after it."""
+    with open_data("philly_afs_11vc_jobs.csv") as f:
+        text = f.read()
+    header = next(csv.reader([text[: text.index("\n")]]))
+    lines = re.findall(rf"\n({re.escape(vc)}[^\n]*)", text)  # line 1 is the header
+    col = {name: i for i, name in enumerate(header)}
+    i_vc = col["vc"]
+    return col, tuple(r for r in csv.reader(lines) if r[i_vc] == vc)
+
+
+def philly_vc_rows(vc: str, *, afs_only: bool = True, limit: int | None = None) -> list[PhillyRow]:
+    """Rows of one VC in submission order (ties by job id); ``limit``: the first ``limit``."""
     if vc not in PHILLY_VCS:
         raise ValueError(f"unknown Philly VC {vc!r}; choose one of {', '.join(PHILLY_VCS)}")
-    rows = [r for r in philly_rows() if r.vc == vc and (r.in_afs_pcs_trace or not afs_only)]
-    rows.sort(key=lambda r: (r.submit_time_s, r.job_id))
-    return rows
+    col, fields = _philly_vc_fields(vc)
+    i_afs, i_submit, i_id = col["in_afs_pcs_trace"], col["submit_time_s"], col["job_id"]
+    keep = [r for r in fields if r[i_afs] == "1" or not afs_only]
+    keep.sort(key=lambda r: (int(r[i_submit]), r[i_id]))
+    if limit is not None:
+        keep = keep[:limit]
+    names = list(col)
+    return [_philly_row(dict(zip(names, r, strict=True))) for r in keep]
 
 
 def load_philly(
@@ -244,9 +276,7 @@ def load_philly(
         cap_at_request: hold every job to its request (``max_gpus = requested``).
         curves: model pool; default the nine Table 4 models.
     """
-    rows = philly_vc_rows(vc)
-    if limit is not None:
-        rows = rows[:limit]
+    rows = philly_vc_rows(vc, limit=limit)
     models = assign_models([r.num_gpus for r in rows], seed, curves)
     return tuple(
         make_job(r.job_id, r.submit_time_s, r.duration_s, r.num_gpus, m, cap_at_request=cap_at_request)
@@ -398,11 +428,16 @@ def _parse_kv(text: str) -> dict[str, str]:
     return out
 
 
-def load_workload(spec: str, *, seed: int = 0, cap_at_request: bool = False) -> tuple[TraceJob, ...]:
+def load_workload(
+    spec: str, *, seed: int = 0, cap_at_request: bool = False, limit: int | None = None
+) -> tuple[TraceJob, ...]:
     """Load a workload by its spec string (see the module docstring).
 
     Examples: ``philly:2869ce``, ``philly:2869ce:200``, ``pollux:workloads:6:duration_s=3600``,
     ``poisson:n=100,rate=20,mean_duration_s=1800``.
+
+    ``limit`` keeps the first ``limit`` jobs; a Philly VC then builds only those (the
+    same jobs: models are drawn in submission order).
 
     Raises:
         ValueError: malformed spec, with what was expected.
@@ -410,9 +445,10 @@ def load_workload(spec: str, *, seed: int = 0, cap_at_request: bool = False) -> 
     kind, _, rest = spec.partition(":")
     loaders: dict[str, Callable[[], tuple[TraceJob, ...]]] = {}
     if kind == "philly":
-        vc, _, limit = rest.partition(":")
+        vc, _, first = rest.partition(":")
+        keep = [k for k in (int(first) if first else None, limit) if k is not None]
         loaders[kind] = lambda: load_philly(
-            vc, seed=seed, limit=int(limit) if limit else None, cap_at_request=cap_at_request
+            vc, seed=seed, limit=min(keep) if keep else None, cap_at_request=cap_at_request
         )
     elif kind == "pollux":
         parts = rest.split(":")
@@ -442,4 +478,5 @@ def load_workload(spec: str, *, seed: int = 0, cap_at_request: bool = False) -> 
         raise ValueError(
             f"unknown workload kind {kind!r} in {spec!r}; use philly:<vc>, pollux:<set>:<id> or poisson:n=..,rate=.."
         )
-    return loaders[kind]()
+    jobs = loaders[kind]()
+    return jobs if limit is None else jobs[:limit]

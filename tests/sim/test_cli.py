@@ -166,3 +166,34 @@ def test_trace_lists_keep_comma_separated_parameters() -> None:
         "poisson:n=5,rate=2",
         "pollux:workloads:1:duration_s=60",
     ]
+
+
+def test_simulate_start_up_loads_only_what_it_runs() -> None:
+    """``shoal simulate --limit 1`` imports no other command, no logging stack and no
+    numpy (AFS-P needs it only for long queues), and parses only the VC asked for."""
+    code = (
+        "import sys\n"
+        "from shoal.cli import main\n"
+        "import shoal.workloads as w\n"
+        "assert main(['simulate', '--trace', 'philly:2869ce', '--policy', 'afs-p', '--limit', '1', '--quiet']) == 0\n"
+        "loaded = sorted(m for m in ('structlog', 'rich', 'asyncio', 'nats', 'numpy', 'shoal.commands.up')"
+        " if m in sys.modules)\n"
+        "assert not loaded, loaded\n"
+        "assert w.philly_rows.cache_info().currsize == 0, 'parsed every VC'\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("ok")
+
+
+def test_limit_builds_the_same_first_jobs() -> None:
+    from shoal.workloads import load_workload
+
+    whole = load_workload("philly:e13805", seed=2)
+    assert load_workload("philly:e13805", seed=2, limit=7) == whole[:7]
+    assert load_workload("philly:e13805:5", seed=2, limit=7) == whole[:5]
+    assert (
+        load_workload("poisson:n=10,rate=20", seed=1, limit=3)
+        == load_workload("poisson:n=10,rate=20", seed=1)[:3]
+    )

@@ -190,7 +190,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", type=Path, help="write DIR/results.json")
     p.add_argument("--points", type=positive_int, default=1000, help="series points in results.json")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
+    # The simulator, its policies and the report import no structlog (see shoal.cli.main).
+    p.set_defaults(func=run, logs=False)
 
 
 def _policy_names() -> list[str]:
@@ -235,11 +236,9 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     params = parse_params(args.policy_param)
     try:
-        jobs = load_workload(args.trace, seed=args.seed, cap_at_request=args.cap_at_request)
+        jobs = load_workload(args.trace, seed=args.seed, cap_at_request=args.cap_at_request, limit=args.limit)
     except (ValueError, KeyError) as exc:
         raise CommandError(f"--trace: {exc}") from None
-    if args.limit:
-        jobs = jobs[: args.limit]
     try:
         policy = make_policy(args.policy, params, seed=args.seed)
     except UnknownPolicyError as exc:

@@ -96,8 +96,6 @@ import operator
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from shoal.policies.base import ClusterView, Decision, JobView, jobs_by_id
 from shoal.policies.common import Ladder, throughput_at, view_arrival_order
 
@@ -300,6 +298,8 @@ def _afs_l_chain_lists(order: list[_Entry], free: int) -> int:
 
 
 def _afs_l_chain_numpy(order: list[_Entry], free: int) -> int:
+    import numpy as np  # only for long queues: spares short runs numpy's import
+
     keys = [_length_key(e) for e in order]
     n = len(order)
     g = np.array([e.g() for e in order], dtype=np.float64)
@@ -357,7 +357,43 @@ class AFSL:
     _naive = False
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
-        """Stage one by length at the smallest share, then stage two by eq. (3)."""
+        """Stage one by length at the smallest share, then stage two by eq. (3).
+
+        Only the jobs stage one starts get a working record (:class:`_Entry`): stage
+        two, and the shares, read no other (a job without a share cannot grow). The
+        waiting jobs are taken in (length, arrival) order from a heap, only until the
+        GPUs run out, as :func:`_fill_smallest_shares` over the sorted records would.
+        """
+        if self._naive:
+            return self._decide_literal(view)
+        jobs = view_arrival_order(view)
+        keyed: list[tuple[float, int, int]] = []
+        for rank, job in enumerate(jobs):
+            first = _ladder(job)[1]
+            remaining = job.remaining_iterations
+            p = throughput_at(job, first)
+            # _Entry.length at the smallest share, with the same arithmetic.
+            keyed.append((math.inf if remaining is None or p <= 0.0 else remaining / p, rank, first))
+        heapq.heapify(keyed)
+        free = view.total_gpus
+        started: list[tuple[int, int]] = []
+        while free > 0 and keyed:
+            _, rank, first = heapq.heappop(keyed)
+            if first and first <= free:
+                started.append((rank, first))
+                free -= first
+        started.sort()
+        entries = []
+        for rank, first in started:
+            e = _Entry(jobs[rank], rank, length_aware=True)
+            e.count = first
+            entries.append(e)
+        if free > 0:
+            _ready_for_stage_two(entries)
+            afs_l_stage_two_fast(entries, free)
+        return Decision(shares=_shares(entries))
+
+    def _decide_literal(self, view: ClusterView) -> Decision:
         entries = _entries(view, length_aware=True)
         # Stage one (AFS §3.3): smallest shares in increasing order of job length
         # (TOPPRIORITY lines 5-7 with both shares zero).

@@ -135,6 +135,10 @@ _VIEW_NEUTRAL = (
 )
 """Events without a ``job_id`` that change nothing a job's view reads."""
 
+_CLUSTER_NEUTRAL = (ev.SharesDecided, ev.PlacementDecided)
+"""Events without a ``job_id`` that change neither nodes, GPUs nor users (the fold of
+these two touches only jobs, shares and placements)."""
+
 PROFILING_MODES: tuple[str, ...] = ("oracle", "overestimate")
 
 
@@ -426,6 +430,9 @@ class Simulator:
         self._arrival_ordered = True
         self._last_arrival: tuple[float, str] | None = None
         self._stale: set[str] = set()
+        self._cluster: tuple[dict[str, int], dict[str, float]] | None = None
+        """GPUs by generation (:func:`shoal.view.cluster_gpus`) and users' tickets of the
+        state, kept until an event that can change them is folded (see _emit)."""
         self._running: dict[str, _Job] = {}
         """Jobs that hold GPUs (``job.gpus > 0``); few next to a long queue."""
         self._arrived = 0
@@ -469,6 +476,9 @@ class Simulator:
                     self._stale.add(j)
         elif not isinstance(event, _VIEW_NEUTRAL):
             self._stale.update(self._views)
+        if job_id is None and not isinstance(event, _CLUSTER_NEUTRAL):
+            # A node, GPU, user or ticket event: the inventory and tickets are read again.
+            self._cluster = None
         self.log.append(event, self.clock.now if at is None else at)
 
     # -- setup -----------------------------------------------------------------
@@ -858,14 +868,19 @@ class Simulator:
                 iterations_done=active[job_id].progress(now),
             )
         jobs_view = tuple(views.values())
-        _, by_gen = cluster_gpus(state)
+        if self._cluster is None:
+            self._cluster = (
+                cluster_gpus(state)[1],
+                {u: float(us.tickets) for u, us in state.users.items()},
+            )
+        by_gen, tickets = self._cluster
         view = ClusterView(
             now_s=now,
             total_gpus=self.total_gpus,
             jobs=jobs_view,  # type: ignore[arg-type]  # every entry was just built
-            gpus_by_type=by_gen if len(by_gen) > 1 else {},
+            gpus_by_type=dict(by_gen) if len(by_gen) > 1 else {},
             gpus_per_node=0 if self.config.flat else self.config.gpus_per_node,
-            user_tickets={u: float(us.tickets) for u, us in state.users.items()},
+            user_tickets=dict(tickets),
             arrival_ordered=self._arrival_ordered,
         )
         # The index is _views itself, not a copy (a copy of a long queue's index cost a

@@ -1,0 +1,217 @@
+"""Equality harness: the simulator's results at a baseline git ref and at this tree, compared.
+
+A speed change to the simulator (engine, view, fold, policies, placement) must not change
+what it computes. This harness records, for a fixed matrix of runs (traces × policies ×
+seeds × settings, :data:`RUNS`), everything a run produces:
+
+* the summary (every float exactly, via ``float.hex``) and the event counts,
+* the final state digest (:func:`shoal.state.digest`),
+* every job's outcome (arrival, completion, JCT, wait, reconfigurations),
+* the QL, CE, BI, GPUs-in-use and BI-slope series and the per-user shares,
+* a SHA-256 of the whole event log (every envelope, ids and virtual times included;
+  runs with seed 0 keep their log, the others run with ``retain_log=False``),
+
+and compares two recordings field by field. ``--baseline REF`` records ``REF`` from a
+temporary ``git worktree`` (removed afterwards) by running this same script with that
+worktree's ``libs`` first on ``PYTHONPATH``; the script uses only the simulator's public
+API (``load_workload``, ``make_policy``, ``Simulator``, ``SimConfig``), so any ref since
+that API exists can be the baseline.
+
+Usage::
+
+    python benchmarks/sim_equality.py --baseline main          # record main and this tree, compare
+    python benchmarks/sim_equality.py record --out runs.json   # record this tree only
+    python benchmarks/sim_equality.py compare A.json B.json    # compare two recordings
+
+Exit status 0 when every run is identical, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TRACES = ("philly:2869ce:250", "philly:0e4a51:250", "philly:b436b2:120")
+"""Slices of three VCs: a light one, a medium one and an overloaded one (long queue)."""
+POLICIES = ("srtf", "afs-l", "afs-p", "tiresias-l", "max-min", "fifo", "optimus", "themis")
+RUNS: tuple[tuple[str, str, int, bool], ...] = (
+    *(
+        (trace, policy, seed, flat)
+        for trace in TRACES
+        for policy in POLICIES
+        for seed, flat in ((0, True), (1, False))
+    ),
+    ("philly:2869ce:120", "gandiva-fair", 0, False),
+    ("philly:2869ce:250", "elastic-tiresias", 0, False),
+    ("philly:2869ce:250", "srsf-e", 0, True),
+    ("philly:2869ce:250", "afs-p-naive", 0, False),
+    ("philly:6214e9:400", "afs-p", 0, False),
+    ("philly:6214e9:400", "afs-l", 0, True),
+)
+"""(trace, policy, seed, flat): 54 runs; seed is the model draw's and the policy's."""
+
+
+def _hex(x: Any) -> Any:
+    return float(x).hex() if isinstance(x, float) else x
+
+
+def _sha(obj: Any) -> str:
+    import msgspec
+
+    return hashlib.sha256(msgspec.json.encode(obj)).hexdigest()
+
+
+def record_one(trace: str, policy_name: str, seed: int, flat: bool) -> dict[str, Any]:
+    """Run one simulation (log retained) and return what it produced."""
+    import msgspec
+    from shoal.sim.engine import SimConfig, Simulator, make_policy
+    from shoal.workloads import load_workload
+
+    jobs = load_workload(trace, seed=seed)
+    policy = make_policy(policy_name, seed=seed)
+    # Runs with seed 0 keep the log (its hash is compared); the others do not, as long
+    # traces are run, so both paths of the log are covered.
+    retain = seed == 0
+    sim = Simulator(jobs, policy, SimConfig(flat=flat, retain_log=retain), trace=trace)
+    c0 = time.process_time()
+    result = sim.run()
+    cpu = time.process_time() - c0
+    log = hashlib.sha256()
+    for env in sim.log.envelopes:
+        log.update(msgspec.json.encode(env))
+    return {
+        "key": f"{trace} {policy_name} seed={seed} {'flat' if flat else 'topology'}",
+        "summary": {k: _hex(v) for k, v in sorted(result.summary.items())},
+        "event_counts": dict(sorted(result.event_counts.items())),
+        "digest": result.final_digest,
+        "jobs": [[_hex(v) for v in msgspec.structs.astuple(o)] for o in result.jobs],
+        "series": {
+            name: [_hex(v) for v in getattr(result.series, name)]
+            for name in ("t", "ql", "ce", "bi", "gpus_used", "bi_slope")
+        },
+        "user_shares": _sha(result.user_shares),
+        "log_sha256": log.hexdigest() if retain else None,
+        "cpu_s": cpu,
+    }
+
+
+def record(out: Path, matching: str = "") -> None:
+    """Record every run of :data:`RUNS` (whose key contains ``matching``) into ``out`` (JSON)."""
+    import shoal
+
+    runs = []
+    for trace, policy, seed, flat in RUNS:
+        if matching not in f"{trace} {policy} seed={seed} {'flat' if flat else 'topology'}":
+            continue
+        runs.append(record_one(trace, policy, seed, flat))
+        print(f"  {runs[-1]['key']}: {runs[-1]['cpu_s']:.2f} CPU s", file=sys.stderr, flush=True)
+    out.write_text(json.dumps({"shoal": shoal.__file__, "runs": runs}))
+
+
+def compare(base: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Differences between two recordings, one line per differing field (empty: identical)."""
+    diffs = []
+    by_key = {r["key"]: r for r in new["runs"]}
+    for b in base["runs"]:
+        n = by_key.get(b["key"])
+        if n is None:
+            diffs.append(f"{b['key']}: missing from the new recording")
+            continue
+        for field in ("summary", "event_counts", "digest", "jobs", "series", "user_shares", "log_sha256"):
+            if field == "log_sha256" and None in (b[field], n[field]):
+                continue  # a run that did not keep its log
+            if b[field] != n[field]:
+                detail = ""
+                if field == "summary":
+                    detail = ", ".join(
+                        f"{k}: {b[field].get(k)} -> {n[field].get(k)}"
+                        for k in sorted(b[field].keys() | n[field].keys())
+                        if b[field].get(k) != n[field].get(k)
+                    )
+                diffs.append(f"{b['key']}: {field} differs {detail}".rstrip())
+    return diffs
+
+
+def _record_at(ref: str, out: Path, matching: str) -> subprocess.Popen[bytes]:
+    """Start recording ``ref`` from a temporary worktree (the caller waits and cleans up)."""
+    tmp = Path(tempfile.mkdtemp(prefix="sim-equality-"))
+    wt = tmp / "tree"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(wt), ref], check=True)
+    env = dict(os.environ, PYTHONPATH=f"{wt / 'libs'}{os.pathsep}{wt}")
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "record", "--out", str(out), "--matching", matching], env=env
+    )
+    proc.worktree = wt  # type: ignore[attr-defined]
+    return proc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", help="git ref to compare this tree against (e.g. main)")
+    parser.add_argument("--baseline-file", type=Path, help="a recording of the baseline (instead of a ref)")
+    parser.add_argument("--keep", type=Path, help="directory to keep both recordings in")
+    parser.add_argument("--matching", default="", help="only the runs whose key contains this (a smoke run)")
+    sub = parser.add_subparsers(dest="cmd")
+    rec = sub.add_parser("record", help="record this tree")
+    rec.add_argument("--out", type=Path, required=True)
+    rec.add_argument("--matching", default="")
+    cmp_ = sub.add_parser("compare", help="compare two recordings")
+    cmp_.add_argument("base", type=Path)
+    cmp_.add_argument("new", type=Path)
+    args = parser.parse_args(argv)
+
+    if args.cmd == "record":
+        record(args.out, args.matching)
+        return 0
+    if args.cmd == "compare":
+        base, new = (json.loads(p.read_text()) for p in (args.base, args.new))
+    else:
+        if not args.baseline and not args.baseline_file:
+            parser.error("give --baseline REF, --baseline-file FILE, or a subcommand")
+        keep = args.keep or Path(tempfile.mkdtemp(prefix="sim-equality-out-"))
+        keep.mkdir(parents=True, exist_ok=True)
+        new_path, base_path = keep / "new.json", args.baseline_file or keep / "baseline.json"
+        # Both recordings run at once, one process each (the machine's two cores).
+        proc = _record_at(args.baseline, base_path, args.matching) if not args.baseline_file else None
+        try:
+            subprocess.run(
+                [sys.executable, __file__, "record", "--out", str(new_path), "--matching", args.matching],
+                check=True,
+                env=dict(os.environ, PYTHONPATH=f"{ROOT / 'libs'}{os.pathsep}{ROOT}"),
+            )
+            if proc is not None and proc.wait() != 0:
+                print("recording the baseline failed", file=sys.stderr)
+                return 2
+        finally:
+            if proc is not None:
+                proc.wait()
+                wt = proc.worktree  # type: ignore[attr-defined]
+                subprocess.run(
+                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(wt)], check=False
+                )
+        base, new = (json.loads(p.read_text()) for p in (base_path, new_path))
+        print(f"recordings in {keep}", file=sys.stderr)
+    print(f"baseline: {base['shoal']}\nnew:      {new['shoal']}")
+    diffs = compare(base, new)
+    n = len(base["runs"])
+    cpu_b = sum(r["cpu_s"] for r in base["runs"])
+    cpu_n = sum(r["cpu_s"] for r in new["runs"])
+    for line in diffs:
+        print("DIFFERS", line)
+    same = n - len({d.split(": ")[0] for d in diffs})
+    print(f"{same} of {n} runs identical; simulation CPU s {cpu_b:.1f} (baseline) -> {cpu_n:.1f} (new)")
+    return 0 if not diffs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
