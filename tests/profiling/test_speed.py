@@ -128,3 +128,13 @@ def test_fit_explains_afs_measured_curves_within_optimus_10_percent() -> None:
         worst[name] = model.rel_error
     assert len(worst) >= 9
     assert max(worst.values()) < 0.10, worst
+
+
+def test_the_profiler_names_the_speed_fit_as_the_fit_does() -> None:
+    """shoal.profiling keeps its own copy of the fit's model_kind (it imports the fit,
+    and numpy, only where a fit runs)."""
+    import shoal.profiling as profiling
+    from shoal.profiling import speed
+
+    assert profiling.MODEL_KIND == speed.MODEL_KIND
+    assert profiling.MODEL_KIND in profiling.PROFILER_KINDS

@@ -67,16 +67,24 @@ from __future__ import annotations
 import math
 from collections import Counter
 from enum import StrEnum
+from typing import TYPE_CHECKING, Any
 
 from msgspec import Struct
 
 from shoal import events as ev
 from shoal.fairness.hetero import profiled_rate, record_sample
 from shoal.models import interpolate
-from shoal.profiling.convergence import ConvergenceModel, fit_convergence
 from shoal.profiling.overestimate import calibrate_reference, estimate_curve, is_overestimated
-from shoal.profiling.speed import MODEL_KIND, fit_speed
 from shoal.state import FINISHED_STATUSES, JobState
+
+# The fits (numpy) are imported where they run: the simulator and the allocator import
+# this package for the §4.5 functions only, and ``shoal simulate`` starts without numpy.
+if TYPE_CHECKING:
+    from shoal.profiling.convergence import ConvergenceModel
+
+#: ``model_kind`` of an Optimus speed fit (``shoal.profiling.speed.MODEL_KIND``; a test
+#: checks they agree).
+MODEL_KIND = "optimus-allreduce"
 
 #: ``model_kind`` of a curve that is measured values plus the §4.5 overestimate.
 OVERESTIMATE_KIND = "afs-overestimate"
@@ -313,6 +321,8 @@ def throughput_update(
             curve = calibrate_reference(measured, reference, upto)
             overestimated = False
     elif len(measured) >= p.fit_min_counts:
+        from shoal.profiling.speed import fit_speed
+
         fit = fit_speed(measured, global_batch=float(job.spec.global_batch_size))
         if fit.rel_error <= p.fit_max_error:
             kind = MODEL_KIND
@@ -348,6 +358,8 @@ def convergence_update(
         return None
     if len({k for k, _ in points}) < p.convergence_min_points:
         return None
+    from shoal.profiling.convergence import fit_convergence
+
     try:
         model = fit_convergence(points)
     except ValueError:
@@ -373,6 +385,14 @@ def convergence_update(
         estimated_total_iterations=max(math.ceil(total), job.iteration),
         samples=model.samples,
     )
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ConvergenceModel":  # re-exported, imported on first use (numpy)
+        from shoal.profiling.convergence import ConvergenceModel
+
+        return ConvergenceModel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
