@@ -454,7 +454,13 @@ class Bus:
         bus.identity = name_of_creds(creds) if creds else None
         holder.append(bus)
         if declare:
-            await bus.declare()
+            try:
+                await bus.declare()
+            except BaseException:
+                # Not half-connected: a caller that retries must not leak a connection.
+                with contextlib.suppress(Exception):
+                    await nc.close()
+                raise
         return bus
 
     async def close(self) -> None:

@@ -7,7 +7,7 @@
   (:func:`bind_job`) appears on every line it logs; the current OpenTelemetry span's
   ``trace_id``/``span_id`` are added too, which joins logs to traces.
 * Exceptions are rendered as structured ``exception`` fields in JSON
-  (``dict_tracebacks``), as a normal traceback on the console.
+  (``dict_tracebacks`` without local variables), as a normal traceback on the console.
 * Records of the standard ``logging`` module (nats-py, asyncio) go through the same
   renderer, at the same level.
 
@@ -25,6 +25,7 @@ from typing import Any, TextIO
 
 import msgspec
 import structlog
+import structlog.tracebacks
 from structlog.typing import EventDict, Processor, WrappedLogger
 
 from shoal.settings import Settings
@@ -102,7 +103,11 @@ def configure_logging(settings: Settings, *, stream: TextIO | None = None) -> No
         renderer = structlog.processors.JSONRenderer(serializer=_msgspec_dumps)
         tail: list[Processor] = [
             structlog.processors.StackInfoRenderer(),
-            structlog.processors.dict_tracebacks,
+            # Without local variables: a failed start's record was ~20 KB of repeated
+            # Settings reprs, and locals may hold what a log must not carry.
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+            ),
         ]
     else:
         renderer = structlog.dev.ConsoleRenderer(colors=bool(getattr(stream, "isatty", lambda: False)()))

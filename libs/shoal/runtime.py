@@ -160,24 +160,43 @@ async def connect_bus(
     Raises:
         StartupError: no server configured, none reachable, or credentials refused.
     """
+    import nats.errors
+    import nats.js.errors
+
     from shoal.bus import AuthFailed, Bus, NoServerError
 
     url = resolve_nats_url(settings)
     creds = resolve_creds(settings, identity or name)
-    try:
-        return await Bus.connect(
-            url,
-            prefix=settings.prefix,
-            name=name,
-            declare=declare,
-            creds=creds,
-            tls_ca=settings.tls_ca,
-            replicas=settings.replicas,
-        )
-    except AuthFailed as exc:
-        raise StartupError(str(exc)) from None
-    except NoServerError as exc:
-        raise StartupError(f"{exc} (set NATS_URL or run `shoal up`)") from None
+    deadline = time.monotonic() + settings.connect_wait_s
+    delay = 0.5
+    while True:
+        try:
+            return await Bus.connect(
+                url,
+                prefix=settings.prefix,
+                name=name,
+                declare=declare,
+                creds=creds,
+                tls_ca=settings.tls_ca,
+                replicas=settings.replicas,
+            )
+        except AuthFailed as exc:
+            raise StartupError(str(exc)) from None  # retrying cannot fix credentials
+        except (
+            NoServerError,
+            nats.errors.TimeoutError,
+            nats.errors.NoRespondersError,
+            nats.js.errors.ServiceUnavailableError,
+        ) as exc:
+            # Not there yet, or its JetStream has no quorum yet: wait while allowed.
+            reason = str(exc) or type(exc).__name__
+            if time.monotonic() + delay > deadline:
+                if isinstance(exc, NoServerError):
+                    raise StartupError(f"{exc} (set NATS_URL or run `shoal up`)") from None
+                raise StartupError(f"NATS at {url} answers but its JetStream does not: {reason}") from None
+            log.warning("waiting_for_nats", url=url, error=reason, retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 def make_clock(settings: Settings) -> WallClock | ScaledClock:

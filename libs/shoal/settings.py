@@ -48,6 +48,7 @@ SidecarMode = Literal["emulated", "real"]
 TrainDevice = Literal["cpu", "cuda"]
 PositiveFloat = Annotated[float, Meta(gt=0)]
 NonNegInt = Annotated[int, Meta(ge=0)]
+NonNegFloat = Annotated[float, Meta(ge=0)]
 Port = Annotated[int, Meta(ge=-1, le=65535)]
 Token = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
 Prefix = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")]
@@ -166,6 +167,12 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The profiler's least virtual seconds between two models of one job
     (:mod:`shoal.profiling.ratelimit`); so also how long a job runs on each GPU count
     AFS §4.5 measures it at."""
+    connect_wait_s: NonNegFloat = 0.0
+    """How long a service waits at start for NATS and its JetStream to answer (a cluster
+    still electing its meta leader, a server not yet resolvable), retrying with back-off,
+    before it exits with status 2. 0: the first failure is final, which is what someone
+    at a terminal wants; the compose stack and the Kubernetes manifests set 120 so that
+    services started next to a forming cluster wait for it instead of crash-looping."""
     drain_timeout_s: PositiveFloat = 10.0
     """How long a service may take to drain in-flight work after SIGTERM."""
     restart_budget: NonNegInt = 5

@@ -145,6 +145,30 @@ class Stack:
         )
         return out.stdout + out.stderr
 
+    def diagnose(self) -> str:
+        """What an operator looks at when the stack does not come up: the containers'
+        states, Prometheus's view of each target, and every service's last log lines."""
+        parts = []
+        ps = subprocess.run(
+            ["podman", "ps", "-a", "--filter", f"name={self.project}", "--format", "{{.Names}} {{.Status}}"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        parts.append("containers:\n" + ps.stdout + ps.stderr)
+        try:
+            targets = _http_json(f"{self.prometheus}/api/v1/targets")["data"]["activeTargets"]
+            parts.append(
+                "prometheus targets:\n"
+                + "\n".join(f"  {t['scrapeUrl']} {t['health']} {t.get('lastError', '')}" for t in targets)
+            )
+        except Exception as exc:
+            parts.append(f"prometheus targets: {exc!r}")
+        for service in STARTED:
+            lines = self.logs(service).splitlines()[-15:]
+            parts.append(f"--- {service} ---\n" + "\n".join(line[:400] for line in lines))
+        return "\n".join(parts)
+
 
 def wait_for(what: str, check: Any, timeout_s: float, interval_s: float = 0.5) -> Any:
     """Call ``check`` until it returns something true (returned) or ``timeout_s`` passes."""
@@ -219,12 +243,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             check=True,
         )
         shutil.copytree(out.stdout.strip(), s.creds)
-        wait_for(
-            "every service's /metrics scraped by Prometheus",
-            lambda: len([r for r in s.query('up{job="shoal"} == 1')]) == len(SCRAPED),
-            240,
-            1.0,
-        )
+        try:
+            wait_for(
+                "every service's /metrics scraped by Prometheus",
+                lambda: len([r for r in s.query('up{job="shoal"} == 1')]) == len(SCRAPED),
+                240,
+                1.0,
+            )
+        except AssertionError:
+            print(s.diagnose(), file=sys.stderr)
+            raise
         s.timings["up_s"] = time.monotonic() - t1
         yield s
     finally:
