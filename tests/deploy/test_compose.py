@@ -19,10 +19,11 @@ in a container of the shoal image: the services export to it exactly as they wou
 collector, but it is not the collector. Prometheus is Debian's, built from the same base
 (target ``prometheus``), and scrapes every service.
 
-From the host it checks: an outsider is refused by the NATS cluster; the streams have three
-replicas; a job submitted with a user's credentials through the published port completes;
-an MQTT device submits with the user's MQTT password (and a wrong one is refused); one reconfiguration's trace
-reaches the trace receiver with spans of the allocator, the placer, the node daemon and
+From the host it checks: an outsider is refused by the NATS cluster; each container holds
+only its own credentials; the streams have three replicas; a job submitted with a user's
+credentials through the published port completes; an MQTT device submits with the user's
+MQTT password (and a wrong one is refused); one reconfiguration's trace reaches the trace
+receiver with spans of the allocator, the placer, the node daemon and
 the sidecar; Prometheus scrapes every service; killing the leading allocator's container
 makes the standby lead, and a job submitted after is scheduled and completes.
 """
@@ -311,6 +312,26 @@ def test_outsiders_are_refused(stack: Stack, tmp_path: Path) -> None:
     assert asyncio.run(_refused(stack.nats_url, None))
     assert asyncio.run(_refused(stack.nats_url, str(stranger)))
     assert not asyncio.run(_refused(stack.nats_url, str(stack.creds / "user-alice.nk")))
+
+
+def test_each_container_holds_only_its_own_seeds(stack: Stack) -> None:
+    """nats-config --split: a service's container mounts its own identity's seed and no
+    other (a node daemon's: its own and its sidecars')."""
+    expected = {
+        "admission": ["admission.nk"],
+        "allocator-2": ["allocator.nk"],
+        "placer": ["placer.nk"],
+        "node-a": ["node-node-a.nk", "sidecar-node-a.nk"],
+    }
+    for service, files in expected.items():
+        out = subprocess.run(
+            ["podman", "exec", stack.container(service), "ls", "-A", "/var/lib/shoal/creds"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert sorted(out.stdout.split()) == files, (service, out.stdout)
 
 
 def test_every_stream_has_three_replicas(stack: Stack) -> None:

@@ -120,20 +120,29 @@ def test_every_shoal_container_authenticates_and_ports_stay_local() -> None:
     for name, svc in services.items():
         creds = svc["environment"]["SHOAL_NATS_CREDS"]
         assert creds.startswith("/var/lib/shoal/creds/"), name
-        assert any(v.startswith("creds:") and v.endswith(":ro") for v in svc["volumes"]), name
+        # Its own seeds only: one volume that nats-config --split fills for this container.
+        mounts = [v for v in svc["volumes"] if v.split(":")[1] == "/var/lib/shoal/creds"]
+        identity = creds.removeprefix("/var/lib/shoal/creds/").removesuffix(".nk")
+        group = identity if svc["command"][1] != "node-daemon" else identity.removeprefix("node-")
+        assert mounts == [f"creds-{group}:/var/lib/shoal/creds:ro"], (name, svc["volumes"])
         if svc["command"][1] == "node-daemon":
-            assert svc["environment"]["SHOAL_SIDECAR_CREDS"].startswith("/var/lib/shoal/creds/sidecar-")
+            assert svc["environment"]["SHOAL_SIDECAR_CREDS"] == f"/var/lib/shoal/creds/sidecar-{group}.nk"
+        # nats-config writes that container's directory into that volume.
+        writer = compose()["services"]["nats-config"]
+        assert "--split" in writer["command"]
+        assert f"creds-{group}:/var/lib/shoal/creds.d/{identity}" in writer["volumes"], name
     for name, svc in compose()["services"].items():
         for port in svc.get("ports", []):
             assert port.startswith("127.0.0.1:"), f"{name} publishes {port} beyond this host"
-        # Only the one-shot that writes them sees the operator's (admin and users') seeds.
+        # Only the one-shot that writes them sees the operator's (admin and users') seeds,
+        # and every service's.
         if name != "nats-config":
-            assert not any(v.startswith("operator-creds:") for v in svc.get("volumes", [])), name
+            assert not any(v.startswith(("operator-creds:", "creds:")) for v in svc.get("volumes", [])), name
 
 
 def test_nats_config_writes_valid_server_configs_and_keeps_seeds(tmp_path: Path) -> None:
     out = tmp_path / "cfg"
-    argv = [*CLI_ARGV, "nats-config", str(out), "--nodes", "n1", "--users", "alice", "--mqtt"]
+    argv = [*CLI_ARGV, "nats-config", str(out), "--nodes", "n1", "--users", "alice", "--mqtt", "--split"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
     first = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert first.returncode == 0, first.stderr
@@ -150,6 +159,18 @@ def test_nats_config_writes_valid_server_configs_and_keeps_seeds(tmp_path: Path)
         "user-alice.nk",
     }
     assert (out / "operator/admin.nk").exists() and not (out / "creds/admin.nk").exists()
+    # --split: each container's own seeds in a directory of its own, the same bytes.
+    split = {p.relative_to(out / "creds.d").as_posix(): p.read_bytes() for p in out.glob("creds.d/*/*.nk")}
+    assert set(split) == {
+        "admission/admission.nk",
+        "allocator/allocator.nk",
+        "placer/placer.nk",
+        "profiler/profiler.nk",
+        "trader/trader.nk",
+        "node-n1/node-n1.nk",
+        "node-n1/sidecar-n1.nk",
+    }
+    assert all(seeds[name.split("/")[1]] == data for name, data in split.items())
     for path in out.rglob("*"):
         assert path.stat().st_mode & 0o077 == 0, f"{path} is readable by others"
     again = subprocess.run([*argv, "--users", "bob"], capture_output=True, text=True, timeout=60, env=env)

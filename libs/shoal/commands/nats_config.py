@@ -17,6 +17,13 @@ It writes three directories, each readable by its owner only:
     ``--mqtt`` an MQTT password in ``user-<u>.mqtt``). Hand these to the people; no
     service needs them.
 
+``DIR/creds.d/<container>`` (with ``--split``)
+    The same seeds again, one directory per container that needs them: each service's
+    own (``admission/admission.nk``, ...) and, for each node, its daemon's and its
+    sidecars' (``node-<n>/node-<n>.nk`` and ``sidecar-<n>.nk``). The compose stack gives
+    each container a volume with its directory only, so a service that is broken into
+    holds its own identity and no other (``DIR/creds`` is then mounted by no service).
+
 ``--password-file PATH`` also makes a random password in ``PATH`` (e.g. the compose
 stack's Grafana admin password).
 
@@ -50,6 +57,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--users", default="", help="user names, comma-separated (a client identity each)")
     p.add_argument("--mqtt", action="store_true", help="enable MQTT and give each user an MQTT password")
     p.add_argument("--store-dir", default="/var/lib/shoal/data", help="JetStream store of each server")
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="also write each container's seeds into a directory of its own (DIR/creds.d/<container>)",
+    )
     p.add_argument(
         "--password-file",
         action="append",
@@ -103,6 +115,20 @@ def _run(args: argparse.Namespace) -> int:
             operator.ensure("client", user, mqtt_password=password if fresh else None)
     except (AuthError, PermissionError) as exc:
         raise CommandError(str(exc)) from None
+    if args.split:
+        groups: dict[str, list[str]] = {role: [role] for role in SERVICE_ROLES}
+        for node in _names(args.nodes):
+            groups[f"node-{node}"] = [f"node-{node}", f"sidecar-{node}"]
+        for group, names in groups.items():
+            target = out / "creds.d" / group
+            target.mkdir(parents=True, exist_ok=True)
+            if target.parent.stat().st_uid == os.getuid():  # not a runtime-made mount parent
+                os.chmod(target.parent, 0o700)
+            # Each is usually a volume of its own, whose root this user owns (podman gives
+            # a new volume the container's user; the image makes the compose stack's).
+            os.chmod(target, 0o700)
+            for name in names:
+                _write_private(target / f"{name}.nk", services.path(name).read_bytes())
     route_password = _secret(dirs["server"] / "route.password")
     for path in args.password_file:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
