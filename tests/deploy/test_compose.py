@@ -245,9 +245,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         )
         shutil.copytree(out.stdout.strip(), s.creds)
         try:
+            # Ready, not only scraped: a service serves /metrics while it still waits for
+            # NATS (SHOAL_CONNECT_WAIT_S), and says shoal_ready 0 until it has caught up.
             wait_for(
-                "every service's /metrics scraped by Prometheus",
-                lambda: len([r for r in s.query('up{job="shoal"} == 1')]) == len(SCRAPED),
+                "every service scraped by Prometheus and ready",
+                lambda: len([r for r in s.query('shoal_ready{job="shoal"} == 1')]) == len(SCRAPED),
                 240,
                 1.0,
             )
@@ -273,8 +275,11 @@ async def _run_job(stack: Stack, job_id: str, timeout_s: float = 180) -> list[st
     creds = str(stack.creds / "user-alice.nk")
     async with await Client.connect(stack.nats_url, "shoal", creds=creds) as client:
         deadline = time.monotonic() + 120
-        while len(await client.nodes()) < 2:
-            assert time.monotonic() < deadline, "the node daemons did not register"
+        # Both nodes registered, as admission's view (not a replay) says: admission answers.
+        while len(await client.nodes()) < 2 or client.last_read is None or client.last_read.source != "view":
+            assert time.monotonic() < deadline, (
+                f"nodes not registered or admission not up: {client.last_read}"
+            )
             await asyncio.sleep(0.5)
         await client.submit(
             ev.JobSpec(user="alice", max_gpus=2, requested_gpus=2, total_iterations=40), job_id=job_id
