@@ -18,7 +18,9 @@ for a leader-elected service, its role). Without a port nothing listens and
 * ``GET /metrics``: the Prometheus text format, written by ``prometheus_client``
   (``generate_latest``): the process-wide default registry (process and Python
   collectors, the allocator's decision counter and latency histogram) and this
-  process's own: the gauges of the folded state (:func:`shoal.health.state_gauges`),
+  process's own: the gauges of the folded state (:func:`shoal.health.state_gauges`;
+  AFS §2.2's QL, CE and BI at the installation's clock, ``settings.time_scale`` and
+  ``clock_origin``, with the allocator's fallback curves, ``settings.catalog``),
   bus lag, applied and tail sequence, the folded state's digest at that sequence
   (``shoal_state_digest``, so a harness can compare it with a fresh fold),
   dead-lettered messages, readiness, lease holder, and histograms of the reconfiguration phase durations and reconfiguration
@@ -44,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +58,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from shoal import events as ev
 from shoal import state as st
 from shoal.health import Readiness, bus_lag, judge_readiness, state_gauges
+from shoal.models import Catalog, get_catalog
 
 if TYPE_CHECKING:
     from shoal.bus import Bus
@@ -92,8 +96,16 @@ def watch(*, bus: Bus, projection: Projection, role: Callable[[], str | None] | 
 class Health:
     """What one service process reports (see the module docstring)."""
 
-    def __init__(self, service: str) -> None:
+    def __init__(
+        self, service: str, *, clock: Callable[[], float] = time.time, catalog: str | None = None
+    ) -> None:
         self.service = service
+        self.clock = clock
+        """The installation's clock (virtual seconds when scaled): the ``now`` of QL/CE/BI."""
+        self.catalog_name = catalog
+        """The allocator's fallback throughput curves (``settings.catalog``), read at the first scrape."""
+        self._catalog: Catalog | None = None
+        self._catalog_loaded = False
         self.bus: Bus | None = None
         self.projection: Projection | None = None
         self.role: Callable[[], str | None] | None = None
@@ -119,6 +131,17 @@ class Health:
         )
         self.registry.register(_StateCollector(self))
         self._last: Readiness | None = None
+
+    def catalog(self) -> Catalog | None:
+        """The catalog named by ``catalog_name`` (None: none, or an unknown name, logged once)."""
+        if not self._catalog_loaded:
+            self._catalog_loaded = True
+            if self.catalog_name:
+                try:
+                    self._catalog = get_catalog(self.catalog_name)
+                except ValueError as exc:
+                    log.warning("metrics_catalog_unknown", error=str(exc))
+        return self._catalog
 
     def watch(
         self, *, bus: Bus, projection: Projection, role: Callable[[], str | None] | None = None
@@ -197,7 +220,7 @@ class _StateCollector:
             yield GaugeMetricFamily("shoal_ready", "1 when /readyz answers 200.", value=int(last.ready))
         if h.projection is None or h.bus is None:
             return
-        for g in state_gauges(h.projection.state):
+        for g in state_gauges(h.projection.state, now=h.clock(), catalog=h.catalog()):
             yield GaugeMetricFamily("shoal_" + g.name, g.help, value=g.value)
         shares = GaugeMetricFamily(
             "shoal_job_share",
@@ -355,10 +378,10 @@ def probed(serve: Any, service: str) -> Any:
 
     The returned coroutine function raises :class:`shoal.runtime.StartupError` when the
     address cannot be bound (a port asked for is a port a probe will look at)."""
-    from shoal.runtime import StartupError
+    from shoal.runtime import StartupError, make_clock
 
     async def serve_with_probes(settings: Any, stop: asyncio.Event) -> None:
-        health = Health(service)
+        health = Health(service, clock=make_clock(settings).now, catalog=settings.catalog)
         server = ProbeServer(health, settings.metrics_host, settings.metrics_port)
         try:
             await server.start()
