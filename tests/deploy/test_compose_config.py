@@ -61,8 +61,16 @@ def test_grafana_dashboard_loads_and_uses_exported_metrics() -> None:
     known = exported_metric_names()
     ids = set()
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
-    for wanted in ("shares per job", "queue length", "reconfiguration", "decision latency"):
+    for wanted in (
+        "shares per job",
+        "queue length",
+        "cluster efficiency",
+        "blocking index",
+        "reconfiguration",
+        "decision latency",
+    ):
         assert wanted in titles, (wanted, titles)
+    queried: set[str] = set()
     for panel in dashboard["panels"]:
         assert panel["type"] and set(panel["gridPos"]) == {"x", "y", "w", "h"}
         ids.add(panel["id"])
@@ -70,9 +78,12 @@ def test_grafana_dashboard_loads_and_uses_exported_metrics() -> None:
         for target in panel["targets"]:
             assert target["datasource"]["uid"] == source["uid"]
             for metric in re.findall(r"shoal_[a-z_]+", target["expr"]):
+                queried.add(metric)
                 base = re.sub(r"_(bucket|total|count|sum)$", "", metric)
                 assert metric in known or base in known, f"{panel['title']}: {metric} is not exported"
     assert len(ids) == len(dashboard["panels"]), "panel ids must be unique"
+    # AFS §2.2's QL, CE and BI, as the services export them.
+    assert {"shoal_queue_length", "shoal_cluster_efficiency", "shoal_blocking_index"} <= queried
 
 
 def test_promtool_accepts_the_prometheus_config() -> None:
