@@ -1,7 +1,8 @@
 """Health, readiness and metrics of every process `shoal up` starts, scraped over HTTP
 as a supervisor, Kubernetes or Prometheus would: after a job ran the numbers say so,
-an outsider on another address cannot reach them, and a service whose NATS server
-stops answering is alive but not ready until it answers again."""
+AFS §2.2's QL, CE and BI follow a live queue at the installation's (scaled) clock, an
+outsider on another address cannot reach them, and a service whose NATS server stops
+answering is alive but not ready until it answers again."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from shoal import events as ev
+from shoal.client import Client
 from shoal.commands.run import CLI_ARGV as CLI
 
 from tests.services.test_up import run_job, usable_policy, wait_line
@@ -61,6 +65,45 @@ def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 def value(m: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:
     assert name in m, f"{name} missing; have {sorted(m)}"
     return sum(v for _, v in m[name])
+
+
+def scrape(url: str) -> tuple[float, float, dict[str, list[tuple[dict[str, str], float]]]]:
+    """One ``/metrics`` scrape with the wall times just before and just after it."""
+    before = time.time()
+    text = get(url)[1]
+    return before, time.time(), samples(text)
+
+
+def wait_scrape(
+    url: str, ok: Callable[[dict[str, list[tuple[dict[str, str], float]]]], bool], timeout_s: float
+) -> tuple[float, float, dict[str, list[tuple[dict[str, str], float]]]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = scrape(url)
+        if ok(got[2]):
+            return got
+        assert time.monotonic() < deadline, f"{url}: condition not met; last scrape {got[2]}"
+        time.sleep(0.2)
+
+
+async def queue_two_jobs(url: str, creds: str, iterations: int) -> list[str]:
+    """Two rigid jobs of all 4 GPUs, so one waits while the other runs."""
+    async with await Client.connect(url, "shoal", creds=creds) as client:
+        spec = ev.JobSpec(
+            user="alice",
+            min_gpus=4,
+            max_gpus=4,
+            requested_gpus=4,
+            elastic=False,
+            total_iterations=iterations,
+        )
+        return [await client.submit(spec, job_id=f"queued-{i}") for i in (1, 2)]
+
+
+async def cancel(url: str, creds: str, job_ids: list[str]) -> None:
+    async with await Client.connect(url, "shoal", creds=creds) as client:
+        for job_id in job_ids:
+            await client.cancel(job_id, "test over")
 
 
 def other_address() -> str | None:
@@ -129,6 +172,39 @@ def test_probes_of_every_service(tmp_path: Path) -> None:
                 assert value(m, "shoal_leader") == 1, name
             if name == "admission" or name.startswith("node-daemon"):
                 assert "shoal_leader" not in m, name
+
+        # AFS §2.2's QL, CE and BI of a live queue: one job holds all 4 GPUs, the other waits.
+        # The waiting one has no throughput model (linear: 1 iteration/s on 1 GPU), so BI is
+        # its time without GPUs / its iterations, at the installation's clock when scraped:
+        # between two scrapes it grows by 20 (the time scale) x the wall time between them.
+        iterations = 100_000  # far more than the running job does here (4 iterations/s)
+        queued = asyncio.run(queue_two_jobs(url, str(admin), iterations))
+        metrics = probes["allocator"] + "/metrics"
+
+        def one_waits(m: dict[str, list[tuple[dict[str, str], float]]]) -> bool:
+            return (
+                value(m, "shoal_queue_length") == 1
+                and value(m, "shoal_blocking_index") > 0
+                and {lab["job_id"] for lab, _ in m.get("shoal_job_share", [])} < set(queued)
+            )
+
+        for _ in range(5):  # a new decision between the two scrapes: measure again
+            a1, b1, first = wait_scrape(metrics, one_waits, 30)
+            bi1 = value(first, "shoal_blocking_index")
+            a2, b2, second = wait_scrape(
+                metrics, lambda m, bi1=bi1: value(m, "shoal_blocking_index") != bi1, 30
+            )
+            if one_waits(second) and second["shoal_job_share"] == first["shoal_job_share"]:
+                break
+        else:
+            pytest.fail("the shares kept changing")
+        # All 4 GPUs to one job that scales linearly (emulated trainers; before the profiler's
+        # model, the allocator's belief is linear too): thr(4) / thr(1) / 4 GPUs.
+        assert value(first, "shoal_cluster_efficiency") == pytest.approx(1.0, abs=0.05)
+        grown = (value(second, "shoal_blocking_index") - bi1) * iterations
+        assert 20 * (a2 - b1) - 1e-3 <= grown <= 20 * (b2 - a1) + 1e-3, (grown, a1, b1, a2, b2)
+        asyncio.run(cancel(url, str(admin), queued))
+        wait_scrape(metrics, lambda m: value(m, "shoal_queue_length") == 0, 30)
 
         # An outsider on another address of this machine finds nothing listening.
         addr = other_address()
