@@ -25,7 +25,8 @@ Roles (``docs/security.md`` has the threat model)
     Each appends only the event types it owns (:data:`EVENT_OWNERS`): only the
     allocator appends ``SharesDecided``, only the placer ``PlacementDecided``. They may
     create (not update, purge or delete) streams, keep durable consumers, and write
-    their own leader-lease key; only the allocator writes the cluster snapshot.
+    their own leader-lease key; only the allocator writes the cluster snapshot, and
+    only the profiler its own (object store ``<TOKEN>_PROFILER_SNAPSHOTS``).
 ``node`` (one identity per node ``N``)
     Publishes only ``N``'s ``NodeRegistered`` and ``GpuHealth`` to the log and ``N``'s
     ``NodeHeartbeat`` to the bounded beats stream (``<p>.beat.N``; heartbeats never go
@@ -242,6 +243,12 @@ def permissions(identity: Identity, prefix: str = "shoal") -> dict[str, Any]:
             # ones are purged: deny beats allow in NATS, so the blanket purge denial gives
             # way to an allow list that names only the snapshot bucket's stream.
             pub += [f"$O.{_token(p)}_SNAPSHOTS.>", f"$JS.API.STREAM.PURGE.OBJ_{_token(p)}_SNAPSHOTS"]
+            deny_pub.remove("$JS.API.STREAM.PURGE.*")
+        elif role == "profiler":
+            # Its own snapshot (ProfileBook + the state it folds), in a bucket of its own:
+            # it can neither write nor purge the cluster snapshot everyone else trusts.
+            bucket = f"{_token(p)}_PROFILER_SNAPSHOTS"
+            pub += [f"$O.{bucket}.>", f"$JS.API.STREAM.PURGE.OBJ_{bucket}"]
             deny_pub.remove("$JS.API.STREAM.PURGE.*")
         if role == "admission":
             sub += [f"{p}.cmd.>", f"{p}.mqtt.submit.*", f"{p}.query.>"]

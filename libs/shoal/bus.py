@@ -252,6 +252,9 @@ class Names:
         self.dlq_stream = f"{token}_DLQ"
         self.lease_bucket = f"{token}_LEASES"
         self.snapshot_bucket = f"{token}_SNAPSHOTS"
+        self.profiler_snapshot_bucket = f"{token}_PROFILER_SNAPSHOTS"
+        """The profiler's own snapshots: a bucket apart, so that the profiler's identity may
+        write its snapshot without being able to touch the cluster snapshot."""
         self.beats_stream = f"{token}_BEATS"
         self.event_subjects = [f"{prefix}.{agg}.>" for agg in ("job", "node", "user", "alloc", "trade")]
         self.ctl_subjects = [f"{prefix}.ctl.>"]
@@ -1273,8 +1276,8 @@ class Bus:
                 raise
             return await self.js.key_value(config.bucket)
 
-    async def _snapshot_store(self) -> Any:
-        name = self.names.snapshot_bucket
+    async def _snapshot_store(self, bucket: str | None = None) -> Any:
+        name = bucket or self.names.snapshot_bucket
         try:
             return await self.js.create_object_store(name, api.ObjectStoreConfig(replicas=self.replicas))
         except nats.js.errors.BadRequestError as exc:
@@ -1283,18 +1286,26 @@ class Bus:
             return await self.js.object_store(name)
 
     async def save_snapshot(
-        self, name: str, seq: int, state: bytes, *, digest: str = "", schema: int = 0
+        self,
+        name: str,
+        seq: int,
+        state: bytes,
+        *,
+        digest: str = "",
+        schema: int = 0,
+        bucket: str | None = None,
     ) -> None:
         """Store ``state`` (encoded, of schema version ``schema``) as of stream sequence
-        ``seq`` under ``name``."""
-        store = await self._snapshot_store()
+        ``seq`` under ``name`` in object store ``bucket`` (default: the cluster snapshots')."""
+        store = await self._snapshot_store(bucket)
         blob = msgspec.msgpack.encode(Snapshot(name=name, seq=seq, digest=digest, state=state, schema=schema))
         await store.put(name, blob)
 
     async def load_snapshot(
-        self, name: str, *, timeout_s: float = 10.0, attempts: int = 3
+        self, name: str, *, timeout_s: float = 10.0, attempts: int = 3, bucket: str | None = None
     ) -> Snapshot | None:
-        """The newest snapshot stored under ``name``, or None.
+        """The newest snapshot stored under ``name`` (in object store ``bucket``, default the
+        cluster snapshots'), or None.
 
         A read races with a writer replacing the object: the writer purges the old
         version's chunks, and nats-py's ``ObjectStore.get`` then waits for them for
@@ -1308,7 +1319,7 @@ class Bus:
         """
         try:
             # Read-only (a node daemon may read snapshots, not create the bucket).
-            store = await self.js.object_store(self.names.snapshot_bucket)
+            store = await self.js.object_store(bucket or self.names.snapshot_bucket)
             for attempt in range(1, attempts + 1):
                 try:
                     res = await asyncio.wait_for(store.get(name), timeout_s)

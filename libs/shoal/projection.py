@@ -11,7 +11,10 @@ into the same :class:`~shoal.state.ClusterState`. A snapshot is used only when i
 passes :func:`check_snapshot` (schema not newer than :data:`SNAPSHOT_SCHEMA`, the
 decoded state has the stored digest, its sequence is not past the stream's end);
 otherwise it is ignored with a warning (``snapshot_ignored``) and the whole log is
-replayed. Once caught up, the projection logs ``projection_ready`` with the
+replayed. A service whose own listeners fold more than the cluster state (the
+profiler's measurements) passes ``restore`` instead: its own loader and checks, which
+give the state and sequence to start from (``snapshot`` in the log line is then that
+snapshot's name). Once caught up, the projection logs ``projection_ready`` with the
 snapshot's sequence, how many messages it replayed (``replayed``) and the state's
 digest. The follower is a :func:`shoal.tasks.critical` task: if it dies, the
 process fails (exit 1) rather than go on with a state that no longer moves. ``ready`` is set once the projection has caught up with the log as it
@@ -31,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import structlog
@@ -45,6 +48,8 @@ log = structlog.get_logger("shoal.projection")
 
 Listener = Callable[[int, Envelope, st.ClusterState], None]
 SkipListener = Callable[[SkippedMessage], None]
+Restore = Callable[[], Awaitable[tuple[str, st.ClusterState, int] | None]]
+"""A service's own snapshot loader: (snapshot name, state, its sequence), or None to replay."""
 
 CLUSTER_SNAPSHOT = "cluster"
 """Name of the snapshot of the folded cluster state that every service starts from."""
@@ -90,6 +95,10 @@ class Projection:
             replay skipped (it does not decode here; it is counted and dead-lettered,
             see :mod:`shoal.bus`). A writer that appends with an expected sequence
             moves its cursor on these too.
+        restore: instead of the cluster snapshot, a service's own snapshot (the
+            profiler's): awaited at start, before the stream's end is read; it returns
+            a checked state and its sequence (the service restores its listeners' data
+            itself), or None to replay the whole log.
     """
 
     def __init__(
@@ -99,9 +108,11 @@ class Projection:
         snapshot_name: str | None = None,
         listeners: list[Listener] | None = None,
         skip_listeners: list[SkipListener] | None = None,
+        restore: Restore | None = None,
     ):
         self.bus = bus
         self.snapshot_name = snapshot_name
+        self.restore = restore
         self.listeners = list(listeners or [])
         self.skip_listeners = list(skip_listeners or [])
         self.state = st.ClusterState()
@@ -112,6 +123,8 @@ class Projection:
         self._task: asyncio.Task[None] | None = None
         self._users = 0
         self.restored_from_snapshot = False
+        self.snapshot_label = snapshot_name
+        """Name of the snapshot started from (the ``projection_ready`` line's ``snapshot``)."""
         self.snapshot_seq = 0
         """Sequence of the snapshot this projection started from (0: none)."""
         self.replayed = 0
@@ -136,10 +149,15 @@ class Projection:
             return
         self._started_at = time.monotonic()
         snap = await self._load() if self.snapshot_name else None
+        own = await self.restore() if self.restore is not None else None
         # Read after the snapshot: its sequence was in the stream when it was written.
         target = await self.bus.last_seq()
         if snap is not None:
             self._restore(snap, target)
+        elif own is not None:
+            self.snapshot_label, self.state, self.last_seq = own
+            self.snapshot_seq = self.last_seq
+            self.restored_from_snapshot = True
         if self.last_seq >= target:
             self._set_ready()
         # A follower that dies must not leave the service deciding on a frozen state.
@@ -173,7 +191,7 @@ class Projection:
         self.ready.set()
         log.info(
             "projection_ready",
-            snapshot=self.snapshot_name,
+            snapshot=self.snapshot_label,
             snapshot_seq=self.snapshot_seq,
             replayed=self.replayed,
             last_seq=self.last_seq,

@@ -229,6 +229,8 @@ def subjects_markdown(prefix: str = "shoal") -> str:
         "| dead letters, with `Shoal-Dlq-Code`/`-Reason`/`-Subject`/`-Stream-Seq`/`-Consumer` headers |",
         f"| `{n.lease_bucket}_<ttl>MS` | KV bucket | | leader leases (`allocator`, `placer`); the TTL is the lease |",
         f"| `{n.snapshot_bucket}` | object store | | state snapshots (state + last applied stream sequence) |",
+        f"| `{n.profiler_snapshot_bucket}` | object store | | the profiler's snapshot (its measurements, "
+        "the state it folds, the last applied stream sequence) |",
         "| (no stream) | core request/reply | " + f"`{n.cmd('<command>')}` | commands to admission |",
         "",
         "Messages on the event log are msgpack `Envelope`s (see `Envelope.json`) carrying one event;",

@@ -150,7 +150,8 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     allocator, caught up with the log, declares the node lost (:func:`shoal.cluster.lost_nodes`)."""
     snapshot_every: Annotated[int, Meta(ge=1)] = 10_000
     """The leading allocator writes the cluster-state snapshot that every service starts from
-    after this many folded events (see :mod:`shoal.projection`)..."""
+    (and the leading profiler its own, :mod:`shoal.profiling.snapshot`) after this many
+    folded events (see :mod:`shoal.projection`)..."""
     snapshot_interval_s: PositiveFloat = 60.0
     """... or after this many wall seconds when any event was folded since the last one."""
     mqtt_port: Port | None = None

@@ -4,7 +4,8 @@ Thin wiring: settings -> bus, clock and parameters -> :class:`ProfilerService`.
 Profiler-specific settings are read with defaults (``profiler_min_interval_s``,
 ``profiler_material_change``, ``profiler_window``, ``profiler_fit_min_counts``,
 ``profiler_plateau_delta``) so this module works whether or not the settings
-struct carries them yet. On ``stop`` the pass in progress is finished, then the
+struct carries them yet. The profiler snapshot's cadence is the allocator's
+(``snapshot_every``, ``snapshot_interval_s``). On ``stop`` the pass in progress is finished, then the
 lease is released so a standby takes over at once.
 """
 
@@ -47,6 +48,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             min_interval_s=float(getattr(settings, "profiler_min_interval_s", MIN_INTERVAL_S)),
             material_change=float(getattr(settings, "profiler_material_change", 0.05)),
             lease_ttl_s=settings.lease_ttl_s,
+            snapshot_every=settings.snapshot_every,
+            snapshot_interval_s=settings.snapshot_interval_s,
         )
         probes.watch(bus=bus, projection=service.projection, role=lambda: service.role)
         await service.run(stop)

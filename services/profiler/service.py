@@ -1,12 +1,24 @@
 """profiler: turns progress reports into throughput and convergence models.
 
-Consumes: the whole event log through a :class:`~shoal.projection.Projection`
-(replay, then the live tail). ``ProgressReported`` is folded into a
-:class:`~shoal.profiling.ProfileBook` (per job, per GPU type, per GPU count: the
-average of recent samples, Gandiva_fair §3.4); the profiler's own
+Consumes: the event log through a :class:`~shoal.projection.Projection`
+(snapshot, replay of the rest, then the live tail). ``ProgressReported`` is folded
+into a :class:`~shoal.profiling.ProfileBook` (per job, per GPU type, per GPU count:
+the average of recent samples, Gandiva_fair §3.4); the profiler's own
 ``ThroughputModelUpdated``/``ConvergenceEstimated`` are folded too, so it knows
-what it last published and when. The book is rebuilt from the log on every start
-(no snapshot: the book needs the progress events a state snapshot would skip).
+what it last published and when.
+
+Snapshot: the cluster snapshot every other service starts from does not hold the
+progress reports the book needs, so the profiler keeps its own
+(:mod:`shoal.profiling.snapshot`: the book's measurements, the cluster state it folds,
+its cursors and the stream sequence, object ``profiler`` in the
+``<TOKEN>_PROFILER_SNAPSHOTS`` object store). The leader writes it once
+``snapshot_every`` messages were folded since the last one, or ``snapshot_interval_s``
+wall seconds after it if any was (``snapshot_saved``). Every profiler, leader or
+standby, starts from the newest one that passes
+:func:`~shoal.profiling.snapshot.check_profiler_snapshot` and folds only the messages
+after it; a missing one (``snapshot_missing``) or one that does not pass
+(``snapshot_ignored`` with the reason: unreadable, digest mismatch, other schema,
+other parameters, past the stream's end) means a replay of the whole log.
 
 Decides: :func:`shoal.profiling.throughput_update` (measured averages, Optimus
 §3.2 NNLS speed fit adapted to all-reduce, AFS §4.5 overestimate for the counts
@@ -34,15 +46,17 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import structlog
 from shoal import codec
 from shoal import events as ev
-from shoal.bus import Bus, Campaign, ConcurrencyConflict, SkippedMessage
+from shoal.bus import Bus, Campaign, ConcurrencyConflict, SkippedMessage, Snapshot
 from shoal.clock import Clock
 from shoal.events import Envelope
 from shoal.profiling import ProfileBook, ProfileParams, Reason, convergence_update, throughput_update
 from shoal.profiling.ratelimit import MIN_INTERVAL_S, TOO_SOON, is_publish, publish_decision, relative_change
+from shoal.profiling.snapshot import PROFILER_SNAPSHOT, check_profiler_snapshot, encode_profiler_snapshot
 from shoal.projection import Projection
 from shoal.state import FINISHED_STATUSES, ClusterState
 
@@ -82,16 +96,28 @@ class ProfilerService:
         material_change: float = 0.05,
         lease_ttl_s: float = 3.0,
         coalesce_s: float = 0.02,
+        snapshot_every: int = 10_000,
+        snapshot_interval_s: float = 60.0,
     ) -> None:
         self.bus = bus
         self.holder = holder
         self.clock = clock
         self.book = ProfileBook(params)
+        self.snapshot_every = snapshot_every
+        self.snapshot_interval_s = snapshot_interval_s
+        """The leader writes the profiler snapshot once ``snapshot_every`` messages were
+        folded since the last one, or ``snapshot_interval_s`` wall seconds after it if any was."""
+        self._snapshot_seq = 0
+        """Sequence of the newest snapshot this profiler wrote or started from."""
+        self._snapshot_at = time.monotonic()
+        self.snapshots = 0
         self.min_interval_s = min_interval_s
         self.material_change = material_change
         self.lease_ttl_s = lease_ttl_s
         self.coalesce_s = coalesce_s
-        self.projection = Projection(bus, listeners=[self._on_event], skip_listeners=[self._on_skipped])
+        self.projection = Projection(
+            bus, listeners=[self._on_event], skip_listeners=[self._on_skipped], restore=self._restore_snapshot
+        )
         self.dirty = asyncio.Event()
         self.is_leader = False
         self.role: str | None = None
@@ -114,6 +140,70 @@ class ProfilerService:
     def rejected(self) -> dict[str, int]:
         """Progress reports (or parts) rejected, by reason."""
         return dict(self.book.rejected)
+
+    # -- snapshot -----------------------------------------------------------------
+
+    async def _restore_snapshot(self) -> tuple[str, ClusterState, int] | None:
+        """Load and check the profiler snapshot; on success take its book and cursors and
+        return its state and sequence for the projection (None: replay the whole log)."""
+        bucket = self.bus.names.profiler_snapshot_bucket
+        try:
+            snap = await self.bus.load_snapshot(PROFILER_SNAPSHOT, bucket=bucket)
+        except Exception as exc:  # corrupt, or cannot be read: replay
+            log.warning("snapshot_ignored", snapshot=PROFILER_SNAPSHOT, reason=f"unreadable: {exc!r}")
+            return None
+        if snap is None:
+            log.info("snapshot_missing", snapshot=PROFILER_SNAPSHOT)
+            return None
+        restored, reason = check_profiler_snapshot(
+            snap, stream_last_seq=await self.bus.last_seq(), params=self.book.params
+        )
+        if restored is None:
+            log.warning("snapshot_ignored", snapshot=PROFILER_SNAPSHOT, seq=snap.seq, reason=reason)
+            return None
+        self.book = restored.book
+        self.model_at = restored.model_at
+        self.convergence_at = restored.convergence_at
+        self.subject_seq = restored.subject_seq
+        return PROFILER_SNAPSHOT, restored.state, restored.seq
+
+    def snapshot(self) -> Snapshot:
+        """The profiler snapshot as of the projection's sequence (no await inside: the
+        book, the state and the cursors are all as of that sequence)."""
+        return encode_profiler_snapshot(
+            seq=self.projection.last_seq,
+            state=self.projection.state,
+            book=self.book,
+            model_at=self.model_at,
+            convergence_at=self.convergence_at,
+            subject_seq=self.subject_seq,
+        )
+
+    async def _maybe_snapshot(self) -> None:
+        """Write the profiler snapshot when due (see :attr:`snapshot_interval_s`)."""
+        folded = self.projection.last_seq - self._snapshot_seq
+        now = time.monotonic()
+        if folded <= 0 or (
+            folded < self.snapshot_every and now - self._snapshot_at < self.snapshot_interval_s
+        ):
+            return
+        self._snapshot_at = now
+        snap = self.snapshot()
+        try:
+            await self.bus.save_snapshot(
+                snap.name,
+                snap.seq,
+                snap.state,
+                digest=snap.digest,
+                schema=snap.schema,
+                bucket=self.bus.names.profiler_snapshot_bucket,
+            )
+        except Exception as exc:  # a missed snapshot costs only a longer replay later
+            log.warning("snapshot_failed", snapshot=PROFILER_SNAPSHOT, error=repr(exc))
+            return
+        self._snapshot_seq = snap.seq
+        self.snapshots += 1
+        log.info("snapshot_saved", snapshot=PROFILER_SNAPSHOT, seq=snap.seq, bytes=len(snap.state))
 
     # -- consuming --------------------------------------------------------------
 
@@ -264,6 +354,7 @@ class ProfilerService:
         """Follow the log; while holding the lease, publish due updates. Returns when ``stop`` is set."""
         await self.projection.start()
         await self.projection.wait_ready()
+        self._snapshot_seq = self.projection.snapshot_seq
         campaign = Campaign(await self.bus.lease("profiler", self.holder, ttl_s=self.lease_ttl_s))
         scale = float(getattr(self.clock, "scale", 1.0))
         try:
@@ -291,6 +382,7 @@ class ProfilerService:
                     await asyncio.sleep(self.coalesce_s)  # let a burst of reports land first
                     self.dirty.clear()
                     await self.decide_once()
+                await self._maybe_snapshot()
         finally:
             await campaign.release()
             await self.projection.stop()

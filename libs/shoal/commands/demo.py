@@ -611,8 +611,9 @@ async def _delete_installation(settings: Any) -> None:
         for stream in (n.events_stream, n.ctl_stream, n.dlq_stream):
             with contextlib.suppress(Exception):
                 await bus.js.delete_stream(stream)
-        with contextlib.suppress(Exception):
-            await bus.js.delete_object_store(n.snapshot_bucket)
+        for bucket in (n.snapshot_bucket, n.profiler_snapshot_bucket):
+            with contextlib.suppress(Exception):
+                await bus.js.delete_object_store(bucket)
         with contextlib.suppress(Exception):
             names = [s.config.name for s in await bus.js.streams_info() if s.config.name]
             for name in names:
