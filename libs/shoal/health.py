@@ -118,7 +118,8 @@ class QueueMetrics:
     ce: float
     """CE: ``(1/M) · Σ_{j running} thr_j(current GPUs) / thr_j(1 GPU)``."""
     bi: float
-    """BI: ``(1/|J_P|) · Σ_{j ∈ J_P} pending_time_j / remaining_time_j(1 GPU)`` (0: J_P empty)."""
+    """BI: ``(1/|J_P|) · Σ_{j ∈ J_P} pending_time_j / remaining_time_j(1 GPU)`` over the
+    pending jobs whose remaining work is known (0: none)."""
     bi_jobs: int
     """|J_P| as BI counts it: the pending jobs whose remaining work is known."""
 
@@ -137,8 +138,8 @@ def pending_time(job: st.JobState, now: float) -> float:
       ``min_gpus``), so it waited at least ``now − submitted_at − A / max(1, min_gpus)``,
       and at least its current spell ``now − since``; the larger of the two is returned.
       That is exact when every share the job held had ``min_gpus`` GPUs (a non-elastic
-      job, or one preempted from its minimum) and a lower bound otherwise (a job that
-      held more GPUs waited longer than this says).
+      job, or an elastic one that only ever ran on its minimum) and a lower bound
+      otherwise (a job that held more GPUs waited longer than this says).
 
     Durations are clipped at 0 (a ``now`` behind the events' stamps).
     """
@@ -161,8 +162,9 @@ def queue_metrics(state: st.ClusterState, now: float, catalog: Catalog | None = 
       its reconfiguration stop, as in the simulator.
     * ``thr_j(k)``: the throughput curve the allocator's policy sees for the job,
       :func:`shoal.view.build_view` with the same ``catalog`` (the job's newest
-      ``ThroughputModelUpdated`` for its pinned/current/"" GPU type, else the catalog's
-      curve for ``spec.model``, else linear scaling, ``k`` iterations/s at k GPUs). So a
+      ``ThroughputModelUpdated`` for its pinned/current/"" GPU type, else for any type,
+      else the catalog's curve for ``spec.model``, else linear scaling, ``k``
+      iterations/s at k GPUs). So a
       job with no model and no catalog curve counts ``k`` at k GPUs, the policy's
       own belief until the profiler measures it (AFS §4.5's overestimate; a live CE
       can therefore exceed what the jobs really achieve). A job whose curve is 0 at
