@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from hypothesis import given, settings
 from shoal.policies.base import ClusterView, JobView
 from shoal.policies.elastic_tiresias import ElasticTiresias
@@ -163,16 +164,23 @@ def test_runs_a_philly_prefix_to_completion() -> None:
 def test_starvation_promotion_is_off_by_default_and_works_when_set() -> None:
     """EDL §5.1: a job not scheduled for a long time goes back to G0. Off by default
     (the Tiresias simulator's dlas-gpu, which EDL §6.3 ran on, has it off); with a
-    knob of 2, a G1 job that has waited twice its run time outranks a newer G0 job."""
+    knob of 2, a G1 job that has waited twice its run time goes to the back of G0 (as
+    the Tiresias simulator appends it), ahead of every G1 job: here of a G1 job ahead of
+    it in G1 that held the GPU."""
     starved = job("s", arrival_s=0.0, requested_gpus=1, max_gpus=1, attained_service_gpu_s=600.0)
     runner = job(
-        "r", arrival_s=50.0, requested_gpus=1, max_gpus=1, attained_service_gpu_s=10.0, current_gpus=1
+        "r", arrival_s=50.0, requested_gpus=1, max_gpus=1, attained_service_gpu_s=700.0, current_gpus=1
     )
     # s attained 600 GPU-s (past G0's 500, so in G1) and was preempted at t = 300; the knob
     # compares its wait since then with that service (as shoal.policies.tiresias does).
-    memory = {"jobs": {"s": [0.0, 0.0, 300.0], "r": [0.0, 50.0, -1.0]}}
+    # Records: [base, first start, preempted at, group, place in the group's list].
+    memory = {"jobs": {"s": [0.0, 0.0, 300.0, 1.0, 1.0], "r": [0.0, 50.0, -1.0, 1.0, 0.0]}}
     at = 300.0 + 2 * 600.0
     assert ElasticTiresias().decide(view(at, 1, starved, runner), memory).shares == {"r": 1}
     promoting = ElasticTiresias(promote_knob=2.0)
     assert promoting.decide(view(at - 1.0, 1, starved, runner), memory).shares == {"r": 1}
     assert promoting.decide(view(at, 1, starved, runner), memory).shares == {"s": 1}
+    # A G0 job keeps the GPU: the promoted job waits behind it, at the back of G0.
+    young = msgspec.structs.replace(runner, attained_service_gpu_s=10.0)
+    memory["jobs"]["r"][3] = 0.0
+    assert promoting.decide(view(at, 1, starved, young), memory).shares == {"r": 1}

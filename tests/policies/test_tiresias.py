@@ -13,10 +13,11 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
+from shoal.models import ThroughputCurve
 from shoal.policies.base import ClusterView, Decision, JobView, Policy, check_decision, feasible_counts
 from shoal.policies.tiresias import TiresiasL, gang_size
 from shoal.sim.engine import SimConfig, Simulator
-from shoal.workloads import load_workload
+from shoal.workloads import TraceJob, load_workload, make_job
 
 # ---------------------------------------------------------------------------
 # shared helpers
@@ -185,12 +186,134 @@ def test_promotion_after_waiting_knob_times_its_run_time() -> None:
     policy = TiresiasL(queue_thresholds_gpu_s=(100.0,), promote_knob=2.0, service_since_restart=False)
     starved = job("s", arrival_s=0.0, requested_gpus=1, attained_service_gpu_s=200.0)
     runner = job("r", arrival_s=50.0, requested_gpus=1, attained_service_gpu_s=10.0, current_gpus=1)
-    memory = {"jobs": {"s": [0.0, 0.0, 100.0], "r": [0.0, 50.0, -1.0]}}
+    memory = {"jobs": {"s": [0.0, 0.0, 100.0, 1.0, 0.0], "r": [0.0, 50.0, -1.0, 0.0, 1.0]}}
     d = policy.decide(view(499.0, 1, starved, runner), memory)
     assert d.shares == {"r": 1}
     assert d.memory["next_decision_at_s"] == pytest.approx(500.0)  # 100 + 2 × 200 s
+    # Promoted to the back of Q0 (the reference appends it there): behind r, which keeps
+    # the GPU; its count starts again.
     d = policy.decide(view(500.0, 1, starved, runner), memory)
-    assert d.shares == {"s": 1}  # promoted to Q0, ran first (FCFS by first start)
+    assert d.shares == {"r": 1}
+    assert d.memory["jobs"]["s"][0] == 200.0 and d.memory["jobs"]["s"][3] == 0.0
+    # Ahead of every job of Q1, though: a runner of Q1 (ahead of s there) loses the GPU to it.
+    served = msgspec.structs.replace(runner, attained_service_gpu_s=150.0)
+    memory = {"jobs": {"s": [0.0, 0.0, 100.0, 1.0, 1.0], "r": [0.0, 50.0, -1.0, 1.0, 0.0]}}
+    assert policy.decide(view(499.0, 1, starved, served), memory).shares == {"r": 1}
+    assert policy.decide(view(500.0, 1, starved, served), memory).shares == {"s": 1}
+
+
+# ---------------------------------------------------------------------------
+# Hand-made traces through the simulator (the engine of ``shoal simulate``)
+# ---------------------------------------------------------------------------
+
+LINEAR2 = ThroughputCurve(model="linear", throughput=(0.0, 1.0, 2.0))
+
+
+def rigid(job_id: str, arrival_s: float, duration_s: float, gpus: int) -> TraceJob:
+    """A non-elastic job of ``gpus`` GPUs running ``duration_s`` seconds at that size."""
+    return make_job(job_id, arrival_s, duration_s, gpus, LINEAR2, cap_at_request=True, elastic=False)
+
+
+class Recording:
+    """A policy that records the shares of every decision the simulator asks it for."""
+
+    def __init__(self, policy: TiresiasL) -> None:
+        self.policy = policy
+        self.name = policy.name
+        self.elastic = policy.elastic
+        self.plan: list[tuple[float, dict[str, int]]] = []
+
+    def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        decision = self.policy.decide(view, memory)
+        if not self.plan or self.plan[-1][1] != decision.shares:
+            self.plan.append((view.now_s, dict(decision.shares)))
+        return decision
+
+
+def simulate(jobs: list[TraceJob], policy: TiresiasL, gpus: int) -> tuple[list[Any], dict[str, float]]:
+    """(the changes of shares with their times, completion time per job) on a flat pool."""
+    recording = Recording(policy)
+    result = Simulator(jobs, recording, SimConfig(total_gpus=gpus, flat=True)).run()
+    return recording.plan, {o.job_id: o.completion_s for o in result.jobs}
+
+
+def test_hand_trace_demoted_job_queues_behind_a_waiting_one_and_a_restart_reenters_q0() -> None:
+    """2 GPUs, one threshold of 200 GPU-s; A (2 GPUs, 250 s), B (1 GPU, 300 s) and
+    C (1 GPU, 150 s) all arrive at t = 0, in that order. By the reference's rules
+    (``dlas-gpu``), with the count since the last restart (AFS):
+
+    * t=0: Q0 = [A, B, C]; A takes both GPUs, B and C wait (backfill finds no room).
+    * t=100: A reaches 200 GPU-s and goes to the back of Q1 = [A]. Q0 = [B, C] run;
+      A, needing 2, is preempted (100 of its 250 s done).
+    * t=250: C ends (150 GPU-s, never left Q0). A still does not fit: 1 GPU idles.
+    * t=300: B reaches 200 GPU-s: Q1 = [A (waiting), B (running)]. A comes first, fits,
+      restarts: its count starts again and it re-enters Q0. B is preempted (200/300 s).
+    * t=400: A has 200 GPU-s since its restart: back of Q1 = [B, A]. B, ahead, restarts
+      (into Q0); A does not fit beside it and is preempted (200/250 s).
+    * t=500: B ends; A restarts and ends at t=550.
+
+    JCTs A 550, B 500, C 250. Ordering Q1 by first start instead (the earlier rule) runs
+    A on at t=400 (started at 0, before B): A 450, B 550.
+
+    Counting all service (``service_since_restart=False``, the reference's own count):
+    at t=300 A restarts but stays in Q1, now ahead of the waiting B (waiting jobs go
+    behind the running ones after each pass), and Q1 is the last queue, so A runs to the
+    end at 450 and B then to 550.
+    """
+    jobs = [rigid("A", 0, 250, 2), rigid("B", 0, 300, 1), rigid("C", 0, 150, 1)]
+    plan, done = simulate(jobs, TiresiasL(queue_thresholds_gpu_s=(200.0,)), gpus=2)
+    assert plan == [
+        (0.0, {"A": 2}),
+        (100.0, {"B": 1, "C": 1}),
+        (250.0, {"B": 1}),
+        (300.0, {"A": 2}),
+        (400.0, {"B": 1}),
+        (500.0, {"A": 2}),
+        (550.0, {}),
+    ]
+    assert done == {"A": 550.0, "B": 500.0, "C": 250.0}
+
+    whole = TiresiasL(queue_thresholds_gpu_s=(200.0,), service_since_restart=False)
+    plan, done = simulate(jobs, whole, gpus=2)
+    assert [t for t, _ in plan] == [0.0, 100.0, 250.0, 300.0, 450.0, 550.0]
+    assert done == {"A": 450.0, "B": 550.0, "C": 250.0}
+
+
+def test_hand_trace_waiting_jobs_fall_behind_the_running_ones_in_their_queue() -> None:
+    """2 GPUs, one threshold of 200 GPU-s; X (2 GPUs, 300 s) and Y (1 GPU, 400 s) arrive
+    at t = 0, Z (1 GPU, 250 s) at t = 150. By the reference's rules:
+
+    * t=0: Q0 = [X, Y]; X takes both GPUs.
+    * t=100: X reaches 200 GPU-s: Q1 = [X]. Y runs; X does not fit beside it
+      (preempted, 100/300 s done); 1 GPU idles.
+    * t=150: Z arrives: Q0 = [Y, Z], both run.
+    * t=300: Y reaches 200 GPU-s: Q1 = [X, Y]. Z keeps its GPU (Q0); X does not fit in the
+      one left, Y does and keeps running. After the pass the waiting X goes behind the
+      running Y: Q1 = [Y, X].
+    * t=350: Z reaches 200 GPU-s: Q1 = [Y, X, Z]. Y keeps its GPU, X does not fit, Z does.
+      After the pass: Q1 = [Y, Z, X].
+    * t=400: Z ends. Q1 = [Y, X]: Y runs, X does not fit.
+    * t=500: Y ends; X restarts (re-entering Q0 when counting since restarts, where it
+      crosses 200 GPU-s again at t=600 alone) and ends at t=700.
+
+    JCTs X 700, Y 500, Z 250 with either count. Without the move behind the running jobs
+    (or by first start, the earlier rule), X would lead Q1 at t=350 and take both GPUs
+    from Y and Z: X 550, Y 700, Z 450.
+    """
+    jobs = [rigid("X", 0, 300, 2), rigid("Y", 0, 400, 1), rigid("Z", 150, 250, 1)]
+    expected_plan = [
+        (0.0, {"X": 2}),
+        (100.0, {"Y": 1}),
+        (150.0, {"Y": 1, "Z": 1}),
+        (400.0, {"Y": 1}),
+        (500.0, {"X": 2}),
+        (700.0, {}),
+    ]
+    for since_restart in (True, False):
+        policy = TiresiasL(queue_thresholds_gpu_s=(200.0,), service_since_restart=since_restart)
+        plan, done = simulate(jobs, policy, gpus=2)
+        assert plan == expected_plan
+        assert done == {"X": 700.0, "Y": 500.0, "Z": 400.0}
 
 
 class LengthTripwire(JobView, frozen=True, kw_only=True):
@@ -228,7 +351,8 @@ def test_runs_a_philly_prefix_to_completion() -> None:
 @hs.composite
 def queued_views(draw: hs.DrawFn) -> tuple[ClusterView, dict[str, Any]]:
     """Views where many jobs never ran (no service, no GPUs), with a memory that records
-    some jobs (also finished ones and ones whose service is not counted from 0)."""
+    some jobs (also finished ones, ones whose service is not counted from 0, ones whose
+    kept queue is not the one their service gives, and three-number records)."""
     v = draw(views(max_jobs=16))
     jobs = []
     for j in v.jobs:
@@ -246,6 +370,8 @@ def queued_views(draw: hs.DrawFn) -> tuple[ClusterView, dict[str, Any]]:
                 draw(hs.sampled_from([-1.0, 0.0, v.now_s])),
                 draw(hs.sampled_from([-1.0, 0.0])),
             ]
+            if draw(hs.integers(0, 3)):  # a queue and a place in it (else a three-number record)
+                records[j.job_id] += [float(draw(hs.integers(0, 2))), float(draw(hs.integers(0, 6)))]
     arrival_ordered = draw(hs.booleans())
     if arrival_ordered:
         jobs.sort(key=lambda j: (j.arrival_s, j.job_id))

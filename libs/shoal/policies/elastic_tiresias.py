@@ -1,8 +1,10 @@
 """Elastic-Tiresias: Tiresias plus compaction and expansion (EDL §5.1, Algorithm 1).
 
 Each decision starts from a Tiresias plan (:mod:`shoal.policies.tiresias`): groups
-``G0, G1, …`` by attained service, strict priority between groups, FCFS inside one,
-backfill past a job that does not fit. Then Algorithm 1:
+``G0, G1, …`` by attained service, strict priority between groups, each group served
+in its list order as the Tiresias simulator keeps it (arrivals and demotions at the
+back, waiting jobs behind running ones after each pass), backfill past a job that does
+not fit. Then Algorithm 1:
 
 * **Compaction** (lines 1–6), when more than ``N`` jobs wait (``N`` =
   ``compaction_threshold``, 10 in EDL's evaluation; with ``N`` or fewer waiting jobs
@@ -32,7 +34,7 @@ Choices where the paper leaves room:
   with its starvation knob at 0 (off); its promoting variants are separate schedules
   with knobs 0.5, 1, 2 and 4. Pass ``promote_knob`` to turn it on: a job in ``G1`` or
   lower whose wait since its preemption reaches the knob times its run time since it
-  last entered ``G0`` goes back to ``G0`` (the rule of
+  last entered ``G0`` goes to the back of ``G0`` (the rule of
   :mod:`shoal.policies.tiresias`), and compaction and expansion then see it there.
 * Jobs keep their elastic size across decisions. In the Tiresias plan a compacted job
   asks for its present (smaller) count, an expanded job for its request; once every job
@@ -45,8 +47,8 @@ Choices where the paper leaves room:
   left to the placer; inelastic jobs (``elastic=False``) are never resized.
 
 Memory: the Tiresias memory of :func:`shoal.policies.tiresias.las_memory` (per-job
-service base, first start, preemption time; ``next_decision_at_s`` at the next group
-change). The policy never reads ``remaining_iterations``.
+service base, first start, preemption time, group and place in the group's list;
+``next_decision_at_s`` at the next group change). The policy never reads ``remaining_iterations``.
 """
 
 from __future__ import annotations

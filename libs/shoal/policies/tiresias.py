@@ -1,54 +1,97 @@
 """Tiresias-L: discretized two-dimensional least-attained-service (Tiresias, NSDI'19).
 
 The Tiresias paper itself is not in ``shared/papers``; the algorithm is as EDL §5.1
-summarises it and as AFS/CoDDL §5.1 configured it as a baseline.
+summarises it and as AFS/CoDDL §5.1 configured it as a baseline. The rules follow the
+Tiresias authors' simulator (GitHub ``SymbioticLab/Tiresias``, ``simulator/run_sim.py``,
+``dlas_sim_jobs`` run with ``gputime=True``: the ``dlas-gpu`` schedule), the one
+deliberate difference being where the service that picks the queue starts counting.
 
 Tiresias-L is length-unaware: a job's priority is its attained service in GPU-seconds
 (the "2D" of 2D-LAS: GPUs × time), discretized into ``K`` queues ``Q0 … Q(K-1)``
-split at ``queue_thresholds_gpu_s``. Queues are served strictly in order; inside a
-queue jobs are served first-come-first-served. A job runs with its requested GPUs or
-not at all (Tiresias is not elastic), and the scan goes on past a job that does not
-fit (backfill). A running job that falls out of the plan is preempted.
+split at ``queue_thresholds_gpu_s``. A job runs with its requested GPUs or not at all
+(Tiresias is not elastic). Each queue is an ordered list, kept in the policy's memory;
+rule by rule, as the reference does it:
 
-Defaults follow how AFS/CoDDL configured its Tiresias-L baseline (AFS §5.1; the
-authors' simulator, see REPRODUCTION.md "Tiresias-L"):
+* **Arrival**: a new job is appended to the back of ``Q0`` (the reference's
+  ``JOBS.queues[0].append`` for each ``start_jobs`` of an event); jobs arriving together
+  in arrival order (``arrival_s``, then job id; the reference takes the trace's order).
+* **Demotion** at the instant the service crosses the queue's threshold: the policy
+  asks to be re-run then (``memory["next_decision_at_s"]``, the reference's
+  ``next_job_jump`` event), and a job whose service has reached the threshold is
+  removed from its queue and appended to the back of the next one (the reference's
+  demotion check, done for each job in its ``runnable_jobs`` order, which is arrival
+  order; here a job that crossed several thresholds at once goes straight to its
+  queue). The reference computes the jump instant from the executed *seconds*
+  (``queue_limit - executed_time``, integer-divided by the GPU count) although the
+  threshold is in GPU-seconds, so for a multi-GPU job that saw another event since it
+  started, its jump comes late and it is demoted at the first event after the true
+  crossing; shoal re-runs at the crossing (the simulator rounds it up to a whole
+  second, as the reference's integer times do).
+* **The pass**: queues in order, each in its list order; a job whose gang fits in the
+  GPUs still free gets them, and the scan goes on past a job that does not fit
+  (backfill); a running job that is not given GPUs is preempted (the reference's
+  ``for queue in JOBS.queues: for job in queue`` loop).
+* **After the pass**, in every queue the jobs left without GPUs (waiting, just
+  preempted, never started) move behind the jobs given GPUs, each group in its order
+  (the reference's "sort based on the job start time" block: every ``PENDING`` job of
+  the queue is removed and appended at its back, in queue order). This is why a queue
+  is kept as a list rather than sorted by a key: a job demoted while running goes to
+  the back of the next queue, behind the jobs waiting there, and a job that waited
+  behind a job that then ran falls behind it.
+* **Restart** (the deliberate difference, ``service_since_restart=True``): AFS §5.1
+  configured its Tiresias-L baseline with two queues split at 50 GPU-hours of service
+  counted since the job's last restart, with no starvation rule (``shared/
+  REPRODUCTION.md``, "Tiresias-L"), so a restarted job re-enters the high-priority
+  queue: a preempted job of ``Q1`` or lower that is given GPUs again restarts its count
+  and is appended to the back of ``Q0`` when the pass starts it (a restarted job
+  already in ``Q0`` keeps its place there). The reference never resets the count on a
+  restart (``executed_time`` is only zeroed by a promotion); ``service_since_restart=
+  False`` counts the job's whole attained service, as the reference and the Tiresias
+  paper do.
+* **No starvation rule** by default (``promote_knob=None``; the reference's
+  ``dlas-gpu`` runs with ``solve_starvation=0``). With a number ``k``, a preempted job
+  of ``Q1`` or lower whose wait since its preemption reaches ``k`` × its run time since
+  it last entered ``Q0`` has its count restarted and is appended to the back of ``Q0``
+  (Tiresias' "PROMOTEKNOB", the reference's promotion; EDL §5.1: "If a job is not
+  scheduled for a long time, it will be moved to G_0"). The reference measures that
+  wait as all the pending time since the job last entered ``Q0``; here it is the wait
+  since the last preemption.
 
-* **Two queues split at 50 GPU-hours** (``queue_thresholds_gpu_s=(180000.0,)``).
-  Pass more thresholds for more queues (EDL's evaluation uses ``(500.0, 10000.0)``,
-  see :mod:`shoal.policies.elastic_tiresias`).
-* **Service counted since the job's last restart** (``service_since_restart=True``):
-  a preempted job that is started again re-enters ``Q0``. With ``False`` the count is
-  the job's whole attained service, as in the Tiresias paper.
-* **No starvation rule** (``promote_knob=None``). With a number ``k``, a preempted job
-  in ``Q1`` or lower whose wait since its preemption reaches ``k`` × its run time since
-  it last entered ``Q0`` is promoted back to ``Q0`` (Tiresias' "PROMOTEKNOB"; EDL §5.1:
-  "If a job is not scheduled for a long time, it will be moved to G_0").
-* FCFS inside a queue is by the time the job was first started, then by arrival (jobs
-  that have run before go first, as in the AFS simulator), then by job id.
+Defaults: **two queues split at 50 GPU-hours** (``queue_thresholds_gpu_s=(180000.0,)``,
+AFS §5.1). Pass more thresholds for more queues (EDL's evaluation uses ``(500.0,
+10000.0)``, see :mod:`shoal.policies.elastic_tiresias`).
 
 Choices where the interface leaves room:
 
 * A job's gang size is ``requested_gpus`` when it is a feasible count, else the largest
   feasible count below it, else the smallest feasible count (:func:`gang_size`).
-* Demotion happens at a decision: the policy asks to be re-run when the next running
-  job crosses its queue's threshold (``memory["next_decision_at_s"]``), and when the
-  next promotion falls due.
+* A job restarts when it is given GPUs while it holds none in the view
+  (``current_gpus == 0``).
+* A service within ``1e-6`` GPU-s of a threshold counts as having reached it (float
+  sums of service must not leave a job just below its threshold at its demotion
+  instant).
+* A job that holds GPUs or has service but no place in the memory (a policy switch, a
+  lost memory) is at the back of ``Q0`` in arrival order, with the jobs that never ran,
+  until a decision gives it a place.
 
 Memory (msgpack-able): ``jobs`` maps an active job id to ``[base_service_gpu_s,
-first_start_s, stopped_at_s]`` (``-1`` for "never"/"running"); ``base`` is the
-attained service at the job's last restart (or promotion), so the service that counts
-is ``attained_service_gpu_s - base``. A job whose record is ``[0, -1, -1]`` (one that
-never started) is left out; finished jobs are dropped. The policy never reads
-``remaining_iterations``.
+first_start_s, stopped_at_s, queue, position]`` (``-1`` for "never"/"running");
+``base`` is the attained service at the job's last restart (or promotion), so the
+service that counts is ``attained_service_gpu_s - base``; the queue's list order is
+ascending ``position`` (a job appended to a queue's back gets one more than the largest
+position held). A job that never started and was never demoted has no record: such jobs
+are the back of ``Q0``, in arrival order. Finished jobs are dropped. A three-number
+record (memory written before queues were kept) is read as queue by service, position
+0. The policy never reads ``remaining_iterations``.
 
 Cost of a decision in a long queue (:meth:`TiresiasL.decide`, no promotion): most of a
-long queue is jobs that never ran, no record, no attained service, no GPUs. Their key
-is ``(Q0, never, arrival, id)``: they are already in order in the view (arrival order),
-so they are walked lazily, and only as far as the GPUs go, merged with the few others
-(recorded, served or running; found with C-level passes over the view), which are
-sorted. The earlier form built, sorted and wrote back a record for every job at every
-decision. :meth:`TiresiasL.decide_all` keeps that form, and a property test checks both
-decide alike; with a ``promote_knob`` every waiting job's wait counts, so that form runs.
+long queue is jobs that never ran, no record, no attained service, no GPUs. Their place
+is the back of ``Q0`` in arrival order, which is their order in the view, so they are
+walked lazily, and only as far as the GPUs go, merged with the few others (recorded,
+served or running; found with C-level passes over the view), which are sorted.
+:meth:`TiresiasL.decide_all` builds and sorts a record for every job, and a property
+test checks both decide alike; with a ``promote_knob`` every waiting job's wait counts,
+so that form runs.
 """
 
 from __future__ import annotations
@@ -57,13 +100,17 @@ import bisect
 import heapq
 import itertools
 import operator
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts, jobs_by_id
 from shoal.policies.common import view_arrival_order
 
 NEVER = -1.0
+UNPLACED = float("inf")
+"""The position of a job with no record: the back of ``Q0``, in arrival order."""
+SERVICE_EPS_GPU_S = 1e-6
+"""A service this close below a threshold has reached it."""
 _ATTAINED = operator.attrgetter("attained_service_gpu_s")
 _CURRENT = operator.attrgetter("current_gpus")
 _JOB_ID = operator.attrgetter("job_id")
@@ -87,27 +134,31 @@ def gang_size(job: JobView) -> int:
 class JobRecord:
     """Tiresias bookkeeping of one job, rebuilt from and written back to memory."""
 
-    __slots__ = ("base", "first_start", "job", "queue", "service", "stopped_at")
+    __slots__ = ("base", "first_start", "job", "level", "position", "queue", "service", "stopped_at")
 
     def __init__(self, job: JobView, raw: Sequence[float] | None) -> None:
         self.job = job
-        if raw is None or len(raw) < 3:
-            self.base, self.first_start, self.stopped_at = 0.0, NEVER, NEVER
-        else:
-            self.base, self.first_start, self.stopped_at = float(raw[0]), float(raw[1]), float(raw[2])
+        self.base, self.first_start, self.stopped_at = 0.0, NEVER, NEVER
+        self.queue, self.position = 0, UNPLACED
         self.service = 0.0
-        self.queue = 0
+        self.level = 0
+        """The queue the service alone puts the job in (its queue once demotions are done)."""
+        if raw is not None and len(raw) >= 3:
+            self.base, self.first_start, self.stopped_at = float(raw[0]), float(raw[1]), float(raw[2])
+            if len(raw) >= 5:
+                self.queue, self.position = int(raw[3]), float(raw[4])
+            else:  # no queue kept: the service decides it (see _record)
+                self.queue, self.position = -1, 0.0
 
     def dump(self) -> list[float]:
-        return [self.base, self.first_start, self.stopped_at]
+        return [self.base, self.first_start, self.stopped_at, float(self.queue), self.position]
 
-    def is_default(self) -> bool:
-        """The record of a job that never started (left out of memory)."""
-        return self.base == 0.0 and self.first_start == NEVER and self.stopped_at == NEVER
+    def placed(self) -> bool:
+        """Whether the job has a place of its own in a queue (else: back of ``Q0``)."""
+        return self.position != UNPLACED
 
     def order_key(self) -> tuple[int, float, float, str]:
-        first = self.first_start if self.first_start >= 0 else float("inf")
-        return (self.queue, first, self.job.arrival_s, self.job.job_id)
+        return (self.queue, self.position, self.job.arrival_s, self.job.job_id)
 
 
 def _stored(memory: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -116,11 +167,43 @@ def _stored(memory: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _record(job: JobView, raw: Sequence[float] | None, thresholds: Sequence[float]) -> JobRecord:
-    """A job's record with its service since ``base`` and its queue (no promotion)."""
+    """A job's record with its service since ``base`` and the queue that service gives."""
     rec = JobRecord(job, raw)
     rec.service = max(0.0, job.attained_service_gpu_s - rec.base)
-    rec.queue = bisect.bisect_right(thresholds, rec.service)
+    rec.level = bisect.bisect_right(thresholds, rec.service + SERVICE_EPS_GPU_S)
+    if rec.queue < 0:  # a three-number record: no queue kept
+        rec.queue = rec.level
     return rec
+
+
+def _next_position(records: Iterable[JobRecord]) -> float:
+    """One more than the largest position held: the back of any queue."""
+    return max((r.position for r in records if r.placed()), default=-1.0) + 1.0
+
+
+def _requeue(rec: JobRecord, position: float, now: float, promote_knob: float | None) -> float:
+    """Promotion (with a knob) or demotion of one job, before the pass; returns the next
+    free position. A moved job is appended to the back of its new queue."""
+    job = rec.job
+    queue = max(rec.queue, rec.level)
+    if (
+        promote_knob is not None
+        and queue > 0
+        and job.current_gpus == 0
+        and rec.stopped_at >= 0
+        and now - rec.stopped_at >= promote_knob * rec.service / max(1, gang_size(job))
+    ):
+        # Tiresias' starvation avoidance (EDL §5.1): back of Q0 with a fresh count.
+        rec.base = job.attained_service_gpu_s
+        rec.service = 0.0
+        rec.level = rec.queue = 0
+        rec.position = position
+        return position + 1.0
+    if queue > rec.queue:
+        rec.queue = queue
+        rec.position = position
+        return position + 1.0
+    return position
 
 
 def las_records(
@@ -129,27 +212,17 @@ def las_records(
     thresholds: Sequence[float],
     promote_knob: float | None,
 ) -> list[JobRecord]:
-    """Every active job with its queue, in Tiresias priority order (EDL §5.1).
+    """Every active job with its queue, in pass order (queue, then list order).
 
-    Applies promotion (when ``promote_knob`` is set) to the records' ``base``.
+    Demotions and (with ``promote_knob``) promotions are applied first, in arrival order,
+    each appending its job to the back of its new queue.
     """
     stored = _stored(memory)
+    records = [_record(job, stored.get(job.job_id), thresholds) for job in view_arrival_order(view)]
+    position = _next_position(records)
     now = view.now_s
-    records = []
-    for job in view.jobs:
-        rec = _record(job, stored.get(job.job_id), thresholds)
-        if (
-            promote_knob is not None
-            and rec.queue > 0
-            and job.current_gpus == 0
-            and rec.stopped_at >= 0
-            and now - rec.stopped_at >= promote_knob * rec.service / max(1, gang_size(job))
-        ):
-            # Tiresias' starvation avoidance (EDL §5.1): back to Q0 with a fresh count.
-            rec.base = job.attained_service_gpu_s
-            rec.service = 0.0
-            rec.queue = 0
-        records.append(rec)
+    for rec in records:
+        position = _requeue(rec, position, now, promote_knob)
     records.sort(key=JobRecord.order_key)
     return records
 
@@ -163,15 +236,18 @@ def las_memory(
     service_since_restart: bool,
     promote_knob: float | None,
 ) -> dict[str, Any]:
-    """Memory after a decision: restarts reset the count, preemptions start the wait clock.
+    """Memory after a pass: restarts, queue order, the wait clocks and the next wake-up.
 
-    Also asks for a re-run at the next demotion or promotion. ``records`` must hold
-    every job that holds or is given GPUs and every job with a record in memory; the
-    others are left out of the memory (they never started).
+    ``records`` must be in pass order (as :func:`las_records` returns them) and hold every
+    job that holds or is given GPUs and every job with a record in memory; the others
+    keep no record. In pass order, a restart resets the count (``service_since_restart``)
+    and appends a job of a lower queue to the back of ``Q0``, and a job given GPUs or
+    holding them without a place gets one at the back of its queue; then in each queue
+    the jobs without GPUs move behind those with GPUs (each group keeps its order). Also
+    asks for a re-run at the next demotion or promotion.
     """
     now = view.now_s
-    wake = float("inf")
-    jobs: dict[str, list[float]] = {}
+    position = _next_position(records)
     for rec in records:
         job = rec.job
         gpus = shares.get(job.job_id, 0)
@@ -179,24 +255,59 @@ def las_memory(
             if service_since_restart:
                 rec.base = job.attained_service_gpu_s
                 rec.service = 0.0
-                rec.queue = 0
+                rec.level = 0
+                if rec.queue > 0:  # re-enters Q0, at its back
+                    rec.queue = 0
+                    rec.position = UNPLACED
             if rec.first_start < 0:
                 rec.first_start = now
             rec.stopped_at = NEVER
         elif not gpus and (job.current_gpus or (rec.stopped_at < 0 and rec.first_start >= 0)):
             # Preempted now (or started last time but never placed): the wait starts.
             rec.stopped_at = now
+        if (gpus or job.current_gpus) and not rec.placed():
+            rec.position = position
+            position += 1.0
+    placed = sorted((r for r in records if r.placed()), key=JobRecord.order_key)
+    for _, group in itertools.groupby(placed, key=operator.attrgetter("queue")):
+        queue = list(group)
+        running = [bool(shares.get(r.job.job_id)) for r in queue]
+        if True in running and False in running[: len(running) - running[::-1].index(True)]:
+            # A job without GPUs ahead of one with GPUs: every waiting job goes behind.
+            for rec, run in zip(queue, running, strict=True):
+                if not run:
+                    rec.position = position
+                    position += 1.0
+    wake = float("inf")
+    jobs: dict[str, list[float]] = {}
+    for rec in records:
+        job = rec.job
+        gpus = shares.get(job.job_id, 0)
         if gpus and rec.queue < len(thresholds):
-            wake = min(wake, now + (thresholds[rec.queue] - rec.service) / gpus)
+            wake = min(wake, now + max(0.0, thresholds[rec.queue] - rec.service) / gpus)
         elif not gpus and promote_knob is not None and rec.queue > 0 and rec.stopped_at >= 0:
             due = rec.stopped_at + promote_knob * rec.service / max(1, gang_size(job))
             wake = min(wake, max(due, now))
-        if not rec.is_default():
+        if rec.placed():
             jobs[job.job_id] = rec.dump()
     memory: dict[str, Any] = {"jobs": jobs}
     if wake != float("inf"):
         memory["next_decision_at_s"] = wake
     return memory
+
+
+def _pass(records: Iterable[JobRecord], total_gpus: int) -> dict[str, int]:
+    """The Tiresias pass: in order, a job whose gang fits the free GPUs gets it (backfill)."""
+    free = total_gpus
+    shares: dict[str, int] = {}
+    for rec in records:
+        if free <= 0:
+            break
+        g = gang_size(rec.job)
+        if 0 < g <= free:
+            shares[rec.job.job_id] = g
+            free -= g
+    return shares
 
 
 class TiresiasL:
@@ -236,7 +347,7 @@ class TiresiasL:
         self.promote_knob = promote_knob
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
-        """One Tiresias plan: strict queue order, FCFS inside, requested GPUs, backfill.
+        """One Tiresias pass: queues in order, list order inside, requested GPUs, backfill.
 
         The jobs that never ran are walked lazily, in arrival order, only as far as the
         GPUs go (see the module docstring); the decision is :meth:`decide_all`'s.
@@ -247,8 +358,8 @@ class TiresiasL:
         stored = _stored(memory)
         index = jobs_by_id(view)
         jobs = view_arrival_order(view)
-        # Every job whose key may not be (Q0, never, arrival, id) or whose record may
-        # change without a start: the recorded ones, the served ones, the running ones.
+        # Every job that may have a place, be demoted, or be given one without a start:
+        # the recorded ones, the served ones, the running ones.
         others: dict[str, JobRecord] = {}
         for job_id, raw in stored.items():
             job = index.get(job_id)
@@ -259,23 +370,18 @@ class TiresiasL:
         ):
             if job.job_id not in others:
                 others[job.job_id] = _record(job, None, thresholds)
+        position = _next_position(others.values())
+        now = view.now_s
+        for job in itertools.compress(jobs, map(others.__contains__, map(_JOB_ID, jobs))):
+            position = _requeue(others[job.job_id], position, now, None)  # arrival order
         ordered = sorted(others.values(), key=JobRecord.order_key)
         fresh = _fresh_records(jobs, others, thresholds)
-        free = view.total_gpus
-        shares: dict[str, int] = {}
-        started_fresh: list[JobRecord] = []
-        for rec in heapq.merge(ordered, fresh, key=JobRecord.order_key):
-            if free <= 0:
-                break
-            g = gang_size(rec.job)
-            if 0 < g <= free:
-                shares[rec.job.job_id] = g
-                free -= g
-                if rec.job.job_id not in others:
-                    started_fresh.append(rec)
+        walked: list[JobRecord] = []
+        shares = _pass(_walk(heapq.merge(ordered, fresh, key=JobRecord.order_key), walked), view.total_gpus)
+        started_fresh = (rec for rec in walked if rec.job.job_id not in others and rec.job.job_id in shares)
         new_memory = las_memory(
             view,
-            ordered + started_fresh,
+            list(heapq.merge(ordered, started_fresh, key=JobRecord.order_key)),
             shares,
             thresholds,
             service_since_restart=self.service_since_restart,
@@ -287,15 +393,7 @@ class TiresiasL:
         """:meth:`decide` with a record for every job, all sorted (the reference form;
         the one that runs with a ``promote_knob``)."""
         records = las_records(view, memory, self.queue_thresholds_gpu_s, self.promote_knob)
-        free = view.total_gpus
-        shares: dict[str, int] = {}
-        for rec in records:
-            if free <= 0:
-                break
-            g = gang_size(rec.job)
-            if 0 < g <= free:
-                shares[rec.job.job_id] = g
-                free -= g
+        shares = _pass(records, view.total_gpus)
         new_memory = las_memory(
             view,
             records,
@@ -307,11 +405,18 @@ class TiresiasL:
         return Decision(shares=shares, memory=new_memory)
 
 
+def _walk(records: Iterable[JobRecord], seen: list[JobRecord]) -> Iterator[JobRecord]:
+    """``records``, each also appended to ``seen`` as it is taken."""
+    for rec in records:
+        seen.append(rec)
+        yield rec
+
+
 def _fresh_records(
     jobs: Sequence[JobView], others: Mapping[str, JobRecord], thresholds: Sequence[float]
 ) -> Iterator[JobRecord]:
     """The jobs not in ``others`` (no record, no service, no GPUs), in arrival order, as
-    records: their key is ``(0, never, arrival, id)``, so this is their Tiresias order."""
+    records: their key is ``(0, unplaced, arrival, id)``, so this is their pass order."""
     unrecorded = map(operator.not_, map(others.__contains__, map(_JOB_ID, jobs)))
     for job in itertools.compress(jobs, unrecorded):
         yield _record(job, None, thresholds)
