@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import time
@@ -79,6 +80,13 @@ def start_once(service: str, env: dict[str, str], log: Path, timeout_s: float) -
 
 async def main(args: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-startup-"))
+    try:
+        await measure(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # a 10^7 log is gigabytes
+
+
+async def measure(args: argparse.Namespace, root: Path) -> None:
     creds = CredentialStore(root / "creds")
     admin = str(creds.ensure("admin"))
     prefix = "bench"
