@@ -47,7 +47,11 @@ rule by rule, as the reference does it:
   already in ``Q0`` keeps its place there). The reference never resets the count on a
   restart (``executed_time`` is only zeroed by a promotion); ``service_since_restart=
   False`` counts the job's whole attained service, as the reference and the Tiresias
-  paper do.
+  paper do. With the count since restart, jobs that outlast the threshold take turns:
+  each restart buys a quantum in ``Q0``, and the demotion that ends it puts the job
+  behind those waiting in ``Q1``; with the whole count a job restarted in the last
+  queue keeps its GPUs to its end (both shown by the hand-made traces in
+  ``tests/policies/test_tiresias.py``).
 * **No starvation rule** by default (``promote_knob=None``; the reference's
   ``dlas-gpu`` runs with ``solve_starvation=0``). With a number ``k``, a preempted job
   of ``Q1`` or lower whose wait since its preemption reaches ``k`` × its run time since
@@ -70,9 +74,11 @@ Choices where the interface leaves room:
 * A service within ``1e-6`` GPU-s of a threshold counts as having reached it (float
   sums of service must not leave a job just below its threshold at its demotion
   instant).
-* A job that holds GPUs or has service but no place in the memory (a policy switch, a
-  lost memory) is at the back of ``Q0`` in arrival order, with the jobs that never ran,
-  until a decision gives it a place.
+* A job with no place in the memory (one that never started; after a policy switch or a
+  lost memory, also one that has service or GPUs) is at the back of ``Q0`` in arrival
+  order. If its service has reached a threshold, the next decision appends it to the
+  back of that queue (a demotion); if it holds or is given GPUs, the pass gives it a
+  place at the back of its queue.
 
 Memory (msgpack-able): ``jobs`` maps an active job id to ``[base_service_gpu_s,
 first_start_s, stopped_at_s, queue, position]`` (``-1`` for "never"/"running");
