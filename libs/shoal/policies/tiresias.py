@@ -50,7 +50,8 @@ rule by rule, as the reference does it:
   paper do. With the count since restart, jobs that outlast the threshold take turns:
   each restart buys a quantum in ``Q0``, and the demotion that ends it puts the job
   behind those waiting in ``Q1``; with the whole count a job restarted in the last
-  queue keeps its GPUs to its end (both shown by the hand-made traces in
+  queue stays ahead of the jobs waiting there until it ends or a job of a higher queue
+  takes its GPUs (both shown by the hand-made traces in
   ``tests/policies/test_tiresias.py``).
 * **No starvation rule** by default (``promote_knob=None``; the reference's
   ``dlas-gpu`` runs with ``solve_starvation=0``). With a number ``k``, a preempted job
