@@ -379,8 +379,9 @@ class TiresiasL:
                 others[job.job_id] = _record(job, None, thresholds)
         position = _next_position(others.values())
         now = view.now_s
-        for job in itertools.compress(jobs, map(others.__contains__, map(_JOB_ID, jobs))):
-            position = _requeue(others[job.job_id], position, now, None)  # arrival order
+        # Demotions, in arrival order (an arrival-ordered view is sorted by this key too).
+        for rec in sorted((r for r in others.values() if r.level > r.queue), key=_arrival_key):
+            position = _requeue(rec, position, now, None)
         ordered = sorted(others.values(), key=JobRecord.order_key)
         fresh = _fresh_records(jobs, others, thresholds)
         walked: list[JobRecord] = []
@@ -410,6 +411,10 @@ class TiresiasL:
             promote_knob=self.promote_knob,
         )
         return Decision(shares=shares, memory=new_memory)
+
+
+def _arrival_key(rec: JobRecord) -> tuple[float, str]:
+    return (rec.job.arrival_s, rec.job.job_id)
 
 
 def _walk(records: Iterable[JobRecord], seen: list[JobRecord]) -> Iterator[JobRecord]:
