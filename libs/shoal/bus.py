@@ -69,9 +69,11 @@ replays the log at start:
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import contextlib
 import datetime as dt
+import hashlib
 import itertools
 import math
 import os
@@ -1308,9 +1310,10 @@ class Bus:
         cluster snapshots'), or None.
 
         A read races with a writer replacing the object: the writer purges the old
-        version's chunks, and nats-py's ``ObjectStore.get`` then waits for them for
-        ever. Each read is therefore bounded by ``timeout_s`` and tried again (the
-        metadata, read again, names the new version) up to ``attempts`` times.
+        version's chunks, and a read of them then waits for ever. Each read is
+        therefore bounded by ``timeout_s`` and tried again (the metadata, read again,
+        names the new version) up to ``attempts`` times. The chunks are read with
+        :meth:`_read_object`.
 
         Raises:
             msgspec.DecodeError: the stored object is not a snapshot (corrupt).
@@ -1319,10 +1322,11 @@ class Bus:
         """
         try:
             # Read-only (a node daemon may read snapshots, not create the bucket).
-            store = await self.js.object_store(bucket or self.names.snapshot_bucket)
+            bucket = bucket or self.names.snapshot_bucket
+            store = await self.js.object_store(bucket)
             for attempt in range(1, attempts + 1):
                 try:
-                    res = await asyncio.wait_for(store.get(name), timeout_s)
+                    data = await asyncio.wait_for(self._read_object(store, bucket, name), timeout_s)
                     break
                 except (TimeoutError, nats.js.errors.DigestMismatchError):
                     log.warning(
@@ -1334,9 +1338,47 @@ class Bus:
             return None
         except nats.js.errors.ObjectNotFoundError:
             return None
-        if not res.data:
+        if not data:
             return None
-        return msgspec.msgpack.decode(res.data, type=Snapshot)
+        return msgspec.msgpack.decode(data, type=Snapshot)
+
+    async def _read_object(self, store: Any, bucket: str, name: str) -> bytes:
+        """The bytes of object ``name`` of object store ``store`` (named ``bucket``), read through one
+        ephemeral pull consumer in batches and checked against the object's SHA-256.
+
+        nats-py's ``ObjectStore.get`` reads through an ordered push consumer and joins
+        the chunks one by one: 0.5 s for 6.5 MB on a 2-core machine, against 0.1 s this
+        way (the profiler's snapshot at 10^6 events is that size).
+
+        Raises:
+            nats.js.errors.ObjectNotFoundError: no such object.
+            nats.js.errors.DigestMismatchError: the chunks are not the object's.
+            TimeoutError: the chunks did not all arrive (purged by a writer meanwhile).
+        """
+        info = await store.get_info(name)
+        if not info.nuid:
+            raise nats.js.errors.BadObjectMetaError
+        if not info.size:
+            return b""
+        sub = await self.js.pull_subscribe(
+            f"$O.{bucket}.C.{info.nuid}",
+            stream=f"OBJ_{bucket}",
+            config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=5.0),
+        )
+        parts: list[bytes] = []
+        sha = hashlib.sha256()
+        try:
+            while len(parts) < info.chunks:
+                for msg in await sub.fetch(batch=info.chunks - len(parts), timeout=5.0):
+                    parts.append(msg.data)
+                    sha.update(msg.data)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        stored = (info.digest or "").split("=", 1)[-1]
+        if base64.urlsafe_b64encode(sha.digest()).decode() != stored:
+            raise nats.js.errors.DigestMismatchError
+        return b"".join(parts)
 
 
 class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
