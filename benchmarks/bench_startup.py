@@ -54,6 +54,23 @@ SERVICES: dict[str, dict[str, str]] = {
 }
 
 
+def _failure(log: Path, rc: int | None, after_s: float) -> str:
+    """Why a start never logged ``projection_ready``: exit status, time, the first error event."""
+    why = ""
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{") and '"level": "error"' in line.replace('":"', '": "'):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            exc = rec.get("exception")
+            kind = exc[0].get("exc_type", "") if isinstance(exc, list) and exc else ""
+            why = f"{rec.get('event', '')} {kind}".strip()
+            break
+    state = f"exited {rc}" if rc is not None else "still running"
+    return f"{state} after {after_s:.0f} s" + (f": {why}" if why else "")
+
+
 def start_once(service: str, env: dict[str, str], log: Path, timeout_s: float) -> dict[str, Any]:
     """Spawn ``shoal run service``; the ``projection_ready`` record and spawn->ready wall seconds."""
     t0 = time.perf_counter()
@@ -67,7 +84,7 @@ def start_once(service: str, env: dict[str, str], log: Path, timeout_s: float) -
                     rec["wall_s"] = time.perf_counter() - t0
                     return rec
             if proc.poll() is not None or time.perf_counter() - t0 > timeout_s:
-                return {"wall_s": None, "error": log.read_text(errors="replace")[-500:]}
+                return {"wall_s": None, "error": _failure(log, proc.poll(), time.perf_counter() - t0)}
             time.sleep(0.02)
     finally:
         proc.terminate()
@@ -195,7 +212,7 @@ async def measure(args: argparse.Namespace, root: Path) -> None:
     ]
     for name, mode, rec in rows:
         if rec.get("wall_s") is None:
-            lines.append(f"| {name} | {mode} | failed | | | {rec.get('error', '')[:80]!r} |")
+            lines.append(f"| {name} | {mode} | failed: {rec.get('error', '')} | | | |")
             continue
         expected = digests.get(rec["last_seq"])
         same = (
