@@ -75,6 +75,7 @@ def test_admission_started_before_its_server_waits_and_then_serves(tmp_path: Pat
         admission.wait(timeout=30)
 
 
+@pytest.mark.slow  # 9 s of waiting by design; the default run has the waiting path above
 def test_the_wait_runs_out_with_status_2_and_says_so() -> None:
     url = f"nats://127.0.0.1:{_free_port()}"
     t0 = time.monotonic()
