@@ -225,6 +225,13 @@ async def measure(args: argparse.Namespace, root: Path) -> None:
         lines.append(
             f"| {name} | {mode} | {rec['wall_s']:.2f} | {rec['elapsed_s']:.2f} | {rec['replayed']:,} | {same} |"
         )
+    if any(rec.get("wall_s") is None for _n, _m, rec in rows):
+        lines += [
+            "",
+            "*failed*: the service never logged `projection_ready`. `service_failed TimeoutError` after "
+            "about 60 s is the projection's ready timeout (`Projection.wait_ready`): a replay that has "
+            "not caught up by then ends the process, for its supervisor to restart it.",
+        ]
     snap_walls = [rec["wall_s"] for _n, mode, rec in rows if mode == "snapshot"]
     if snap_walls and all(w is not None for w in snap_walls):
         slowest = max(snap_walls)
