@@ -8,8 +8,8 @@ profiler's own (``shoal.profiling.snapshot``, from a profiler's fold of the same
 the same listeners and the same encoding as the leading profiler). Then starts each
 service with ``shoal run <service>`` (one at a time) and times spawn -> its
 ``projection_ready`` log line (wall, including the Python start) and the projection's
-own ``elapsed_s`` (snapshot load and check + tail replay); each start must reach the
-reference digest. Then, unless ``--modes snapshot``, the same without snapshots
+own ``elapsed_s`` (snapshot load and check + tail replay); each start's state digest is
+compared with a full fold of the log up to the sequence it was ready at. Then, unless ``--modes snapshot``, the same without snapshots
 (deleted: a full replay).
 
     .venv/bin/python -m benchmarks.bench_startup --events 1000000 --tail 1000
