@@ -137,7 +137,8 @@ class SharedClock:
     of the file first re-bases the clock at the instant it showed.
 
     Keys name what a hold waits for (see :func:`hold_key`): ``submit:<job>``,
-    ``done:<job>``, ``epoch:<n>``, ``place:<n>:<node>``, ``order:<n>:<node>:<job>``.
+    ``done:<job>``, ``epoch:<n>``, ``place:<n>:<node>``, ``order:<n>:<node>:<job>``,
+    ``measure:<job>`` and ``model:<job>:<gpu type>`` (AFS §4.5's measurements).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -268,13 +269,28 @@ def done_key(job_id: str) -> str:
     return f"done:{job_id}"
 
 
+def measure_key(job_id: str) -> str:
+    """The hold at the end of a job's measurement window (AFS §4.5; the allocator
+    takes it at a decision that gives the job an unmeasured GPU count, the profiler
+    moves it to the window's end and releases it once it has published the count)."""
+    return f"measure:{job_id}"
+
+
+def model_key(job_id: str, gpu_type: str) -> str:
+    """The hold a throughput model is published under (released by the allocator)."""
+    return f"model:{job_id}:{gpu_type}"
+
+
 def hold_key(event: object) -> str | None:
-    """The key of the hold a triggering event was published under (an arrival or a
-    job's end; the allocator releases it once it has decided on it), or ``None``."""
+    """The key of the hold a triggering event was published under (an arrival, a
+    job's end or a throughput model; the allocator releases it once it has decided on
+    it), or ``None``."""
     from shoal import events as ev
 
     if isinstance(event, ev.JobSubmitted):
         return submit_key(event.job_id)
     if isinstance(event, ev.JobCompleted | ev.JobFailed | ev.JobCancelled):
         return done_key(event.job_id)
+    if isinstance(event, ev.ThroughputModelUpdated):
+        return model_key(event.job_id, event.gpu_type)
     return None

@@ -49,10 +49,13 @@ back when its daemon re-registers (see ``shoal_services.node_daemon.service``).
 the admin may append one now) are folded by the projection but trigger nothing.
 
 Synchronized clock (emulation, :class:`shoal.clock.SharedClock`): the allocator
-releases the hold an arrival or completion was published under once it has decided
-on it, publishes each decision under a hold of its own (``epoch:<n>``, released by
-the placer), and holds the clock at its next periodic decision, so virtual time
-cannot pass a lease end before the decision there is made.
+releases the hold an arrival, completion or throughput model was published under once
+it has decided on it, publishes each decision under a hold of its own (``epoch:<n>``,
+released by the placer), and holds the clock at its next periodic decision, so virtual
+time cannot pass a lease end before the decision there is made. A decision that gives
+a job on AFS §4.5's estimate a GPU count not measured yet also holds ``measure:<job>``
+for the profiler, which keeps the clock from passing the end of that measurement
+(see the profiler's docstring).
 
 Exactly one allocator decides at a time: the leader lease lives in JetStream KV;
 standbys follow the log and take over when the lease lapses.
@@ -75,7 +78,7 @@ from shoal import codec
 from shoal import events as ev
 from shoal.allocation import next_tick, policy_tick
 from shoal.bus import Bus, Campaign, ConcurrencyConflict, SkippedMessage
-from shoal.clock import Clock, hold, hold_key, release
+from shoal.clock import HOLD_TTL_S, Clock, hold, hold_key, measure_key, release
 from shoal.cluster import gpus_per_node, lost_nodes
 from shoal.events import Envelope
 from shoal.log import bound_job
@@ -302,11 +305,12 @@ class AllocatorService:
         t1 = time.time_ns()
         # AFS §4.5: new jobs capped at 1/n, measured jobs moved through their smaller
         # allocatable units (the same function and estimates as the simulator's).
+        estimates = estimated_jobs(state, [j.job_id for j in view.jobs], self.catalog)
         decision = decide_overestimate_first(
             self.policy,
             view,
             memory,
-            estimates=estimated_jobs(state, [j.job_id for j in view.jobs], self.catalog),
+            estimates=estimates,
             epoch=state.shares_epoch + 1,
             trigger=trigger,
             network_packing=self.network_packing,
@@ -332,12 +336,24 @@ class AllocatorService:
             parent = await stored_context(self.bus.js, self.bus.names.events_stream, trigger_seq)
         # The placer releases this once it has placed the decision (synchronized clock).
         hold(self.clock, f"epoch:{decision.epoch}")
+        # A job given a GPU count it has not been measured at: the clock may not pass the
+        # end of that measurement before it is published (the profiler moves this hold
+        # to the end of the window and releases it; AFS §4.5).
+        measuring = [
+            measure_key(job_id)
+            for job_id, gpus in decision.shares.items()
+            if (counts := estimates.get(job_id)) is not None
+            and gpus not in counts
+            and gpus != state.shares.get(job_id, 0)
+        ]
+        for key in measuring:
+            hold(self.clock, key, ttl_s=3 * HOLD_TTL_S)
         with self._traced_decision(decision, marks, parent):
             try:
                 with producer_span("allocator.publish", tracer=self.tracer):
                     result = await self.bus.publish(env, expected_last_subject_seq=self.decisions_seq)
             except ConcurrencyConflict:
-                release(self.clock, f"epoch:{decision.epoch}")
+                release(self.clock, f"epoch:{decision.epoch}", *measuring)
                 log.warning(
                     "decision_conflict", epoch=decision.epoch, note="another allocator decided; re-reading"
                 )

@@ -27,6 +27,26 @@ then :mod:`shoal.profiling.ratelimit`: the first model at once, later ones at
 most once per ``min_interval_s`` of the injected clock per (job, GPU type) and
 only on material change.
 
+Measurement window (AFS §4.5, "it takes the throughput measurement with all
+allocatable units"): a report's rate counts only once the job has run
+``min_interval_s`` at the report's GPU count since the end of its newest
+reconfiguration (its ``ReconfigurationCompleted``), rounded up to a whole second as
+in the simulator (``SimConfig.measure_s``): a report made earlier (the hand-over
+report of a share cut short, the first reports after a change) is folded for its loss
+only. A job whose ``ReconfigurationCompleted`` this profiler did not fold (one that
+started before a snapshot it started from) has no window. ``min_interval_s=0``: every
+report counts.
+
+Synchronized clock (emulation, :class:`shoal.clock.SharedClock`): the leader holds
+the clock at the end of a job's window (``measure:<job>``) while the job runs at a GPU
+count it has not measured, so virtual time cannot pass a measurement before it is
+published; the allocator takes that hold at the decision that gives the count, this
+profiler moves it to ``decision + min_interval_s`` when it folds the decision, then to
+the window's end when it folds the ``ReconfigurationCompleted``, and lets go once it
+has published the count (or the job's share changed, or the job ended). Each
+``ThroughputModelUpdated`` goes out under a hold the allocator releases once it has
+decided on it (``model:<job>:<gpu type>``).
+
 Publishes: ``ThroughputModelUpdated`` and ``ConvergenceEstimated`` on the job's
 subject, with
 
@@ -45,6 +65,7 @@ log to its end.
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 
@@ -52,7 +73,7 @@ import structlog
 from shoal import codec
 from shoal import events as ev
 from shoal.bus import Bus, Campaign, ConcurrencyConflict, SkippedMessage, Snapshot
-from shoal.clock import Clock
+from shoal.clock import HOLD_TTL_S, Clock, hold, measure_key, model_key, release
 from shoal.events import Envelope
 from shoal.profiling import ProfileBook, ProfileParams, Reason, convergence_update, throughput_update
 from shoal.profiling.ratelimit import MIN_INTERVAL_S, TOO_SOON, is_publish, publish_decision, relative_change
@@ -135,6 +156,13 @@ class ProfilerService:
         self._job_subjects = f"{bus.names.prefix}.job."
         self.held_back: dict[tuple[str, str], float] = {}
         """Updates due but too soon: (kind, key) -> when they may go out."""
+        self.segments: dict[str, tuple[float, int]] = {}
+        """job -> (instant its newest reconfiguration completed, world size): the
+        measurement window its reports fall in (see the module docstring)."""
+        self._shares: dict[str, int] = {}
+        """The newest ``SharesDecided``'s shares."""
+        self._measure_held: set[str] = set()
+        """Jobs whose ``measure:<job>`` hold this profiler placed (synchronized clock)."""
 
     @property
     def rejected(self) -> dict[str, int]:
@@ -207,10 +235,60 @@ class ProfilerService:
 
     # -- consuming --------------------------------------------------------------
 
+    def window_end(self, resumed_at: float) -> float:
+        """The end of a measurement window that began at ``resumed_at`` (whole seconds)."""
+        return float(math.ceil(resumed_at + self.min_interval_s - 1e-6))
+
+    def _in_window(self, e: ev.ProgressReported, at: float, state: ClusterState) -> bool:
+        """Whether the report was made before its GPU count's measurement window ended."""
+        job = state.jobs.get(e.job_id)
+        segment = self.segments.get(e.job_id)
+        if self.min_interval_s <= 0 or job is None or segment is None:
+            return False
+        gpus = e.num_gpus or job.world_size or job.gpus
+        return gpus == segment[1] and at < self.window_end(segment[0]) - 1e-9
+
+    def _unmeasured(self, job_id: str, gpus: int, state: ClusterState) -> bool:
+        job = state.jobs.get(job_id)
+        if job is None or job.status in FINISHED_STATUSES or gpus <= 0 or self.min_interval_s <= 0:
+            return False
+        return gpus not in self.book.measured(job_id, job.gpu_type or "")
+
+    def _hold_measure(self, job_id: str, at: float | None, *, owned: bool) -> None:
+        """Hold the clock at ``at`` for a job's measurement (None: let go of it), from
+        the live tail on (not for the log replayed at start). Standbys hold too: a
+        synchronized clock runs one profiler, which may lose its lease for a moment on a
+        loaded machine and must not let the clock run meanwhile."""
+        if self.role is None:
+            return
+        if at is None:
+            self._measure_held.discard(job_id)
+            release(self.clock, measure_key(job_id))
+        else:
+            self._measure_held.add(job_id)
+            # Not owned: lapses (with a warning) if the reconfiguration never completes,
+            # e.g. one whose stop outlasts the window; 3 × the usual TTL for a loaded machine.
+            hold(self.clock, measure_key(job_id), at, ttl_s=None if owned else 3 * HOLD_TTL_S)
+
+    def _on_decided(self, e: ev.SharesDecided, at: float, state: ClusterState) -> None:
+        """A job whose share changed ends its window; one given an unmeasured count is
+        held at ``at + min_interval_s`` until its reconfiguration completes."""
+        before, self._shares = self._shares, dict(e.shares)
+        for job_id in sorted(set(before) | set(e.shares)):
+            gpus = e.shares.get(job_id, 0)
+            if gpus == before.get(job_id, 0):
+                continue
+            if self._unmeasured(job_id, gpus, state):
+                self._hold_measure(job_id, at + self.min_interval_s, owned=False)
+            elif job_id in self._measure_held or gpus:
+                self._hold_measure(job_id, None, owned=False)
+
     def _on_event(self, seq: int, env: Envelope, state: ClusterState) -> None:
         e = env.event
         if isinstance(e, ev.ProgressReported):
-            reasons = self.book.observe(seq, e, env.at, state.jobs.get(e.job_id))
+            reasons = self.book.observe(
+                seq, e, env.at, state.jobs.get(e.job_id), rate=not self._in_window(e, env.at, state)
+            )
             if reasons:
                 # A paused job (0 GPUs) or a report without a rate is normal; nonsense is not.
                 emit = log.debug if set(reasons) <= _BENIGN else log.warning
@@ -222,7 +300,21 @@ class ProfilerService:
         elif isinstance(e, ev.ConvergenceEstimated):
             self.convergence_at[e.job_id] = env.at
             self.subject_seq[self.bus.names.subject(e)] = seq
+        elif isinstance(e, ev.SharesDecided):
+            self._on_decided(e, env.at, state)
+        elif isinstance(e, ev.ReconfigurationCompleted):
+            job = state.jobs.get(e.job_id)
+            if job is not None and job.reconf_epoch == e.epoch:
+                self.segments[e.job_id] = (env.at, e.world_size)
+                if self._unmeasured(e.job_id, e.world_size, state):
+                    self._hold_measure(e.job_id, self.window_end(env.at), owned=True)
+                elif e.job_id in self._measure_held:
+                    self._hold_measure(e.job_id, None, owned=True)
         elif isinstance(e, _FINISHED):
+            self.segments.pop(e.job_id, None)
+            self._shares.pop(e.job_id, None)
+            if e.job_id in self._measure_held:
+                self._hold_measure(e.job_id, None, owned=True)
             self.book.forget(e.job_id)
             self.model_at = {k: v for k, v in self.model_at.items() if k[0] != e.job_id}
             self.convergence_at.pop(e.job_id, None)
@@ -263,12 +355,15 @@ class ProfilerService:
                 or (cand.overestimated and tuple(last.measured) != cand.measured)
             )
             last_at = self.model_at.get((job_id, gpu_type)) if last is not None else None
+            # A count measured for the first time waited out its own measurement window
+            # (see the module docstring): the allocator's next §4.5 step waits for it.
+            new_count = last is not None and bool(set(cand.measured) - set(last.measured))
             decision = publish_decision(
                 now=now,
                 last_at=last_at,
                 change=relative_change(published, cand.throughput),
                 flag_changed=flag,
-                min_interval_s=self.min_interval_s,
+                min_interval_s=0.0 if new_count else self.min_interval_s,
                 material_change=self.material_change,
             )
             if decision == TOO_SOON and last_at is not None:
@@ -323,9 +418,15 @@ class ProfilerService:
         for env in envs:
             job_id = getattr(env.event, "job_id", "")
             expected = self.subject_seq.get(self.bus.names.subject(env.event), 0)
+            model = env.event if isinstance(env.event, ev.ThroughputModelUpdated) else None
+            if model is not None:
+                # The allocator releases it once it has decided on this model.
+                hold(self.clock, model_key(model.job_id, model.gpu_type))
             try:
                 result = await self.bus.publish(env, expected_last_subject_seq=expected)
             except ConcurrencyConflict:
+                if model is not None:
+                    release(self.clock, model_key(model.job_id, model.gpu_type))
                 # Another profiler appended first: re-read the log, decide again later.
                 log.warning("profile_conflict", job_id=job_id, event_id=env.id)
                 await self.projection.wait_for(await self.bus.last_seq())
@@ -334,6 +435,14 @@ class ProfilerService:
             # Fold our own write before the next one on the same subject.
             await self.projection.wait_for(result.seq)
             newest = max(newest, result.seq)
+            segment = self.segments.get(job_id)
+            if (
+                model is not None
+                and job_id in self._measure_held
+                and segment
+                and segment[1] in model.measured
+            ):
+                self._hold_measure(job_id, None, owned=True)
             if not result.duplicate:
                 appended += 1
             log.info(

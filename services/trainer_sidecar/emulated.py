@@ -439,12 +439,16 @@ class EmulatedTrainer:
         if self.spec is None:
             return
         self._last_report_wall = asyncio.get_running_loop().time()
+        world = self.world if num_gpus is None else num_gpus
+        # The rate of the shape reported (a hand-over report names the shape the job ran
+        # on until now, which after a same-instant order is not the newest one).
+        rate = self.curve[min(world, len(self.curve) - 1)] if world else 0.0
         await self._publish(
             ev.ProgressReported(
                 job_id=self.job_id,
                 iteration=int(self.iteration_at(at) + _EPS),
-                samples_per_s=self.rate() * max(1, self.spec.global_batch_size),
-                num_gpus=self.world if num_gpus is None else num_gpus,
+                samples_per_s=rate * max(1, self.spec.global_batch_size),
+                num_gpus=world,
                 epoch=self.epoch,
                 loss=None
                 if self.loss_curve is None

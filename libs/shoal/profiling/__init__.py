@@ -169,7 +169,9 @@ class ProfileBook:
         self.rejected[reason.value] += 1
         return reason
 
-    def observe(self, seq: int, e: ev.ProgressReported, at: float, job: JobState | None) -> list[Reason]:
+    def observe(
+        self, seq: int, e: ev.ProgressReported, at: float, job: JobState | None, *, rate: bool = True
+    ) -> list[Reason]:
         """Fold one report; returns the reasons for whatever part of it was not used.
 
         Args:
@@ -177,6 +179,9 @@ class ProfileBook:
             e: The report.
             at: Its occurred-at.
             job: The job's folded state (``None`` when unknown).
+            rate: False: fold only the report's loss, not its rate (a report made
+                before the job had run a whole measurement window at its GPU count,
+                AFS §4.5; see the profiler service).
 
         Returns:
             Rejection reasons (empty when the whole report was used).
@@ -186,7 +191,7 @@ class ProfileBook:
         if job.status in FINISHED_STATUSES:
             return [self._reject(Reason.FINISHED_JOB)]
         reasons: list[Reason] = []
-        rate_reason = self._observe_rate(seq, e, at, job)
+        rate_reason = self._observe_rate(seq, e, at, job) if rate else None
         if rate_reason is not None:
             reasons.append(self._reject(rate_reason))
         if e.loss is not None:

@@ -16,6 +16,10 @@ estimates:
    or some count's value moved by more than ``material_change`` (relative,
    default 5 %).
 
+The profiler service passes ``min_interval_s=0`` for an update that gains a measured
+count: that count waited out its own measurement window (AFS §4.5; see
+``services/profiler/service.py``).
+
 ``min_interval_s`` (:data:`MIN_INTERVAL_S` unless ``SHOAL_PROFILER_MIN_INTERVAL_S``
 says otherwise) is therefore the least time a job spends on each GPU count the
 allocator takes it through for measurement (AFS §4.5); the simulator's
