@@ -156,9 +156,10 @@ class ProfilerService:
         self._job_subjects = f"{bus.names.prefix}.job."
         self.held_back: dict[tuple[str, str], float] = {}
         """Updates due but too soon: (kind, key) -> when they may go out."""
-        self.segments: dict[str, tuple[float, int]] = {}
-        """job -> (instant its newest reconfiguration completed, world size): the
-        measurement window its reports fall in (see the module docstring)."""
+        self.segments: dict[str, list[tuple[float, int]]] = {}
+        """job -> (instant a reconfiguration completed, world size) of its two newest
+        reconfigurations: the measurement windows its reports fall in (see the module
+        docstring)."""
         self._shares: dict[str, int] = {}
         """The newest ``SharesDecided``'s shares."""
         self._measure_held: set[str] = set()
@@ -240,13 +241,21 @@ class ProfilerService:
         return float(math.ceil(resumed_at + self.min_interval_s - 1e-6))
 
     def _in_window(self, e: ev.ProgressReported, at: float, state: ClusterState) -> bool:
-        """Whether the report was made before its GPU count's measurement window ended."""
+        """Whether the report's rate is no measurement: made before its GPU count's
+        window ended, or of a shape the job did not have at that instant (a leader that
+        had not applied its newest order yet)."""
         job = state.jobs.get(e.job_id)
-        segment = self.segments.get(e.job_id)
-        if self.min_interval_s <= 0 or job is None or segment is None:
+        segments = self.segments.get(e.job_id)
+        if self.min_interval_s <= 0 or job is None or not segments:
             return False
         gpus = e.num_gpus or job.world_size or job.gpus
-        return gpus == segment[1] and at < self.window_end(segment[0]) - 1e-9
+        start, world = segments[-1]
+        if gpus == world and at >= start - 1e-9:
+            return at < self.window_end(start) - 1e-9
+        if len(segments) > 1 and gpus == segments[-2][1] and at <= start + 1e-9:
+            # The hand-over report of the shape before the newest change.
+            return at < self.window_end(segments[-2][0]) - 1e-9
+        return True
 
     def _unmeasured(self, job_id: str, gpus: int, state: ClusterState) -> bool:
         job = state.jobs.get(job_id)
@@ -305,7 +314,7 @@ class ProfilerService:
         elif isinstance(e, ev.ReconfigurationCompleted):
             job = state.jobs.get(e.job_id)
             if job is not None and job.reconf_epoch == e.epoch:
-                self.segments[e.job_id] = (env.at, e.world_size)
+                self.segments[e.job_id] = [*self.segments.get(e.job_id, [])[-1:], (env.at, e.world_size)]
                 if self._unmeasured(e.job_id, e.world_size, state):
                     self._hold_measure(e.job_id, self.window_end(env.at), owned=True)
                 elif e.job_id in self._measure_held:
@@ -435,12 +444,12 @@ class ProfilerService:
             # Fold our own write before the next one on the same subject.
             await self.projection.wait_for(result.seq)
             newest = max(newest, result.seq)
-            segment = self.segments.get(job_id)
+            segment = self.segments.get(job_id, [])[-1:]
             if (
                 model is not None
                 and job_id in self._measure_held
                 and segment
-                and segment[1] in model.measured
+                and segment[0][1] in model.measured
             ):
                 self._hold_measure(job_id, None, owned=True)
             if not result.duplicate:

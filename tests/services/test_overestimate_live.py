@@ -52,9 +52,17 @@ async def test_a_count_is_measured_only_after_its_window(bus: Bus) -> None:
         clock.t = T + 30
         await bus.publish(codec.wrap(report("j", 4, 8.0, iteration=20), at=T + 30))
         await wait_until(lambda: prof.published == 1)
+        # Shrunk to 2 at T + 40: a report at 4 GPUs after that (a leader late to apply
+        # its order) is no measurement; the hand-over report at the change instant is.
+        await running(bus, T + 40, 2, epoch=2)
+        r = await bus.publish(codec.wrap(report("j", 4, 99.0, iteration=30), at=T + 45))
+        await wait_until(lambda: prof.projection.last_seq >= r.seq)
+        await bus.publish(codec.wrap(report("j", 4, 8.5, iteration=25), at=T + 40))
+        await wait_until(lambda: prof.book.samples("j", "") == 2)
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)
+    assert prof.book.measured("j", "") == {4: pytest.approx(8.25)}
     assert [(u.measured, u.overestimated) for u in await updates(bus)] == [((4,), True)]
 
 
