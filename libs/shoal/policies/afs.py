@@ -152,6 +152,14 @@ class _Entry:
         self.nxt = self.ladder.next_count(count)
         self.pn = throughput_at(job, self.nxt) if self.nxt else 0.0
 
+    def step(self) -> None:
+        """``set_count(self.nxt)`` of a growable job: the throughput there is ``pn``,
+        already computed (the same value, without computing it again)."""
+        count = self.count = self.nxt
+        self.p = self.pn
+        nxt = self.nxt = self.ladder.next_count(count)
+        self.pn = throughput_at(self.job, nxt) if nxt else 0.0
+
     def growable(self) -> bool:
         """Stage two may give this running job one more step."""
         return self.count > 0 and self.nxt > 0 and self.pn > self.p
@@ -276,16 +284,25 @@ def _afs_l_chain_lists(order: list[_Entry], free: int) -> int:
     h = [e.h() for e in order]
     cost = [e.nxt - e.count for e in order]
     while free > 0 and order:
-        c = -1
-        for j in range(len(order)):
-            if cost[j] <= free and (c < 0 or g[j] > h[c]):
-                c = j
-        if c < 0:
-            break
+        if max(cost) <= free:
+            # Every candidate fits (the usual case): the same scan without the fit test.
+            c = 0
+            hc = h[0]
+            for j, gj in enumerate(g[1:], 1):
+                if gj > hc:
+                    c = j
+                    hc = h[j]
+        else:
+            c = -1
+            for j in range(len(order)):
+                if cost[j] <= free and (c < 0 or g[j] > h[c]):
+                    c = j
+            if c < 0:
+                break
         star = order[c]
         del keys[c], order[c], g[c], h[c], cost[c]
         free -= star.nxt - star.count
-        star.set_count(star.nxt)
+        star.step()
         if star.growable():
             key = _length_key(star)
             i = bisect.bisect_left(keys, key)
@@ -329,7 +346,7 @@ def _afs_l_chain_numpy(order: list[_Entry], free: int) -> int:
         star = order[c]
         del keys[c], order[c]
         free -= star.nxt - star.count
-        star.set_count(star.nxt)
+        star.step()
         if star.growable():
             key = _length_key(star)
             i = bisect.bisect_left(keys, key)
@@ -458,7 +475,7 @@ def afs_p_stage_two_fast(entries: Sequence[_Entry], free: int) -> int:
         if e.nxt - e.count > free:
             continue  # free GPUs only decrease: never a candidate again
         free -= e.nxt - e.count
-        e.set_count(e.nxt)
+        e.step()
         if e.growable():
             heapq.heappush(heap, (-e.f(), e.rank, e))
     return free
@@ -755,7 +772,8 @@ class AFSP:
         old_leases: Mapping[str, Any] = memory.get("leases") or {}
         leases: dict[str, float] = {}
         bumped: dict[str, int] = {}
-        held: list[_Waiting] = []  # the lease holders as (counter, rank, job)
+        # The lease holders as (counter, rank, job, smallest share).
+        held: list[tuple[int, _Rank, JobView, int]] = []
         for job_id, start in old_leases.items():
             job = index.get(job_id)
             if job is None:
@@ -768,20 +786,28 @@ class AFSP:
             start += units * unit
             if units == 0 or now - start > _LEASE_EPS:
                 leases[job_id] = start  # mid-unit: held (non-preemptive)
-                held.append((counter, (job.arrival_s, job_id), job))
+                held.append((counter, (job.arrival_s, job_id), job, _ladder(job)[1]))
             # else: the unit ended just now, the job is evicted.
 
         # The memo of the counted jobs' order (see _Counted), taken: it is handed back
         # below only once it matches this decision's counters.
         counted, self._counted = self._counted, None
         total = view.total_gpus
+        # Contention: the smallest shares of all jobs exceed the GPUs. Every smallest
+        # share is >= 0, so the lease holders' (known already) are summed first and the
+        # other jobs then only as far as needed: the same answer as any order's.
         need = 0
-        contended = False
-        for job in jobs:
-            need += _ladder(job)[1]
-            if need > total:
-                contended = True
-                break
+        for h in held:
+            need += h[3]
+        contended = need > total
+        if not contended:
+            for job in jobs:
+                if job.job_id in leases:
+                    continue
+                need += _ladder(job)[1]
+                if need > total:
+                    contended = True
+                    break
         if not contended:
             # Every job fits at its smallest share: counters are ignored (§3.3). Ranks are
             # positions here (no lease holder or counted job to compare with).
@@ -808,8 +834,7 @@ class AFSP:
         # wake-up below does not model that, so it falls back to every lease end.
         dropped = False
         held.sort(key=_WAITING_KEY)
-        for counter, rank, job in held:
-            first = _ladder(job)[1]
+        for counter, rank, job, first in held:
             if first and first <= free:
                 started.append((rank, job, first, counter))
                 free -= first

@@ -158,8 +158,18 @@ def check_decision(view: ClusterView, decision: Decision) -> None:
             raise DecisionError(f"share for unknown job {job_id!r}")
         if gpus < 0:
             raise DecisionError(f"negative share {gpus} for {job_id!r}")
-        if gpus and gpus not in feasible_counts(jobs[job_id]):
-            raise DecisionError(f"{job_id!r} given {gpus} GPUs, feasible {feasible_counts(jobs[job_id])}")
+        if gpus:
+            job = jobs[job_id]
+            # feasible_counts(job) contains gpus, decided without building the counts in
+            # the two common shapes (the same rule as _feasible_counts).
+            if not job.elastic:
+                ok = gpus == job.requested_gpus
+            elif not job.allowed_gpu_counts:
+                ok = job.min_gpus <= gpus <= job.max_gpus
+            else:
+                ok = gpus in feasible_counts(job)
+            if not ok:
+                raise DecisionError(f"{job_id!r} given {gpus} GPUs, feasible {feasible_counts(job)}")
         total += gpus
     if total > view.total_gpus:
         raise DecisionError(f"gave out {total} GPUs of {view.total_gpus}")

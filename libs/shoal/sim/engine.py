@@ -435,6 +435,12 @@ class Simulator:
         state, kept until an event that can change them is folded (see _emit)."""
         self._running: dict[str, _Job] = {}
         """Jobs that hold GPUs (``job.gpus > 0``); few next to a long queue."""
+        self._alloc: dict[str, int] = {}
+        """``job.gpus`` of every job in ``_running`` (kept with it): the shares in force,
+        compared with a decision's in C (``dict`` equality and item-set differences)."""
+        self._typed = False
+        """Whether any ``SharesDecided`` emitted so far named a GPU type; until one does,
+        every job's folded ``gpu_type`` is empty (only that event's fold sets it)."""
         self._arrived = 0
         self.reconfigurations = 0
         self.starts = 0
@@ -467,13 +473,20 @@ class Simulator:
         if job_id is not None:
             self._stale.add(job_id)
         elif isinstance(event, ev.SharesDecided):
-            # The fold touches only the jobs whose share or GPU type changes.
+            # The fold touches only the jobs whose share or GPU type changes: the shares'
+            # changes are the item sets' difference (a job in both keeps its share), and
+            # GPU types are compared only once some decision named one (see _typed).
             state = self.log.state
             old, new, types = state.shares, event.shares, event.gpu_types
-            for j in old.keys() | new.keys():
-                js = state.jobs.get(j)
-                if js is None or old.get(j, 0) != new.get(j, 0) or js.gpu_type != types.get(j, ""):
-                    self._stale.add(j)
+            stale = self._stale
+            stale.update(j for j, _ in old.items() ^ new.items())
+            if types:
+                self._typed = True
+            if self._typed:
+                for j in old.keys() | new.keys():
+                    js = state.jobs.get(j)
+                    if js is None or js.gpu_type != types.get(j, ""):
+                        stale.add(j)
         elif not isinstance(event, _VIEW_NEUTRAL):
             self._stale.update(self._views)
         if job_id is None and not isinstance(event, _CLUSTER_NEUTRAL):
@@ -762,18 +775,24 @@ class Simulator:
         wake = memory.get("next_decision_at_s")
         self._wakeup = float(math.ceil(wake - _EPS)) if isinstance(wake, int | float) else None
 
-        # The jobs holding GPUs, in arrival order (the order every loop below used to
-        # take over all active jobs: events and heap entries come out the same).
-        running = sorted(self._running.values(), key=_seq)
-        current = {job.id: job.gpus for job in running}
-        current_types = {j: state.jobs[j].gpu_type for j in current if state.jobs[j].gpu_type}
+        # The shares in force (the running jobs' GPUs) and their GPU types; loops below
+        # visit only the jobs whose share differs, in arrival order (the order every loop
+        # used to take over all active jobs: events and heap entries come out the same).
+        current = self._alloc
+        running_jobs = self._running
+        if self._typed:
+            current_types = {j: state.jobs[j].gpu_type for j in current if state.jobs[j].gpu_type}
+        else:
+            current_types = {}
         unchanged = shares.shares == current and shares.gpu_types == current_types
         emitted = not unchanged or memory != state.policy_memory
+        if emitted and not unchanged:
+            # Settle progress under the old rates before the fold sees new shares: the
+            # running jobs whose (job, GPUs) pair is not among the new shares.
+            differ = current.items() - shares.shares.items()
+            for job in sorted((running_jobs[j] for j, _ in differ), key=_seq):
+                self._settle(job, now, report=True)
         if emitted:
-            # Settle progress under the old rates before the fold sees new shares.
-            for job in running:
-                if shares.shares.get(job.id, 0) != job.gpus:
-                    self._settle(job, now, report=True)
             self._emit(shares)
             self._emit_trades(memory)
         epoch = state.shares_epoch
@@ -793,6 +812,7 @@ class Simulator:
                 self._sample(now)
             return
         else:
+            running = sorted(running_jobs.values(), key=_seq)
             previous = {job.id: state.jobs[job.id].placement for job in running}
             placed, result = place(self._topology, shares, previous, placer=cfg.placer)
             if result.unplaced:
@@ -814,9 +834,11 @@ class Simulator:
                 self.migrations += placed.migrations
                 self._emit(placed)
 
-        # Only a job that holds GPUs or is given some can change.
-        changing = [active[j] for j in new_alloc if j not in self._running]
-        for job in sorted(running + changing, key=_seq) if changing else running:
+        # Only a job whose GPU count differs or whose GPUs moved can change (a job given
+        # 0 that holds none is classified as no change, as before).
+        candidates = {j for j, _ in self._alloc.items() ^ new_alloc.items()}
+        candidates.update(moved)
+        for job in sorted((active[j] for j in candidates), key=_seq):
             j = job.id
             new = new_alloc.get(j, 0)
             kind = classify(job.gpus, new, j in moved, j in disjoint)
@@ -848,9 +870,16 @@ class Simulator:
             if job_id not in stale:
                 old = views.get(job_id)
                 if old is not None:
-                    views[job_id] = job_view_at(
-                        old, jobs[job_id], now=now, iterations_done=active[job_id].progress(now)
-                    )
+                    # _Job.progress(now), inlined (a call per running job per decision
+                    # was a measurable part of the view): the same arithmetic.
+                    job = active[job_id]
+                    rate = job.rate
+                    done = job.done
+                    if rate > 0.0:
+                        start = job.settled_at if job.settled_at > job.resume_at else job.resume_at
+                        if now > start:
+                            done = min(job.total, done + rate * (now - start))
+                    views[job_id] = job_view_at(old, jobs[job_id], now=now, iterations_done=done)
         rebuild = [j for j in stale if j in views]
         stale.clear()
         for job_id in rebuild:
@@ -1028,6 +1057,7 @@ class Simulator:
 
     def _run_add(self, job: _Job) -> None:
         self._running[job.id] = job
+        self._alloc[job.id] = job.gpus
         self._n_running += 1
         self._ce_sum += job.rate / job.curve[1]
         held = self._held
@@ -1037,6 +1067,7 @@ class Simulator:
 
     def _run_remove(self, job: _Job) -> None:
         del self._running[job.id]
+        del self._alloc[job.id]
         self._n_running -= 1
         self._ce_sum -= job.rate / job.curve[1]
         if not self._n_running:
