@@ -245,8 +245,13 @@ def plan(args: argparse.Namespace, policies: list[str]) -> list[tuple[str, str, 
     sections = set(args.sections.split(","))
     out: list[tuple[str, str, str, str, float, bool]] = []
     if "flat" in sections:
+        only = {tuple(c.split(":", 1)) for c in args.flat_cells.split(",") if c}
         for vc in FLAT_VCS:
-            out += [("flat", f"philly:{vc}", p, "flat", args.cpu_limit, False) for p in FLAT_POLICIES]
+            out += [
+                ("flat", f"philly:{vc}", p, "flat", args.cpu_limit, False)
+                for p in FLAT_POLICIES
+                if not only or (vc, p) in only
+            ]
     if "large" in sections:
         for p in ("afs-p", "afs-l"):
             out += [("large", LARGE, p, s, args.cpu_limit, False) for s in ("flat", "topology")]
@@ -281,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         help="what to run (flat, large, fairness, engine: the targets; startup; policies; queue)",
     )
     parser.add_argument("--policies", default="", help="policies of the 'policies' section (default: all)")
+    parser.add_argument(
+        "--flat-cells",
+        default="",
+        help="only these cells of the 'flat' section, as VC:POLICY,... (default: all 20)",
+    )
     parser.add_argument(
         "--large-policies",
         default="all",
