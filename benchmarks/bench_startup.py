@@ -119,9 +119,11 @@ async def measure(args: argparse.Namespace, root: Path) -> None:
         state = profiler.projection.state
         snap_seq = last - args.tail
         sizes: dict[str, int] = {}
+        folded = 0
         t0 = time.perf_counter()
         async for batch in bus.replay_batches(start_seq=1):
             skipped = list(batch.skipped)
+            folded = max(folded, batch.last_seq)
             for seq, envelope in batch:
                 while skipped and skipped[0].seq < seq:
                     profiler._on_skipped(skipped.pop(0))
@@ -146,6 +148,12 @@ async def measure(args: argparse.Namespace, root: Path) -> None:
             for rest in skipped:
                 profiler._on_skipped(rest)
         fold_s = time.perf_counter() - t0
+        if folded < last or not sizes:
+            # Without its snapshots every start below would be a full replay: say so, stop.
+            raise RuntimeError(
+                f"the replay of the log ended at sequence {folded:,}, before its end {last:,} "
+                f"(snapshot sequence {snap_seq:,}, {fold_s:.0f} s)"
+            )
         reference = st.digest(state)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
         env.update(
