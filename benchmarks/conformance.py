@@ -3,10 +3,12 @@
     python benchmarks/conformance.py                      # writes benchmarks/reports/conformance.md
     python benchmarks/conformance.py --case philly:0e4a51:50,afs-p,2000 --output -
     python benchmarks/conformance.py --case philly:0e4a51:50,afs-p,3000,free --output -
+    python benchmarks/conformance.py --case philly:0e4a51:12,afs-p,1000,overestimate --output -
 
 Each case is ``trace,policy,time_scale`` on the synchronized clock
 (:class:`shoal.clock.SharedClock`), or ``trace,policy,time_scale,free`` on a
-free-running scaled clock. Both runs of a case use the same jobs
+free-running scaled clock; ``,overestimate`` (or ``,overestimate=<measure_s>``) runs
+AFS §4.5 on both sides (``ConformanceConfig.profiling``; the default is ``oracle``). Both runs of a case use the same jobs
 (calibrated curves, seed), policy, cluster and cost model; see
 ``services/conformance.py`` for what is compared and why the two can differ. The
 report lists, per case, the average JCT of each run and their relative difference
@@ -42,20 +44,33 @@ DEFAULT_CASES = (
 decisions, most of them AFS-P lease rotations that start and stop sidecar processes)
 takes about 13 minutes more."""
 REPORT = Path(__file__).resolve().parent / "reports" / "conformance.md"
+SECTION_45 = (
+    "These cases give every job its curve at arrival (`oracle`); AFS §4.5's overestimate-first, "
+    "run live by the profiler and allocator and compared with the simulator the same way, is in "
+    "[conformance_overestimate.md](conformance_overestimate.md)."
+)
 
 
 def parse_case(text: str) -> ConformanceConfig:
-    """``trace,policy,time_scale[,free]``.
+    """``trace,policy,time_scale[,free][,overestimate[=measure_s]]``.
 
     Raises:
         ValueError: a case of another form.
     """
     parts = text.split(",")
-    if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] != "free"):
-        raise ValueError(f"a case is trace,policy,time_scale[,free]; got {text!r}")
+    options = parts[3:]
+    free = "free" in options
+    over = [o for o in options if o == "overestimate" or o.startswith("overestimate=")]
+    if len(parts) < 3 or len(options) != int(free) + len(over) or len(over) > 1 or options.count("free") > 1:
+        raise ValueError(f"a case is trace,policy,time_scale[,free][,overestimate[=measure_s]]; got {text!r}")
     trace, policy, scale = parts[:3]
+    extra: dict[str, Any] = {}
+    if over:
+        extra["profiling"] = "overestimate"
+        if "=" in over[0]:
+            extra["measure_s"] = float(over[0].split("=", 1)[1])
     return ConformanceConfig(
-        trace=trace, policy=policy, time_scale=float(scale), synchronized=len(parts) == 3
+        trace=trace, policy=policy, time_scale=float(scale), synchronized=not free, **extra
     )
 
 
@@ -81,19 +96,31 @@ def render(rows: Sequence[dict[str, Any]], command: str) -> str:
         "only the last); `agreement` is their longest common subsequence over the longer length; "
         "`arrivals agree`: the decisions triggered by arrivals are the simulator's, one for one.",
         "",
-        "| trace | policy | clock | time scale | jobs | completed sim / emu | avg JCT sim (h) "
-        "| avg JCT emu (h) | JCT difference | decisions sim / emu | agreement | arrivals agree | wall (s) "
-        "| within 5 % | decisions agree |",
-        "|---|---|---|---:|---:|---|---:|---:|---:|---|---:|---|---:|---|---|",
+        "`profiling`: `oracle`, every job's curve known at arrival; `overestimate`, AFS §4.5 on both "
+        "sides (`measure_s` in brackets: the simulator's measurement time and the live profiler's "
+        "window; see `services/conformance.py`). `§4.5 models`: `ThroughputModelUpdated` of the "
+        "estimate (`afs-overestimate`, one per newly measured GPU count of a job) in each log; "
+        "`probe decisions`: decisions triggered by such a model (`model_update`), counted as "
+        "`decisions` are.",
+        "",
+        "| trace | policy | profiling | clock | time scale | jobs | completed sim / emu | avg JCT sim (h) "
+        "| avg JCT emu (h) | JCT difference | decisions sim / emu | agreement | arrivals agree "
+        "| §4.5 models sim / emu | probe decisions sim / emu | wall (s) | within 5 % | decisions agree |",
+        "|---|---|---|---|---:|---:|---|---:|---:|---:|---|---:|---|---|---|---:|---|---|",
     ]
     for r in rows:
+        profiling = r.get("profiling", "oracle")
+        if profiling == "overestimate":
+            profiling += f" ({r['measure_s']:g} s)"
         lines.append(
-            f"| {r['trace']} | {r['policy']} | {'sync' if r['synchronized'] else 'free'} "
+            f"| {r['trace']} | {r['policy']} | {profiling} | {'sync' if r['synchronized'] else 'free'} "
             f"| {r['time_scale']:.0f}× | {r['jobs']} "
             f"| {r['sim_completed']:.0f} / {r['emu_completed']:.0f} "
             f"| {r['sim_avg_jct_s'] / 3600:.2f} | {r['emu_avg_jct_s'] / 3600:.2f} "
             f"| {100 * r['jct_rel_diff']:.2f} % | {r['sim_decisions']} / {r['emu_decisions']} "
             f"| {r['decision_agreement']:.2f} | {'yes' if r['arrivals_agree'] else 'no'} "
+            f"| {r.get('sim_model_updates', 0)} / {r.get('emu_model_updates', 0)} "
+            f"| {r.get('sim_probe_decisions', 0)} / {r.get('emu_probe_decisions', 0)} "
             f"| {r['wall_s']:.0f} | {'met' if r['jct_rel_diff'] < 0.05 else 'NOT met'} "
             f"| {'met' if r['decision_agreement'] == 1.0 else 'NOT met'} |"
         )
@@ -111,12 +138,50 @@ def render(rows: Sequence[dict[str, Any]], command: str) -> str:
         "up to whole seconds), and the decision its completion triggers, the same share map, a second later too.",
         "",
     ]
+    if any(r.get("profiling") == "overestimate" for r in rows):
+        lines += [
+            'AFS §4.5 (`overestimate`). The simulator runs with `profiling="overestimate"`: no curve at '
+            "arrival, a new job capped at its fair share 1/n, and a job measured at its share taken "
+            "through its smaller allocatable units, each measurement published `measure_s` after the "
+            "job resumed at that count (rounded up to a whole second). The emulated stack runs the "
+            "same pure functions live: the allocator is given no catalog (so a new job is on the "
+            "estimate), the jobs carry no profile, and the profiler turns the emulated trainers' "
+            "progress reports into `afs-overestimate` models, a count counting as measured once the "
+            "job has run `min_interval_s` (= `measure_s`) at it since its reconfiguration completed. "
+            "On the synchronized clock the allocator and the profiler hold the clock at the end of "
+            "each measurement window until the count is published and decided on. Both runs use each "
+            "job's `afs` catalog curve (what an emulated trainer runs at without a profile) instead of "
+            "the trace's per-job calibration of it, and the profiler's Optimus fit is switched off "
+            "(the simulator publishes the §4.5 estimate of the measured counts only, never a fit). "
+            "What can still part the sequences is a hand-over hold of the synchronized clock that "
+            "lapses (10 s wall without an answer, logged as `clock_hold_lapsed`; it happens on an "
+            "overloaded machine): the clock then runs on without waiting for that step, and a "
+            "measurement or a change lands at another instant than in the simulator. The JCT difference "
+            "left is the whole-iteration rounding described above.",
+            "",
+        ]
+    else:
+        lines += [SECTION_45, ""]
+    diffs = [r for r in rows if r.get("first_difference")]
+    if diffs:
+        lines += [
+            "First differing decision (position in the sequence; the shares that differ, sim / emu):",
+            "",
+        ]
+        for r in diffs:
+            i, a, b = r["first_difference"]
+            lines.append(
+                f"* {r['trace']}, {r['policy']}, {r.get('profiling', 'oracle')}: decision {i}: {a} / {b}"
+            )
+        lines.append("")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--case", action="append", help="trace,policy,time_scale (repeatable)")
+    p.add_argument(
+        "--case", action="append", help="trace,policy,time_scale[,free][,overestimate[=s]] (repeatable)"
+    )
     p.add_argument("--output", default=str(REPORT), help="report path, or - for stdout only")
     p.add_argument("--nats-url", default=None)
     args = p.parse_args(argv)

@@ -37,6 +37,24 @@ the next in whole iterations (``ProgressReported.iteration``), so a job whose
 leading sidecar moves can finish a second later than in the simulator (completions
 are rounded up to whole seconds), and the decision its completion triggers — the
 same share map — comes a second later too.
+
+Throughput knowledge (``profiling``). ``oracle`` (default): the simulator publishes
+every job's curve at arrival and the emulated run submits it as the job's profile.
+``overestimate``: AFS §4.5 on both sides. The simulator runs with
+``SimConfig(profiling="overestimate", measure_s=measure_s)``. The emulated stack also
+runs the profiler (``min_interval_s=measure_s``, its measurement window), its
+allocator is given no catalog and the jobs no profile, so every job starts on the
+estimate: capped at 1/n, then taken through its smaller allocatable units as the
+profiler's measurements of the emulated trainers arrive (``decide_overestimate_first``
+in the allocator). On the synchronized clock the allocator and profiler hold the clock
+at the end of each measurement window (see the profiler's docstring), so measurements
+land at the simulator's instants. Two choices make the sides comparable: both run
+each job at its ``afs`` catalog curve (what an emulated trainer runs at without a
+profile; the trace's per-job calibration differs from it by up to about 1 %), and the
+profiler's Optimus fit is off (``fit_min_counts`` out of reach), because the simulator
+publishes the §4.5 estimate of the measured counts only, never a fit. ``compare``
+also counts the §4.5 models of each log and the decisions they triggered, and names
+the first decision where the sequences differ.
 """
 
 from __future__ import annotations
@@ -51,13 +69,24 @@ from typing import Any
 import msgspec
 from shoal import events as ev
 from shoal.bus import Bus
+from shoal.models import get_catalog
 from shoal.nats_server import EmbeddedNats
 from shoal.policies.base import Policy
+from shoal.profiling import OVERESTIMATE_KIND, ProfileParams
+from shoal.profiling.ratelimit import MIN_INTERVAL_S
 from shoal.sim.costs import get_costs
 from shoal.sim.engine import SimConfig, Simulator, make_policy
 from shoal.state import fold
 from shoal.workloads import TraceJob, load_workload
 from shoal_services.stack import EmulatedStack, StackConfig, replay_trace, summarize
+
+STACK_CATALOG = "afs"
+"""The emulated stack's catalog (the trainers' curves for a job without a profile)."""
+
+PROFILING_MODES = ("oracle", "overestimate")
+
+NO_FIT = 1 << 30
+"""``ProfileParams.fit_min_counts`` that no job reaches."""
 
 
 class ConformanceConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,6 +101,19 @@ class ConformanceConfig(msgspec.Struct, frozen=True, kw_only=True):
     report_every_s: float = 0.5
     synchronized: bool = True
     """Run the emulated stack on a synchronized clock (see :class:`shoal.clock.SharedClock`)."""
+    profiling: str = "oracle"
+    """``oracle``: every job's curve is known at arrival (the simulator publishes it, the
+    emulated run submits it as the job's profile). ``overestimate``: AFS §4.5 runs on
+    both sides (see the module docstring)."""
+    measure_s: float = MIN_INTERVAL_S
+    """``overestimate``: the simulator's ``measure_s`` and the live profiler's
+    ``min_interval_s``, virtual seconds."""
+
+    def __post_init__(self) -> None:
+        if self.profiling not in PROFILING_MODES:
+            raise ValueError(f"profiling is one of {', '.join(PROFILING_MODES)}; got {self.profiling!r}")
+        if self.profiling == "overestimate" and not self.measure_s > 0:
+            raise ValueError(f"measure_s must be positive, got {self.measure_s}")
 
 
 def share_sequence(envs: Sequence[ev.Envelope], trigger: str | None = None) -> list[dict[str, int]]:
@@ -120,10 +162,48 @@ def sequence_agreement(a: Sequence[dict[str, int]], b: Sequence[dict[str, int]])
     return prev[len(b)] / max(len(a), len(b))
 
 
+def model_updates(envs: Sequence[ev.Envelope]) -> int:
+    """``ThroughputModelUpdated`` events of AFS §4.5's estimate in a log (one per newly
+    measured GPU count of a job)."""
+    return sum(
+        1
+        for env in envs
+        if isinstance(env.event, ev.ThroughputModelUpdated) and env.event.model_kind == OVERESTIMATE_KIND
+    )
+
+
+def first_difference(
+    a: Sequence[dict[str, int]], b: Sequence[dict[str, int]]
+) -> tuple[int, dict[str, int], dict[str, int]] | None:
+    """The first position where two decision sequences differ, with the shares that
+    differ there (job -> GPUs, 0 for a job absent from one side); ``None`` if equal."""
+    for i in range(max(len(a), len(b))):
+        x = a[i] if i < len(a) else {}
+        y = b[i] if i < len(b) else {}
+        if x != y or i >= len(a) or i >= len(b):
+            keys = sorted(set(x) | set(y))
+            return (
+                i,
+                {k: x.get(k, 0) for k in keys if x.get(k, 0) != y.get(k, 0)},
+                {k: y.get(k, 0) for k in keys if x.get(k, 0) != y.get(k, 0)},
+            )
+    return None
+
+
 def load_jobs(cfg: ConformanceConfig) -> tuple[TraceJob, ...]:
-    """The slice, with arrivals shifted to start at 0 (as the stack replays them)."""
+    """The slice, with arrivals shifted to start at 0 (as the stack replays them).
+
+    With ``profiling="overestimate"`` each job's curve is its model's catalog curve
+    (the ``afs`` catalog, which the emulated trainers run at when no profile tells them
+    otherwise) instead of the trace's per-job calibration of it (up to about 1 % away from it).
+    """
     jobs = load_workload(cfg.trace, seed=cfg.seed)
     t0 = jobs[0].submit_time_s if jobs else 0.0
+    if cfg.profiling == "overestimate":
+        catalog = get_catalog(STACK_CATALOG)
+        jobs = tuple(
+            msgspec.structs.replace(j, throughput=catalog.curve(j.spec.model, "").throughput) for j in jobs
+        )
     return tuple(msgspec.structs.replace(j, submit_time_s=j.submit_time_s - t0) for j in jobs)
 
 
@@ -135,6 +215,8 @@ def run_sim(
         gpus_per_node=cfg.gpus_per_node,
         costs=get_costs(cfg.costs),
         gpu_type=cfg.gpu_type,
+        profiling=cfg.profiling,
+        measure_s=cfg.measure_s,
     )
     sim = Simulator(jobs, policy, sim_cfg)
     result = sim.run()
@@ -152,6 +234,7 @@ async def run_emulated(
     ``nats_url`` an embedded server with a temporary store and authentication on is
     started (and stopped)."""
     server: EmbeddedNats | None = None
+    overestimate = cfg.profiling == "overestimate"
     with tempfile.TemporaryDirectory() as tmp:
         if nats_url is None:
             server = EmbeddedNats(store_dir=Path(tmp) / "js", creds_dir=Path(tmp) / "creds", prefix="*")
@@ -177,13 +260,20 @@ async def run_emulated(
                         # no job placed there waits for a sidecar's cold start.
                         spares=cfg.gpus_per_node,
                         synchronized=cfg.synchronized,
+                        catalog=STACK_CATALOG,
+                        profiler=overestimate,
+                        profiler_min_interval_s=cfg.measure_s,
+                        # The simulator publishes §4.5's estimate of the measured counts
+                        # only, never a fit: the profiler's Optimus fit is left out.
+                        profiler_params=ProfileParams(fit_min_counts=NO_FIT),
+                        allocator_catalog=not overestimate,
                     ),
                     creds=creds,
                 )
                 await stack.start()
                 t0 = time.monotonic()
                 try:
-                    await replay_trace(stack, jobs)
+                    await replay_trace(stack, jobs, attach_profiles=not overestimate)
                 finally:
                     await stack.stop()
                 wall = time.monotonic() - t0
@@ -207,9 +297,12 @@ def compare(cfg: ConformanceConfig, nats_url: str | None = None, creds: str | No
     )
     a, b = share_sequence(sim_envs), share_sequence(emu_envs)
     arr_a, arr_b = share_sequence(sim_envs, "arrival"), share_sequence(emu_envs, "arrival")
+    diff = first_difference(a, b)
     return {
         "trace": cfg.trace,
         "policy": cfg.policy,
+        "profiling": cfg.profiling,
+        "measure_s": cfg.measure_s,
         "time_scale": cfg.time_scale,
         "synchronized": cfg.synchronized,
         "jobs": len(jobs),
@@ -225,5 +318,10 @@ def compare(cfg: ConformanceConfig, nats_url: str | None = None, creds: str | No
         "decision_agreement": sequence_agreement(a, b),
         "arrival_decisions": len(arr_a),
         "arrivals_agree": arr_a == arr_b,
+        "sim_model_updates": model_updates(sim_envs),
+        "emu_model_updates": model_updates(emu_envs),
+        "sim_probe_decisions": len(share_sequence(sim_envs, "model_update")),
+        "emu_probe_decisions": len(share_sequence(emu_envs, "model_update")),
+        "first_difference": diff,
         "wall_s": wall,
     }

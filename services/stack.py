@@ -1,4 +1,5 @@
-"""The whole emulated stack in one event loop: admission, allocator, placer and node daemons.
+"""The whole emulated stack in one event loop: admission, allocator, placer, node daemons
+and, optionally, the profiler.
 
 Used by the emulate-vs-simulate conformance test and the service benchmark. Node
 daemons still run every sidecar as a real subprocess; the services themselves are
@@ -26,6 +27,8 @@ from shoal.events import JobSpec
 from shoal.gpus import fake_gpus
 from shoal.models import Catalog, get_catalog
 from shoal.policies.base import Policy
+from shoal.profiling import ProfileParams
+from shoal.profiling.ratelimit import MIN_INTERVAL_S
 from shoal.projection import Projection
 from shoal.sim.metrics import jct_summary
 from shoal.state import COMPLETED, FINISHED_STATUSES, ClusterState
@@ -34,6 +37,7 @@ from shoal_services.admission.service import AdmissionService
 from shoal_services.allocator.service import AllocatorService
 from shoal_services.node_daemon.service import NodeDaemon
 from shoal_services.placer.service import PlacerService
+from shoal_services.profiler.service import ProfilerService
 
 STALL_S = 60.0
 """Wall seconds virtual time may stand still during a replay before it is an error
@@ -57,6 +61,17 @@ class StackConfig(Struct, frozen=True, kw_only=True):
     """Share a :class:`~shoal.clock.SharedClock` that stands still while the control
     plane works on an event (exact emulation at any time scale; see its docstring)
     instead of a free-running :class:`~shoal.clock.ScaledClock`."""
+    profiler: bool = False
+    """Also run the profiler (:class:`~shoal_services.profiler.service.ProfilerService`),
+    which turns the trainers' progress reports into throughput models."""
+    profiler_min_interval_s: float = MIN_INTERVAL_S
+    """The profiler's ``min_interval_s`` (virtual seconds)."""
+    profiler_params: ProfileParams | None = None
+    """The profiler's modelling parameters (None: :class:`~shoal.profiling.ProfileParams`)."""
+    allocator_catalog: bool = True
+    """Give the allocator ``catalog``. False: a job without a profile is unknown to it and
+    starts on AFS §4.5's estimate, while the emulated trainers still run at their catalog
+    curve (their truth)."""
 
 
 class EmulatedStack:
@@ -95,6 +110,7 @@ class EmulatedStack:
         self.projection = Projection(bus)
         self.admission: AdmissionService | None = None
         self.allocator: AllocatorService | None = None
+        self.profiler: ProfilerService | None = None
 
     def _sidecar_argv(self, node_id: str) -> Callable[[str], Sequence[str]]:
         c = self.config
@@ -162,13 +178,22 @@ class EmulatedStack:
             self.policy,
             holder="stack-allocator",
             clock=self.clock,
-            catalog=self.catalog,
+            catalog=self.catalog if c.allocator_catalog else None,
             network_packing=c.network_packing,
             node_timeout_s=max(10.0, 5 * c.heartbeat_s),
             heartbeat_s=c.heartbeat_s,
         )
         self.allocator = allocator
         self.tasks += [asyncio.create_task(allocator.run(stop)), asyncio.create_task(placer.run(stop))]
+        if c.profiler:
+            self.profiler = ProfilerService(
+                self.bus,
+                holder="stack-profiler",
+                clock=self.clock,
+                params=c.profiler_params,
+                min_interval_s=c.profiler_min_interval_s,
+            )
+            self.tasks.append(asyncio.create_task(self.profiler.run(stop)))
         self.tasks += [asyncio.create_task(daemon.run(stop)) for daemon in self.daemons]
         await self.wait(lambda s: len(s.nodes) >= c.nodes, timeout_s=30)
         # Jobs placed before the spares are up would pay a sidecar's cold start.
@@ -179,6 +204,9 @@ class EmulatedStack:
         # A trace replayed before the allocator leads would see its first arrivals
         # decided together at the takeover instant instead of at their own.
         await self.wait(lambda s: allocator.is_leader and allocator.asof is not None, timeout_s=30)
+        if self.profiler is not None:
+            profiler = self.profiler
+            await self.wait(lambda s: profiler.is_leader, timeout_s=30)
 
     def check_services(self) -> None:
         """Raise if a service of the stack has failed.

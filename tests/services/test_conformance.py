@@ -3,17 +3,29 @@ the live stack (real nats-server, services, sidecar processes) and through ``sho
 
 The default run replays 50 Philly jobs of VC 0e4a51 on 4 × 4 GPUs at 10,000× on the
 synchronized clock, and 12 on a free-running clock; the ``slow`` runs replay 100 jobs
-under three policies. ``python benchmarks/conformance.py`` writes the report.
+under three policies, and 12 with AFS §4.5's overestimate-first live (the profiler
+measures, the allocator probes). ``python benchmarks/conformance.py`` writes the report.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 from shoal import codec
 from shoal import events as ev
-from shoal_services.conformance import ConformanceConfig, compare, sequence_agreement, share_sequence
+from shoal.profiling import OVERESTIMATE_KIND
+from shoal_services.conformance import (
+    ConformanceConfig,
+    compare,
+    first_difference,
+    model_updates,
+    sequence_agreement,
+    share_sequence,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -88,3 +100,60 @@ def test_contended_slices_agree_one_for_one(nats_url: str, trace: str, policy: s
     assert out["emu_completed"] == out["sim_completed"] == out["jobs"]
     assert out["decision_agreement"] == 1.0, out
     assert out["jct_rel_diff"] < 0.001, out
+
+
+def _bench() -> ModuleType:
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "conformance.py"
+    spec = importlib.util.spec_from_file_location("bench_conformance", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_overestimate_cases_and_their_counts() -> None:
+    parse = _bench().parse_case
+    cfg = parse("philly:0e4a51:12,afs-p,1000,overestimate=60")
+    assert (cfg.profiling, cfg.measure_s, cfg.synchronized) == ("overestimate", 60.0, True)
+    assert parse("philly:0e4a51:12,afs-p,1000,free").profiling == "oracle"
+    for bad in ("a,b,1,overestimate,overestimate", "a,b,1,sync", "a,b"):
+        with pytest.raises(ValueError):
+            parse(bad)
+    with pytest.raises(ValueError):
+        ConformanceConfig(profiling="guess")
+    model = ev.ThroughputModelUpdated(
+        job_id="a", gpu_type="", model_kind=OVERESTIMATE_KIND, throughput={1: 1.0}
+    )
+    table = ev.ThroughputModelUpdated(job_id="a", gpu_type="", model_kind="table", throughput={1: 1.0})
+    assert model_updates([codec.wrap(model), codec.wrap(table)]) == 1
+    assert first_difference([{"a": 2}], [{"a": 2}]) is None
+    assert first_difference([{"a": 2}, {"a": 1, "b": 1}], [{"a": 2}, {"a": 2}]) == (
+        1,
+        {"a": 1, "b": 1},
+        {"a": 2, "b": 0},
+    )
+    assert first_difference([{"a": 2}], [{"a": 2}, {}]) == (1, {}, {})
+
+
+@pytest.mark.slow
+def test_overestimate_first_runs_live_and_agrees_with_the_simulator(nats_url: str) -> None:
+    """AFS §4.5 on both sides (about two minutes on two busy cores): the simulator with
+    ``profiling="overestimate"``, the emulated stack with the profiler and no curve given
+    to the allocator. New jobs start at their fair share, are taken through their smaller
+    units as measurements arrive, and the two runs make the same decisions.
+
+    A hand-over hold that lapses on an overloaded machine (10 s without an answer) lets
+    the clock run past a measurement and the sequences then part (see the report); the
+    bounds below leave room for one such lapse."""
+    cfg = ConformanceConfig(
+        trace="philly:0e4a51:12", policy="max-min", time_scale=1000.0, profiling="overestimate"
+    )
+    out = compare(cfg, nats_url, os.environ["NATS_CREDS"])
+    assert out["emu_completed"] == out["sim_completed"] == 12
+    # §4.5 happened on both sides: one estimate per newly measured count, and decisions it caused.
+    assert out["sim_model_updates"] > 12 and out["sim_probe_decisions"] > 0, out
+    assert abs(out["emu_model_updates"] - out["sim_model_updates"]) <= 2, out
+    assert out["emu_probe_decisions"] > 0, out
+    assert out["arrivals_agree"], out
+    assert out["decision_agreement"] >= 0.9, out
+    assert out["jct_rel_diff"] < 0.01, out

@@ -56,14 +56,11 @@ saying which jobs are on the estimate and which counts are measured:
   re-adjust it.
 
 Measurements come from the profiler (``shoal.profiling.throughput_update``: one per
-newly measured count, at least ``profiler_min_interval_s`` apart) or, in the
+newly measured count, once the job has run ``profiler_min_interval_s`` at that count
+since its reconfiguration completed, see ``services/profiler/service.py``) or, in the
 simulator, once the job has run ``SimConfig.measure_s`` (the same interval by
-default) at a count. Not done: the live emulated stack of ``benchmarks/conformance.py``
-runs no profiler and gives every job its curve as a profile, so the conformance
-report compares the oracle setting only (the live profiler publishes a measurement
-when a progress report at the new count arrives, the simulator at a fixed window
-after the change; the synchronized clock does not know the profiler's next
-publication).
+default) at a count. ``benchmarks/conformance.py``'s ``overestimate`` cases run both
+and compare them (``benchmarks/reports/conformance_overestimate.md``).
 """
 
 from __future__ import annotations
