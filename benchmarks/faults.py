@@ -3,8 +3,10 @@ with a standby allocator and a steady load of submissions, injects every fault o
 :data:`shoal.faults.FULL` in turn, runs the checks after each and at the end, and writes
 ``benchmarks/reports/faults.md`` (one row per fault). See :mod:`shoal.faults`.
 
-``--reduced`` runs :data:`shoal.faults.REDUCED` (what the default test run does) and
-``--out`` writes the report elsewhere.
+``--reduced`` runs :data:`shoal.faults.REDUCED` (what the default test run does),
+``--pauses SECONDS`` runs :func:`shoal.faults.pauses` instead (a SIGSTOP of that long of
+every kind of process, one at a time; report ``faults_pause_<SECONDS>s.md``) and ``--out``
+writes the report elsewhere.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shoal.faults import FULL, REDUCED, run_suite
+from shoal.faults import FULL, REDUCED, pauses, run_suite
 
 REPORT = Path(__file__).resolve().parent / "reports" / "faults.md"
 
@@ -24,16 +26,41 @@ REPORT = Path(__file__).resolve().parent / "reports" / "faults.md"
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reduced", action="store_true", help="only the faults of the default test run")
-    p.add_argument("--out", type=Path, default=REPORT, help=f"report path (default {REPORT})")
+    p.add_argument(
+        "--pauses",
+        type=float,
+        metavar="SECONDS",
+        help="only SIGSTOP of every kind of process for SECONDS each (e.g. 60)",
+    )
+    p.add_argument("--out", type=Path, help=f"report path (default {REPORT}, or faults_pause_<S>s.md)")
     args = p.parse_args()
     from shoal.faults import report
 
+    if args.pauses is not None:
+        faults = pauses(args.pauses)
+        out = args.out or REPORT.with_name(f"faults_pause_{args.pauses:g}s.md")
+        command = f"python benchmarks/faults.py --pauses {args.pauses:g}"
+    else:
+        faults = REDUCED if args.reduced else FULL
+        out = args.out or REPORT
+        command = "python benchmarks/faults.py" + (" --reduced" if args.reduced else "")
+    args.out = out
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="shoal-faults-") as tmp:
-        results = asyncio.run(run_suite(Path(tmp), REDUCED if args.reduced else FULL))
+        # Long pauses: one submission every 5 s, which the 4 emulated GPUs keep up with
+        # once the backlog of a 60 s pause is worked off (at 1/s they did not, on this
+        # loaded 2-core machine, within the recovery timeout).
+        every = 5.0 if args.pauses is not None else 1.0
+        results = asyncio.run(
+            run_suite(
+                Path(tmp),
+                faults,
+                recovery_timeout_s=max(60.0, 2 * (args.pauses or 0)),
+                submit_every_s=every,
+            )
+        )
         elapsed = time.monotonic() - started
-        command = "python benchmarks/faults.py" + (" --reduced" if args.reduced else "")
-        text = report(results, command=command, elapsed_s=elapsed)
+        text = report(results, command=command, elapsed_s=elapsed, submit_every_s=every)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
         print(text)

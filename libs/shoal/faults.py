@@ -112,6 +112,15 @@ def _procs() -> list[tuple[int, int, int, str]]:
     return out
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that is not a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z"
+
+
 def cmdline(pid: int) -> list[str]:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
@@ -424,7 +433,15 @@ class FaultSuite:
     async def _target_pid(self, fault: Fault) -> int | None:
         t = fault.target
         if t in ("allocator-leader", "allocator"):
-            return await self.allocator_leader()
+            # The lease may still name a process that just stopped (the standby stopped
+            # for a no-standby fault): wait for a live holder.
+            deadline = time.monotonic() + self.recovery_timeout_s
+            while time.monotonic() < deadline:
+                pid = await self.allocator_leader()
+                if pid is not None and alive(pid):
+                    return pid
+                await asyncio.sleep(0.2)
+            return None
         if t == "allocator-standby":
             leader = await self.allocator_leader()
             pids = [p for p in (self.pid_of("allocator"), self.standby_pid()) if p is not None]
@@ -480,12 +497,17 @@ class FaultSuite:
         leaders_seen: list[int] = []
         at = time.monotonic()
         if fault.stop_s:
+            what = " ".join(cmdline(pid)[-4:])
             os.kill(pid, signal.SIGSTOP)
             fence = await self._fence()
             try:
                 await self._watch_leaders(fault.stop_s, leaders_seen)
             finally:
-                os.kill(pid, signal.SIGCONT)
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:  # something killed it while it was stopped
+                    result.failed.append("target vanished")
+                    result.notes.append(f"pid {pid} ({what}) was gone at SIGCONT")
             result.notes.append(f"pid {pid} stopped {fault.stop_s:g} s")
         else:
             os.kill(pid, signal.SIGKILL)
@@ -584,6 +606,14 @@ class FaultSuite:
             failed.append("epochs")
         if not await self.check_terminal(list(jobs)):
             failed.append("terminal")
+            state = self.follower.projection.state if self.follower is not None else None
+            if state is not None:
+                left: dict[str, int] = {}
+                for j in jobs:
+                    status = state.jobs[j].status if j in state.jobs else "not in the log"
+                    if status not in st.FINISHED_STATUSES:
+                        left[status] = left.get(status, 0) + 1
+                self._notes.append(f"not ended after {self.recovery_timeout_s:g} s: {left}")
         if not await self.check_ready():
             failed.append("ready")
         if not await self.check_digests():
@@ -748,6 +778,34 @@ REDUCED: tuple[Fault, ...] = (
     Fault(name="SIGSTOP allocator leader (with standby)", target="allocator-leader", stop_s=5.0),
 )
 
+
+def pauses(stop_s: float = 60.0) -> tuple[Fault, ...]:
+    """A ``SIGSTOP`` of ``stop_s`` (then ``SIGCONT``) of every kind of process of an
+    installation, one at a time: issue 21's "after a 60 s pause of any process,
+    scheduling resumes without anyone restarting ``shoal up``"."""
+    return (
+        Fault(
+            name=f"SIGSTOP {stop_s:g} s allocator (no standby)",
+            target="allocator",
+            stop_s=stop_s,
+            standby=False,
+        ),
+        Fault(
+            name=f"SIGSTOP {stop_s:g} s allocator leader (with standby)",
+            target="allocator-leader",
+            stop_s=stop_s,
+        ),
+        Fault(name=f"SIGSTOP {stop_s:g} s allocator standby", target="allocator-standby", stop_s=stop_s),
+        Fault(name=f"SIGSTOP {stop_s:g} s admission", target="admission", stop_s=stop_s),
+        Fault(name=f"SIGSTOP {stop_s:g} s placer", target="placer", stop_s=stop_s),
+        Fault(name=f"SIGSTOP {stop_s:g} s profiler", target="profiler", stop_s=stop_s),
+        Fault(name=f"SIGSTOP {stop_s:g} s trader", target="trader", stop_s=stop_s),
+        Fault(name=f"SIGSTOP {stop_s:g} s node daemon", target="node-daemon", stop_s=stop_s),
+        Fault(name=f"SIGSTOP {stop_s:g} s sidecar (emulated trainer)", target="sidecar", stop_s=stop_s),
+        Fault(name=f"SIGSTOP {stop_s:g} s NATS server", target="nats", stop_s=stop_s),
+    )
+
+
 NOT_RUN = (
     (
         "kill -9 sidecar leader (real mode)",
@@ -772,7 +830,7 @@ async def run_suite(work_dir: Path, faults: tuple[Fault, ...], **kw: Any) -> lis
     return results
 
 
-def report(results: list[Result], *, command: str, elapsed_s: float) -> str:
+def report(results: list[Result], *, command: str, elapsed_s: float, submit_every_s: float = 1.0) -> str:
     def secs(v: float | None) -> str:
         return "-" if v is None else f"{v:.2f} s"
 
@@ -781,7 +839,8 @@ def report(results: list[Result], *, command: str, elapsed_s: float) -> str:
         "",
         f"Generated by `{command}` in {elapsed_s:.0f} s on this machine. `shoal up` with 2 emulated nodes"
         " of 2 GPUs, FIFO, time scale 20, lease TTL 3 s, a standby `shoal run allocator` (except where"
-        " noted), one submission per second through the SDK; pauses are 5 s (SIGSTOP, then SIGCONT)."
+        f" noted), one submission every {submit_every_s:g} s through the SDK; a pause is a SIGSTOP, then SIGCONT,"
+        " as long as its row says."
         " Recovery: wall time from the fault (SIGKILL, or SIGSTOP) to the next `SharesDecided` /"
         " `PlacementDecided` appended after it (past the stream's last sequence read just after the"
         " signal), as the harness's follower folds them. A decision by a service the fault did not"

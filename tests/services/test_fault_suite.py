@@ -19,7 +19,7 @@ from shoal import codec
 from shoal import events as ev
 from shoal import state as st
 from shoal.client import Client
-from shoal.faults import FULL, REDUCED, FaultSuite, Result, run_suite
+from shoal.faults import FULL, REDUCED, FaultSuite, Result, pauses, run_suite
 
 pytestmark = pytest.mark.integration
 
@@ -40,6 +40,18 @@ async def test_reduced_fault_suite(tmp_path: Path) -> None:
 async def test_full_fault_suite(tmp_path: Path) -> None:
     results = await run_suite(tmp_path, FULL)
     assert _failures(results) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+async def test_a_sixty_second_pause_of_any_process_is_survived(tmp_path: Path) -> None:
+    """Issue 21: after a 60 s SIGSTOP of any process (each service, the standby, a node
+    daemon, a sidecar, the NATS server), scheduling resumes and every check passes,
+    without anyone restarting ``shoal up``."""
+    results = await run_suite(tmp_path, pauses(60.0), recovery_timeout_s=120.0, submit_every_s=5.0)
+    assert _failures(results) == []
+    for r in results[:-1]:
+        assert r.to_decision_s is not None and r.to_placement_s is not None
 
 
 async def test_every_check_can_fail(tmp_path: Path) -> None:
