@@ -850,6 +850,16 @@ class Bus:
             high, window = low, window * 4
         return last, None
 
+    async def _nothing_pending(self, stream: str, consumer: str) -> bool:
+        """Whether a replay consumer has nothing left to deliver (False when it cannot tell:
+        the caller then asks again)."""
+        try:
+            info = await self.js.consumer_info(stream, consumer, timeout=5.0)
+        except Exception as exc:
+            log.debug("replay_consumer_info_failed", error=repr(exc))
+            return False
+        return not info.num_pending
+
     async def replay_batches(
         self,
         *,
@@ -982,7 +992,10 @@ class Bus:
                             headers = msg.headers or {}
                             status = headers.get(Header.STATUS.value, "")
                             if status in ("404", "408"):
-                                caught_up = True
+                                # "No messages" can also be the late answer to an earlier
+                                # request this loop gave up on as stalled (a loaded server):
+                                # before ending a replay on it, ask the consumer itself.
+                                caught_up = caught_up or await self._nothing_pending(stream, consumer)
                             elif status == "503" or (
                                 status == "409" and "deleted" in headers.get("Description", "").lower()
                             ):
