@@ -7,6 +7,8 @@ import asyncio
 import os
 from pathlib import Path
 
+import pytest
+from shoal import codec
 from shoal import events as ev
 from shoal.bus import Bus
 from shoal.nats_server import EmbeddedNats
@@ -95,3 +97,30 @@ async def test_replay_survives_a_server_restart_on_the_same_port(tmp_path: Path)
             await writer.close()
     finally:
         server.stop()
+
+
+async def test_a_slow_replay_is_waited_for_and_a_stuck_one_is_not(bus: Bus) -> None:
+    """``Projection.wait_ready`` gives up only on a replay that folds nothing for its
+    timeout: one that keeps folding (a long log, a loaded machine) is waited for."""
+    import time
+
+    from shoal.projection import Projection
+
+    from tests.services.test_allocator_placer import job
+
+    # More than one replay batch (8,192): between two batches the wait's timeout fires.
+    n = 9_000
+    await bus.publish_many([codec.wrap(job(f"j{i}", 1), at=float(i)) for i in range(n)])
+    projection = Projection(bus)
+    # Each fold takes 0.2 ms: the first batch alone takes about 1.6 s, past a 0.5 s timeout.
+    projection.add_listener(lambda *_: time.sleep(0.0002))
+    await projection.start()
+    try:
+        await projection.wait_ready(timeout_s=0.5)
+        assert projection.last_seq == n
+    finally:
+        await projection.stop()
+    # Never started, so it folds nothing and is never ready: the timeout still ends the wait.
+    stuck = Projection(bus)
+    with pytest.raises(TimeoutError):
+        await stuck.wait_ready(timeout_s=0.2)

@@ -237,7 +237,23 @@ class Projection:
             listener(skipped)
 
     async def wait_ready(self, timeout_s: float = 60.0) -> None:
-        await asyncio.wait_for(self.ready.wait(), timeout_s)
+        """Return once the replay has caught up with the log.
+
+        Raises:
+            TimeoutError: the replay folded nothing for ``timeout_s`` (stuck). A replay that
+                keeps folding is waited for however long it takes: a service without a
+                usable snapshot on a long log (10^6 events took about a minute on a loaded
+                2-core machine) would otherwise be ended at every start and never come up.
+        """
+        while True:
+            seq = self.last_seq
+            try:
+                await asyncio.wait_for(self.ready.wait(), timeout_s)
+                return
+            except TimeoutError:
+                if self.last_seq == seq:
+                    raise
+                log.info("replay_still_running", folded_seq=self.last_seq, since_seq=seq)
 
     async def wait_for(self, seq: int, timeout_s: float = 10.0) -> None:
         """Return once every event up to ``seq`` is folded (read-your-writes)."""
