@@ -236,9 +236,10 @@ async def measure(args: argparse.Namespace, root: Path) -> None:
     if any(rec.get("wall_s") is None for _n, _m, rec in rows):
         lines += [
             "",
-            "*failed*: the service never logged `projection_ready`. `service_failed TimeoutError` after "
-            "about 60 s is the projection's ready timeout (`Projection.wait_ready`): a replay that has "
-            "not caught up by then ends the process, for its supervisor to restart it.",
+            "*failed*: the service never logged `projection_ready` within the benchmark's timeout "
+            "(`--timeout`). `service_failed TimeoutError` is the projection's ready timeout "
+            "(`Projection.wait_ready`): a replay that folded nothing for 60 s ends the process, for its "
+            "supervisor to restart it (before commit 010afd3 any replay not done in 60 s did).",
         ]
     snap_walls = [rec["wall_s"] for _n, mode, rec in rows if mode == "snapshot"]
     if snap_walls and all(w is not None for w in snap_walls):
