@@ -83,6 +83,12 @@ def check_snapshot(snap: Snapshot, *, stream_last_seq: int) -> tuple[st.ClusterS
     return state, ""
 
 
+def snapshot_due(folded: int, since_s: float, every: int, interval_s: float) -> bool:
+    """Whether a service's snapshot writer should write now: something was folded since its
+    last snapshot, and either ``every`` events were or ``interval_s`` seconds passed."""
+    return folded > 0 and (folded >= every or since_s >= interval_s)
+
+
 class Projection:
     """The folded cluster state of one process, kept current from the log.
 

@@ -85,7 +85,7 @@ from shoal.log import bound_job
 from shoal.models import Catalog
 from shoal.policies.base import Policy
 from shoal.profiling.overestimate import decide_overestimate_first
-from shoal.projection import CLUSTER_SNAPSHOT, Projection
+from shoal.projection import CLUSTER_SNAPSHOT, Projection, snapshot_due
 from shoal.state import NODE_UP, ClusterState, apply, copy_state
 from shoal.telemetry import producer_span, stored_context, tracing_enabled
 from shoal.view import carry_progress_forward
@@ -512,9 +512,7 @@ class AllocatorService:
         """Write the cluster snapshot when due (see :attr:`snapshot_interval_s`)."""
         folded = self.projection.last_seq - self._snapshot_seq
         now = time.monotonic()
-        if folded <= 0 or (
-            folded < self.snapshot_every and now - self._snapshot_at < self.snapshot_interval_s
-        ):
+        if not snapshot_due(folded, now - self._snapshot_at, self.snapshot_every, self.snapshot_interval_s):
             return
         self._snapshot_at = now
         try:

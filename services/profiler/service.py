@@ -78,7 +78,7 @@ from shoal.events import Envelope
 from shoal.profiling import ProfileBook, ProfileParams, Reason, convergence_update, throughput_update
 from shoal.profiling.ratelimit import MIN_INTERVAL_S, TOO_SOON, is_publish, publish_decision, relative_change
 from shoal.profiling.snapshot import PROFILER_SNAPSHOT, check_profiler_snapshot, encode_profiler_snapshot
-from shoal.projection import Projection
+from shoal.projection import Projection, snapshot_due
 from shoal.state import FINISHED_STATUSES, ClusterState
 
 log = structlog.get_logger("shoal.profiler")
@@ -212,9 +212,7 @@ class ProfilerService:
         """Write the profiler snapshot when due (see :attr:`snapshot_interval_s`)."""
         folded = self.projection.last_seq - self._snapshot_seq
         now = time.monotonic()
-        if folded <= 0 or (
-            folded < self.snapshot_every and now - self._snapshot_at < self.snapshot_interval_s
-        ):
+        if not snapshot_due(folded, now - self._snapshot_at, self.snapshot_every, self.snapshot_interval_s):
             return
         self._snapshot_at = now
         snap = self.snapshot()
