@@ -45,11 +45,13 @@ Modelling choices (REPRODUCTION.md, "AFS / CoDDL"):
 from __future__ import annotations
 
 import csv
+import gzip
+import itertools
 import math
 import random
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from functools import cache
+from importlib import resources
 
 from msgspec import Struct
 
@@ -60,7 +62,6 @@ from shoal.models import (
     ThroughputCurve,
     afs_catalog,
     get_catalog,
-    open_data,
     read_rows,
 )
 
@@ -218,10 +219,28 @@ def _philly_row(r: Mapping[str, str]) -> PhillyRow:
     )
 
 
+def _philly_vc_lines(vc: str) -> Generator[list[str], None, None]:
+    """The header, then the raw fields of one VC's rows (both trace flags), read lazily.
+
+    Each VC is its own file, ``data/philly/<vc>.csv.gz``, its rows in submission order
+    (``submit_time_s``, then ``job_id``, as :func:`philly_vc_rows` orders them; a test
+    checks every file is), so a caller that wants the first rows stops reading early.
+    """
+    raw = resources.files("shoal").joinpath("data", "philly", f"{vc}.csv.gz")
+    with raw.open("rb") as f, gzip.open(f, "rt", encoding="utf-8", newline="") as text:
+        yield from csv.reader(text)
+
+
 @cache
 def philly_rows() -> tuple[PhillyRow, ...]:
-    """Every row of the shipped Philly file (all 11 VCs, both trace flags)."""
-    return tuple(_philly_row(r) for r in read_rows("philly_afs_11vc_jobs.csv"))
+    """Every row of the shipped Philly files (all 11 VCs, both trace flags), VC by VC in
+    :data:`PHILLY_VCS` order, each in submission order."""
+    out: list[PhillyRow] = []
+    for vc in PHILLY_VCS:
+        lines = _philly_vc_lines(vc)
+        names = next(lines)
+        out += (_philly_row(dict(zip(names, r, strict=True))) for r in lines)
+    return tuple(out)
 
 
 def philly_summary() -> dict[str, dict[str, str]]:
@@ -230,33 +249,42 @@ def philly_summary() -> dict[str, dict[str, str]]:
 
 
 @cache
-def _philly_vc_fields(vc: str) -> tuple[dict[str, int], tuple[list[str], ...]]:
-    """The header (column -> index) and the raw fields of one VC's rows (both trace
-    flags), in file order. Only that VC's lines are parsed: the file holds all 11 VCs
-    (110k rows) and parsing them all was most of ``shoal simulate``'s start-up. A
-    row's ``job_id`` starts with its VC hash, so a line of another VC is skipped before
-    CSV parsing; the ``vc`` column is checked after it."""
-    with open_data("philly_afs_11vc_jobs.csv") as f:
-        text = f.read()
-    header = next(csv.reader([text[: text.index("\n")]]))
-    lines = re.findall(rf"\n({re.escape(vc)}[^\n]*)", text)  # line 1 is the header
-    col = {name: i for i, name in enumerate(header)}
-    i_vc = col["vc"]
-    return col, tuple(r for r in csv.reader(lines) if r[i_vc] == vc)
+def _philly_vc_fields(vc: str) -> tuple[list[str], tuple[list[str], ...]]:
+    """The header and the raw fields of every row of one VC (both trace flags)."""
+    lines = _philly_vc_lines(vc)
+    header = next(lines)
+    return header, tuple(lines)
+
+
+def _philly_afs_rows(
+    header: list[str], fields: Iterable[list[str]], afs_only: bool, limit: int | None
+) -> list[list[str]]:
+    i_afs = header.index("in_afs_pcs_trace")
+    return list(itertools.islice((r for r in fields if r[i_afs] == "1" or not afs_only), limit))
 
 
 def philly_vc_rows(vc: str, *, afs_only: bool = True, limit: int | None = None) -> list[PhillyRow]:
-    """Rows of one VC in submission order (ties by job id); ``limit``: the first ``limit``."""
+    """Rows of one VC in submission order (ties by job id); ``limit``: the first ``limit``.
+
+    With a ``limit`` the file is read only as far as those rows (it is stored in this
+    order); without one, every row of the VC is parsed once per process and kept.
+    """
     if vc not in PHILLY_VCS:
         raise ValueError(f"unknown Philly VC {vc!r}; choose one of {', '.join(PHILLY_VCS)}")
-    col, fields = _philly_vc_fields(vc)
-    i_afs, i_submit, i_id = col["in_afs_pcs_trace"], col["submit_time_s"], col["job_id"]
-    keep = [r for r in fields if r[i_afs] == "1" or not afs_only]
-    keep.sort(key=lambda r: (int(r[i_submit]), r[i_id]))
     if limit is not None:
-        keep = keep[:limit]
-    names = list(col)
-    return [_philly_row(dict(zip(names, r, strict=True))) for r in keep]
+        lines = _philly_vc_lines(vc)
+        header = next(lines)
+        keep = _philly_afs_rows(header, lines, afs_only, limit)
+        lines.close()  # read only as far as the first ``limit`` rows
+    else:
+        header, fields = _philly_vc_fields(vc)
+        keep = _philly_afs_rows(header, fields, afs_only, None)
+    col = {name: i for i, name in enumerate(header)}
+    i_submit, i_id, i_vc = col["submit_time_s"], col["job_id"], col["vc"]
+    if any(r[i_vc] != vc for r in keep):
+        raise ValueError(f"the shipped file of Philly VC {vc} holds rows of another VC")
+    keep.sort(key=lambda r: (int(r[i_submit]), r[i_id]))
+    return [_philly_row(dict(zip(header, r, strict=True))) for r in keep]
 
 
 def load_philly(

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 from shoal.models import AFS_TABLE4_MODELS, afs_catalog, gavel_catalog, get_catalog
 from shoal.sim.engine import SimConfig, Simulator
-from shoal.workloads import PHILLY_VCS, load_philly, load_workload, philly_summary
+from shoal.workloads import (
+    PHILLY_VCS,
+    load_philly,
+    load_workload,
+    philly_rows,
+    philly_summary,
+    philly_vc_rows,
+)
 
 from tests.sim.toy_policies import ToyEqual
 
@@ -31,6 +38,24 @@ def test_every_philly_vc_loads_as_in_the_afs_trace(vc: str) -> None:
         assert (job.spec.total_iterations or 0) / job.throughput[k] == pytest.approx(
             job.duration_s, rel=1e-12
         )
+
+
+def test_each_vc_file_holds_its_rows_in_submission_order() -> None:
+    """A simulation with ``--limit`` reads its VC's file only as far as its first jobs,
+    which is the same as sorting the whole VC only because each file is stored sorted
+    by (submission time, job id) and holds that VC's rows only."""
+    rows = philly_rows()
+    assert len(rows) == 109_493
+    assert sum(r.in_afs_pcs_trace for r in rows) == 109_469
+    for vc in PHILLY_VCS:
+        mine = [r for r in rows if r.vc == vc]
+        assert mine == sorted(mine, key=lambda r: (r.submit_time_s, r.job_id))
+        assert len(mine) == int(philly_summary()[vc]["rows_in_file"])
+        every = philly_vc_rows(vc, afs_only=False)
+        assert every == mine
+        afs = philly_vc_rows(vc)
+        assert afs == [r for r in mine if r.in_afs_pcs_trace]
+        assert philly_vc_rows(vc, limit=25) == afs[:25]
 
 
 def test_model_draw_depends_only_on_the_seed() -> None:
