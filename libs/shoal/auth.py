@@ -34,10 +34,15 @@ Roles (``docs/security.md`` has the threat model)
 ``sidecar`` (one identity per node ``N``, for the sidecars that node runs)
     Publishes what a trainer reports about a job (progress, completion, the
     reconfiguration phases) and talks to the sidecars of the same job on other
-    nodes (``<p>.sidecar.>``), with its per-job leader lease. It is not narrowed to
-    one job: the node daemon starts sidecars for whatever job is placed on it, and
-    static server configuration cannot mint an identity per job (see
-    ``docs/security.md``).
+    nodes (``<p>.sidecar.>``), with its per-job leader lease. As a static identity
+    (``callout=False``, e.g. the compose and Kubernetes configurations) it is not
+    narrowed to one job. With the auth callout (``callout=True``: ``shoal up``) it is
+    no user of the server at all: the node daemon signs with its seed a token per
+    sidecar naming the job (:mod:`shoal.callout`), and each sidecar connects as an
+    identity allowed that job's subjects only (:func:`sidecar_job_permissions`).
+``authorizer`` (the callout service, ``shoal run authorizer``)
+    Alone may subscribe to :data:`CALLOUT_SUBJECT` and answer its requests; reads the log
+    (which job is placed where).
 
 Every identity reads replies only on its own inbox prefix (``_INBOX.<name>.``), so
 no one can read, or answer, another identity's requests.
@@ -59,9 +64,27 @@ import msgspec
 
 from shoal import events as ev
 
-Role = Literal["admin", "client", "admission", "allocator", "placer", "profiler", "trader", "node", "sidecar"]
+Role = Literal[
+    "admin",
+    "client",
+    "admission",
+    "allocator",
+    "placer",
+    "profiler",
+    "trader",
+    "node",
+    "sidecar",
+    "authorizer",
+]
 SERVICE_ROLES: tuple[Role, ...] = ("admission", "allocator", "placer", "profiler", "trader")
-ROLES: tuple[Role, ...] = ("admin", "client", *SERVICE_ROLES, "node", "sidecar")
+ROLES: tuple[Role, ...] = ("admin", "client", *SERVICE_ROLES, "node", "sidecar", "authorizer")
+
+CALLOUT_SUBJECT = "$SYS.REQ.USER.AUTH"
+"""Where the server sends its authorization requests (auth callout, :mod:`shoal.callout`):
+only the ``authorizer`` may subscribe; the server itself forbids publishing there."""
+
+ISSUER = "callout-issuer"
+"""File name (``<ISSUER>.nk``) of the account key that signs the callout's answers."""
 
 ADMIN_TOKEN = "@admin"
 """Command-subject token of the admin: acts for any user (not a valid user name)."""
@@ -204,7 +227,8 @@ def permissions(identity: Identity, prefix: str = "shoal") -> dict[str, Any]:
     (``*``: any single-token prefix)."""
     role = identity.role
     if role == "admin":
-        return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
+        # Everything but the callout's requests (which carry the sidecars' tokens).
+        return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"], "deny": [CALLOUT_SUBJECT]}}
     p = prefix
     sub: list[str] = [f"{inbox_prefix(identity.name)}.>"]
     pub: list[str] = list(_JS_READ)
@@ -220,6 +244,9 @@ def permissions(identity: Identity, prefix: str = "shoal") -> dict[str, Any]:
         pub.append(f"{p}.query.*.{user}")
         deny_pub.append("$JS.API.CONSUMER.DELETE.*.*")
         deny_pub.append("$JS.API.CONSUMER.DURABLE.CREATE.*.*")
+    elif role == "authorizer":
+        sub.append(CALLOUT_SUBJECT)
+        out["allow_responses"] = {"max": 1}
     elif role == "node":
         node = identity.subject
         pub += [event_subject(cls, p, node) for cls in EVENT_OWNERS["node"] if cls not in OFF_LOG]
@@ -261,17 +288,61 @@ def permissions(identity: Identity, prefix: str = "shoal") -> dict[str, Any]:
     return out
 
 
-def authorization_block(identities: Iterable[Identity], prefix: str = "shoal") -> str:
+def sidecar_job_permissions(job_id: str, node_id: str, prefix: str = "shoal") -> dict[str, Any]:
+    """The permissions of the sidecar of job ``job_id`` on node ``node_id`` (the auth
+    callout's identity, :mod:`shoal.callout`): the ``sidecar`` role narrowed to that one
+    job's event subjects, its ``train.<job>`` lease and rendezvous keys and
+    ``<p>.sidecar.<job>.>``, with replies on ``_INBOX.sidecar.<node>.<job>.``.
+
+    Raises:
+        AuthError: an id that is not a subject token.
+    """
+    from shoal.ids import is_subject_token
+
+    if not (is_subject_token(job_id) and is_subject_token(node_id)):
+        raise AuthError(f"job and node ids must be subject tokens: {job_id!r}, {node_id!r}")
+    p = prefix
+    pub = [*_JS_READ, *_JS_SERVICE]
+    pub += [event_subject(cls, p, job_id) for cls in EVENT_OWNERS["sidecar"]]
+    pub += [f"{p}.dlq.>", f"$KV.*.train.{job_id}", f"{p}.sidecar.{job_id}.>"]
+    sub = [f"_INBOX.sidecar.{node_id}.{job_id}.>", f"{p}.sidecar.{job_id}.>"]
+    return {"publish": {"allow": pub, "deny": list(_JS_DENY)}, "subscribe": {"allow": sub}}
+
+
+def authorization_block(
+    identities: Iterable[Identity],
+    prefix: str = "shoal",
+    *,
+    callout_issuer: str | None = None,
+    timeout_s: float = 5.0,
+) -> str:
     """The ``authorization { users: [...] }`` section of a nats-server configuration
-    (JSON, which the server's configuration format accepts)."""
+    (JSON, which the server's configuration format accepts).
+
+    With ``callout_issuer`` (the public account nkey that signs the callout's answers)
+    the section also enables the auth callout: every connection that is not one of
+    ``identities`` (all of which are ``auth_users``: the server asks the callout about
+    any other user, even one it authenticated itself) is judged by the ``authorizer``
+    (:mod:`shoal.callout`), and the static ``sidecar`` identities are left out of the
+    users: their keys only sign sidecar tokens. ``timeout_s`` bounds a connection's
+    authentication, the callout's answer included."""
     users: list[dict[str, Any]] = []
+    bypass: list[str] = []
     for ident in identities:
+        if callout_issuer is not None and ident.role == "sidecar":
+            continue
         perms = permissions(ident, prefix)
         if ident.public_key:
             users.append({"nkey": ident.public_key, "permissions": perms})
+            bypass.append(ident.public_key)
         if ident.mqtt_password_hash:
             users.append({"user": ident.subject, "password": ident.mqtt_password_hash, "permissions": perms})
-    return "authorization: " + json.dumps({"users": users}, indent=2) + "\n"
+            bypass.append(ident.subject)
+    block: dict[str, Any] = {"users": users}
+    if callout_issuer is not None:
+        block["timeout"] = timeout_s
+        block["auth_callout"] = {"issuer": callout_issuer, "auth_users": bypass}
+    return "authorization: " + json.dumps(block, indent=2) + "\n"
 
 
 # ---------------------------------------------------------------------------
@@ -340,6 +411,33 @@ class CredentialStore:
                 msgspec.json.format(msgspec.json.encode(sorted(manifest.values(), key=lambda i: i.name))),
             )
         return seed_path
+
+    def ensure_issuer(self) -> Path:
+        """The seed file of the account key that signs the auth callout's answers
+        (:data:`ISSUER`), made if missing. It is no identity: nobody connects with it."""
+        import nkeys
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.directory, 0o700)
+        path = self.path(ISSUER)
+        if not path.exists():
+            _write_private(path, nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_ACCOUNT) + b"\n")
+        return path
+
+    def issuer_public_key(self) -> str | None:
+        """The public key of :meth:`ensure_issuer`'s seed; None when there is none."""
+        import nkeys
+
+        try:
+            seed = self.path(ISSUER).read_bytes().strip()
+        except FileNotFoundError:
+            return None
+        return bytes(nkeys.from_seed(bytearray(seed)).public_key).decode()
+
+    def sidecar_keys(self) -> dict[str, str]:
+        """node id -> public key of its ``sidecar-<node>`` identity (the keys that sign
+        sidecar tokens, :mod:`shoal.callout`)."""
+        return {i.subject: i.public_key for i in self.identities() if i.role == "sidecar" and i.public_key}
 
 
 def _write_private(path: Path, data: bytes) -> None:

@@ -378,6 +378,7 @@ class Bus:
         creds: str | None = None,
         tls_ca: str | None = None,
         replicas: int | None = None,
+        token: str | None = None,
     ) -> Bus:
         """Connect (with reconnects) and, by default, declare the streams.
 
@@ -388,6 +389,9 @@ class Bus:
             creds: an nkey seed file (:mod:`shoal.auth`) to authenticate with; its
                 identity's inbox prefix is used for replies. None: no authentication.
             tls_ca: a PEM CA file: connect over TLS and verify the server against it.
+            token: instead of ``creds``, a sidecar token (:mod:`shoal.callout`): the
+                server's auth callout makes it the identity of one job's sidecar, whose
+                replies come on ``_INBOX.sidecar.<node>.<job>``.
 
         Raises:
             NoServerError: nothing answers at ``url``.
@@ -413,6 +417,17 @@ class Bus:
             if not os.access(creds, os.R_OK):
                 raise AuthFailed(f"cannot read the credentials file {creds}")
             auth = {"nkeys_seed": str(creds), "inbox_prefix": inbox_prefix(name_of_creds(creds))}
+        identity = name_of_creds(creds) if creds else None
+        if token:
+            from shoal.callout import CalloutError, sidecar_inbox, token_grant
+
+            try:
+                grant = token_grant(token)
+            except CalloutError as exc:
+                raise AuthFailed(f"unusable sidecar token: {exc}") from None
+            auth = {"token": token, "inbox_prefix": sidecar_inbox(grant)}
+            identity = sidecar_inbox(grant).removeprefix("_INBOX.")
+            creds = "a sidecar token"
         if tls_ca:
             import ssl
 
@@ -456,7 +471,7 @@ class Bus:
         except (OSError, TimeoutError) as exc:
             raise NoServerError(f"no NATS server reachable at {url}: {exc or type(exc).__name__}") from None
         bus = cls(nc, prefix, replicas=replicas)
-        bus.identity = name_of_creds(creds) if creds else None
+        bus.identity = identity
         holder.append(bus)
         if declare:
             try:
@@ -480,8 +495,9 @@ class Bus:
 
     @property
     def may_delete_consumers(self) -> bool:
-        """Whether this identity may delete consumers (not clients and nodes: :mod:`shoal.auth`)."""
-        return not (self.identity or "").startswith(("user-", "node-"))
+        """Whether this identity may delete consumers (not clients, nodes and the
+        authorizer: :mod:`shoal.auth`)."""
+        return not (self.identity or "").startswith(("user-", "node-", "authorizer"))
 
     async def __aenter__(self) -> Bus:
         return self

@@ -13,7 +13,10 @@ always set.
 Authentication: with ``creds_dir`` (a :class:`shoal.auth.CredentialStore`) the
 server admits only the identities in that store, each with the subject permissions
 of its role (:func:`shoal.auth.permissions` for ``prefix``); :meth:`reload` applies
-identities added since start without a restart. With ``tls_cert`` and ``tls_key``
+identities added since start without a restart. With ``callout`` too, connections
+that are none of those identities (the sidecars, with a token from their node daemon)
+are judged by the auth callout (:mod:`shoal.callout`; the ``authorizer`` service
+answers it), and the static ``sidecar-<node>`` identities are no users. With ``tls_cert`` and ``tls_key``
 (PEM files) the server speaks only TLS to clients (``tls://`` URL). Without it the server is open,
 which only code that builds a server by hand asks for: ``shoal up``, ``shoal demo``
 and the test fixtures always pass one.
@@ -88,6 +91,8 @@ class EmbeddedNats:
         cluster_port: the route port (-1 = server picks; :attr:`cluster_listen_port`
             holds the choice after start).
         routes: route URLs of the other nodes, e.g. ``nats-route://127.0.0.1:6222``.
+        callout: with ``creds_dir``, enable the auth callout for per-job sidecar
+            identities (:func:`shoal.auth.authorization_block`).
     """
 
     def __init__(
@@ -108,7 +113,9 @@ class EmbeddedNats:
         cluster_name: str | None = None,
         cluster_port: int = -1,
         routes: tuple[str, ...] | list[str] = (),
+        callout: bool = False,
     ) -> None:
+        self.callout = callout
         self._own_store = store_dir is None
         self.store_dir = Path(store_dir) if store_dir is not None else None
         self.port = port
@@ -175,7 +182,12 @@ class EmbeddedNats:
         if self.creds_dir is not None:
             from shoal.auth import CredentialStore, authorization_block
 
-            text += authorization_block(CredentialStore(self.creds_dir).identities(), self.prefix)
+            store = CredentialStore(self.creds_dir)
+            issuer = None
+            if self.callout:
+                store.ensure_issuer()
+                issuer = store.issuer_public_key()
+            text += authorization_block(store.identities(), self.prefix, callout_issuer=issuer)
         return text
 
     def admin_creds(self) -> str:

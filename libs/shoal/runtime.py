@@ -152,10 +152,16 @@ def resolve_creds(settings: Settings, identity: str) -> str | None:
 
 
 async def connect_bus(
-    settings: Settings, name: str, *, declare: bool = True, identity: str | None = None
+    settings: Settings,
+    name: str,
+    *,
+    declare: bool = True,
+    identity: str | None = None,
+    token: str | None = None,
 ) -> Bus:
     """A connected bus for ``settings`` (streams declared unless ``declare=False``),
-    authenticated as :func:`resolve_creds` finds (``identity`` defaults to ``name``).
+    authenticated as :func:`resolve_creds` finds (``identity`` defaults to ``name``),
+    or with a sidecar ``token`` (:mod:`shoal.callout`) instead.
 
     Raises:
         StartupError: no server configured, none reachable, or credentials refused.
@@ -166,7 +172,7 @@ async def connect_bus(
     from shoal.bus import AuthFailed, Bus, NoServerError
 
     url = resolve_nats_url(settings)
-    creds = resolve_creds(settings, identity or name)
+    creds = None if token else resolve_creds(settings, identity or name)
     deadline = time.monotonic() + settings.connect_wait_s
     delay = 0.5
     while True:
@@ -179,6 +185,7 @@ async def connect_bus(
                 creds=creds,
                 tls_ca=settings.tls_ca,
                 replicas=settings.replicas,
+                token=token,
             )
         except AuthFailed as exc:
             raise StartupError(str(exc)) from None  # retrying cannot fix credentials

@@ -107,6 +107,15 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`shoal up`'s embedded server: the TLS certificate's private key (PEM)."""
     sidecar_creds: str | None = None
     """A node daemon's: the seed file its sidecars authenticate with (role ``sidecar``)."""
+    sidecar_tokens: bool = False
+    """A node daemon's and its sidecars': the sidecars never get ``sidecar_creds``; the
+    daemon signs with it a token per sidecar naming its job, and the server's auth
+    callout (:mod:`shoal.callout`) makes each sidecar an identity of that job only.
+    `shoal up` sets it for its node daemons when ``auth_callout`` is on."""
+    auth_callout: bool = False
+    """`shoal up`'s embedded server: judge sidecars by the auth callout (starts ``shoal run
+    authorizer``, and the node daemons with ``sidecar_tokens``): each sidecar is an
+    identity of its own job only (``docs/security.md``)."""
     prefix: Prefix = "shoal"
     """Subject/stream prefix of one installation (several can share a NATS server)."""
     state_dir: str = ""

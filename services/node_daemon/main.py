@@ -135,6 +135,26 @@ def sidecar_env(settings: Settings, nats_url: str, sidecar_creds: str | None = N
     return env
 
 
+def token_minter(node_id: str, seed: bytes) -> Callable[[str, int], str]:
+    """``(job_id, log sequence) -> token`` for the sidecars of this node, signed with
+    the ``sidecar-<node_id>`` seed (:func:`shoal.callout.mint_sidecar_token`).
+
+    Raises:
+        StartupError: ``seed`` is not an nkey seed.
+    """
+    from shoal import callout as co
+
+    try:
+        kp = co.keypair(seed)
+    except co.CalloutError as exc:
+        raise StartupError(f"the sidecar seed of node {node_id!r}: {exc}") from None
+
+    def mint(job_id: str, seq: int) -> str:
+        return co.mint_sidecar_token(kp, co.SidecarGrant(job_id=job_id, node_id=node_id, placement_seq=seq))
+
+    return mint
+
+
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     """Run the node daemon until ``stop`` is set."""
     gpus, emulated = node_gpus(settings)
@@ -147,7 +167,16 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     sidecar_creds = settings.sidecar_creds or resolve_creds(
         msgspec.structs.replace(settings, nats_creds=None), f"sidecar-{node_id}"
     )
-    if sidecar_creds is None and creds is not None:
+    mint_token = None
+    if settings.sidecar_tokens:
+        # The sidecars get a token per job (shoal.callout), never the seed that signs it.
+        if sidecar_creds is None:
+            raise StartupError(
+                f"SHOAL_SIDECAR_TOKENS needs the sidecar-{node_id} seed to sign tokens (SHOAL_SIDECAR_CREDS)"
+            )
+        mint_token = token_minter(node_id, Path(sidecar_creds).read_bytes())
+        sidecar_creds = None
+    elif sidecar_creds is None and creds is not None:
         # No sidecar identity configured: the sidecars share the daemon's. That works
         # only for an identity allowed to publish job events (the admin's); with a node's
         # own identity their reports are refused (shoal.auth), so say so once.
@@ -156,6 +185,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     os.environ.pop("NATS_CREDS", None)
     os.environ.pop("SHOAL_METRICS_PORT", None)  # sidecars serve no probes (and not on our port)
     os.environ.update(sidecar_env(settings, url, sidecar_creds))
+    if mint_token is not None:
+        for name in ("SHOAL_NATS_CREDS", "NATS_CREDS"):
+            os.environ.pop(name, None)
     settings = msgspec.structs.replace(settings, nats_creds=creds)
     async with contextlib.AsyncExitStack() as resources:
         bus = await connect_bus(settings, f"node-daemon-{node_id}", identity=f"node-{node_id}")
@@ -170,6 +202,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             heartbeat_s=settings.heartbeat_s,
             hostname=node_id,
             spares=settings.sidecar_spares,
+            mint_token=mint_token,
         )
         probes.watch(bus=bus, projection=daemon.projection)
         await daemon.run(stop)

@@ -81,7 +81,7 @@ from shoal.projection import CLUSTER_SNAPSHOT, Projection
 from shoal.state import FINISHED_STATUSES, NODE_LOST, ClusterState
 from shoal.tasks import keep_running
 from shoal.telemetry import stored_context, tracing_enabled, with_trace_fields
-from shoal_services.trainer_sidecar import SPARE_JOB, adoption_line
+from shoal_services.trainer_sidecar import SIDECAR_TOKEN, SPARE_JOB, adoption_line
 
 log = structlog.get_logger("shoal.node_daemon")
 
@@ -147,6 +147,7 @@ class NodeDaemon:
         spares: int = 1,
         tracer: trace.Tracer | None = None,
         projection: Projection | None = None,
+        mint_token: Callable[[str, int], str] | None = None,
     ) -> None:
         if spares < 0:
             raise ValueError(f"spares must be >= 0, got {spares}")
@@ -156,6 +157,9 @@ class NodeDaemon:
         self.gpus = gpus
         self.clock = clock
         self.sidecar_argv = sidecar_argv
+        self.mint_token = mint_token
+        """``(job_id, log sequence) -> token`` of the job's sidecar on this node
+        (:mod:`shoal.callout`); None: sidecars authenticate as the environment says."""
         self.emulated = emulated
         self.heartbeat_s = heartbeat_s
         self.health_every = health_every
@@ -274,8 +278,13 @@ class NodeDaemon:
 
     async def _start(self, job_id: str) -> asyncio.subprocess.Process:
         if job_id != SPARE_JOB:
+            env = None
+            if self.mint_token is not None:
+                # Its own token, in its own environment (readable by this user only).
+                env = {**os.environ, SIDECAR_TOKEN: self.mint_token(job_id, self.projection.last_seq)}
             return await asyncio.create_subprocess_exec(
                 *self.sidecar_argv(job_id),
+                env=env,
                 stdin=asyncio.subprocess.PIPE,
                 # No preexec_fn: it forces a slow fork that blocks this event loop for
                 # a quarter of a second per sidecar. A sidecar needs no death signal:
@@ -317,7 +326,8 @@ class NodeDaemon:
             if proc.returncode is not None or proc.stdin is None:
                 continue
             try:
-                proc.stdin.write(adoption_line(job_id))
+                token = self.mint_token(job_id, self.projection.last_seq) if self.mint_token else ""
+                proc.stdin.write(adoption_line(job_id, token))
                 await proc.stdin.drain()
             except (BrokenPipeError, ConnectionResetError):
                 continue  # it died just now; the next one, or a cold start

@@ -15,6 +15,12 @@ for its job on the first stdin line, ``{"job_id": "<id>"}`` (:data:`SPARE_JOB`,
 its node starts at once instead of half a second later (a process start that, at
 the time scales of emulation, is hundreds of virtual seconds). End of stdin before
 that line: the spare exits 0 without having done anything.
+
+Sidecar tokens (``SHOAL_SIDECAR_TOKENS``, :mod:`shoal.callout`): the sidecar connects
+with a token for its job only, from ``SHOAL_SIDECAR_TOKEN`` (a sidecar started for its
+job; removed from the environment so that workers do not inherit it) or from its
+adoption line ``{"job_id": ..., "token": ...}`` (a spare, which then connects only once
+adopted: before, it has no identity to connect as).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from shoal.bus import Bus
 from shoal.clock import SharedClock, make_clock
 from shoal.models import get_catalog
 from shoal.sim.costs import get_costs
-from shoal_services.trainer_sidecar import SPARE_JOB, Adoption
+from shoal_services.trainer_sidecar import SIDECAR_TOKEN, SPARE_JOB, Adoption
 from shoal_services.trainer_sidecar.emulated import EmulatedTrainer, parse_traced_order
 
 if TYPE_CHECKING:
@@ -66,6 +72,27 @@ async def adopt_job(reader: asyncio.StreamReader) -> str | None:
     Raises:
         ValueError: the first line is not ``{"job_id": "<non-empty id>"}``.
     """
+    adoption = await adopt(reader)
+    return adoption.job_id if adoption is not None else None
+
+
+def take_token() -> str:
+    """The sidecar token the node daemon put in this process's environment (removed
+    from it, so no child inherits it); empty when there is none."""
+    return os.environ.pop(SIDECAR_TOKEN, "")
+
+
+def tokens_expected() -> bool:
+    """Whether this sidecar authenticates with a token (``SHOAL_SIDECAR_TOKENS``)."""
+    return os.environ.get("SHOAL_SIDECAR_TOKENS", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+async def adopt(reader: asyncio.StreamReader) -> Adoption | None:
+    """Wait for a spare's adoption line (job and token); ``None`` at end of stdin.
+
+    Raises:
+        ValueError: the first line is not ``{"job_id": "<non-empty id>", ...}``.
+    """
     while True:
         line = await reader.readline()
         if not line:
@@ -73,12 +100,12 @@ async def adopt_job(reader: asyncio.StreamReader) -> str | None:
         if line.strip():
             break
     try:
-        job_id = msgspec.json.decode(line, type=Adoption).job_id
+        adoption = msgspec.json.decode(line, type=Adoption)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ValueError(f'a spare sidecar\'s first line must be {{"job_id": ...}}: {exc}') from None
-    if not job_id or job_id == SPARE_JOB:
-        raise ValueError(f"a spare sidecar cannot adopt job id {job_id!r}")
-    return job_id
+    if not adoption.job_id or adoption.job_id == SPARE_JOB:
+        raise ValueError(f"a spare sidecar cannot adopt job id {adoption.job_id!r}")
+    return adoption
 
 
 async def _read_orders(
@@ -109,16 +136,25 @@ async def _read_orders(
 
 async def main_async(args: argparse.Namespace) -> int:
     label = "spare" if args.job == SPARE_JOB else args.job
-    # Credentials of the sidecar role (shoal.auth), exported by the node daemon.
+    # Credentials of the sidecar role (shoal.auth), exported by the node daemon; or,
+    # with SHOAL_SIDECAR_TOKENS, a token for this job only (shoal.callout), which a
+    # spare gets with its job: it connects once it has one.
     creds = args.creds or os.environ.get("SHOAL_NATS_CREDS") or os.environ.get("NATS_CREDS") or None
-    bus = await Bus.connect(
-        args.nats_url,
-        prefix=args.prefix,
-        name=f"sidecar-{label}-{args.node}",
-        declare=False,
-        creds=creds,
-        tls_ca=os.environ.get("SHOAL_TLS_CA") or os.environ.get("NATS_CA") or None,
-    )
+    token = take_token()
+    with_token = tokens_expected()
+
+    async def connect(label: str) -> Bus:
+        return await Bus.connect(
+            args.nats_url,
+            prefix=args.prefix,
+            name=f"sidecar-{label}-{args.node}",
+            declare=False,
+            creds=None if with_token else creds,
+            token=token if with_token else None,
+            tls_ca=os.environ.get("SHOAL_TLS_CA") or os.environ.get("NATS_CA") or None,
+        )
+
+    bus: Bus | None = None if with_token and args.job == SPARE_JOB else await connect(label)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -130,15 +166,20 @@ async def main_async(args: argparse.Namespace) -> int:
     signal_ready(args.ready_fd)
     if args.job == SPARE_JOB:
         try:
-            job_id = await adopt_job(stdin)
+            adoption = await adopt(stdin)
         except ValueError as exc:
             print(f"shoal-sidecar: {exc}", file=sys.stderr, flush=True)
-            await bus.close()
+            if bus is not None:
+                await bus.close()
             return 2
-        if job_id is None:
-            await bus.close()
+        if adoption is None:
+            if bus is not None:
+                await bus.close()
             return 0
-        args.job = job_id
+        args.job = adoption.job_id
+        token = adoption.token
+    if bus is None:
+        bus = await connect(args.job)
     if args.mode == "real":
         return await _run_real(args, bus, stop, stdin)
     trainer = EmulatedTrainer(

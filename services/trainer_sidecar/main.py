@@ -17,11 +17,14 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from shoal.runtime import StartupError, connect_bus, make_clock
 from shoal.settings import Settings
+
+if TYPE_CHECKING:
+    from shoal.bus import Bus
 
 Serve = Callable[[Settings, asyncio.Event], Coroutine[Any, Any, None]]
 
@@ -46,7 +49,13 @@ def configure(argv: Sequence[str]) -> Serve:
         from shoal.sim.costs import get_costs
         from shoal.tasks import critical
         from shoal_services.trainer_sidecar import SPARE_JOB
-        from shoal_services.trainer_sidecar.__main__ import _read_orders, adopt_job, open_stdin, signal_ready
+        from shoal_services.trainer_sidecar.__main__ import (
+            _read_orders,
+            adopt,
+            open_stdin,
+            signal_ready,
+            take_token,
+        )
         from shoal_services.trainer_sidecar.emulated import EmulatedTrainer
 
         try:
@@ -58,18 +67,37 @@ def configure(argv: Sequence[str]) -> Serve:
         async with contextlib.AsyncExitStack() as resources:
             spare = args.job == SPARE_JOB
             label = "spare" if spare else args.job
-            bus = await connect_bus(
-                settings, f"sidecar-{label}-{args.node}", declare=False, identity=f"sidecar-{args.node}"
-            )
-            resources.push_async_callback(bus.close)
+            # With sidecar tokens (shoal.callout) the identity is the job's: a spare
+            # connects once its adoption line names the job and brings the token.
+            token = take_token() if settings.sidecar_tokens else None
+
+            async def connect(label: str) -> Bus:
+                bus = await connect_bus(
+                    settings,
+                    f"sidecar-{label}-{args.node}",
+                    declare=False,
+                    identity=f"sidecar-{args.node}",
+                    token=token,
+                )
+                resources.push_async_callback(bus.close)
+                return bus
+
+            early = None if settings.sidecar_tokens and spare else await connect(label)
             stdin = await open_stdin()
             signal_ready(args.ready_fd)
-            try:
-                job_id = await adopt_job(stdin) if spare else args.job
-            except ValueError as exc:
-                raise StartupError(str(exc)) from None
-            if job_id is None:
-                return  # a spare the node daemon never needed
+            job_id: str | None = args.job
+            if spare:
+                try:
+                    adoption = await adopt(stdin)
+                except ValueError as exc:
+                    raise StartupError(str(exc)) from None
+                if adoption is None:
+                    return  # a spare the node daemon never needed
+                job_id = adoption.job_id
+                if settings.sidecar_tokens:
+                    token = adoption.token
+            assert job_id is not None
+            bus = early if early is not None else await connect(job_id)
             trainer = EmulatedTrainer(
                 bus,
                 job_id,

@@ -27,6 +27,10 @@ SERVICES: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
         "allocator": ("shoal_services.allocator.main", "decides every job's share of GPUs (leader-elected)"),
         "placer": ("shoal_services.placer.main", "turns shares into concrete GPUs (leader-elected)"),
         "trader": ("shoal_services.trader.main", "trades GPU generations between users"),
+        "authorizer": (
+            "shoal_services.authorizer.main",
+            "answers the auth callout: per-job sidecar identities",
+        ),
         "node-daemon": ("shoal_services.node_daemon.main", "one per machine: GPUs and sidecars"),
         "trainer-sidecar": ("shoal_services.trainer_sidecar.main", "one job's trainer on one node"),
     }

@@ -175,14 +175,18 @@ class Installation:
         return {n: c for n, c in codes.items() if c not in (0, None)}
 
 
-def ensure_credentials(creds_dir: Path, *, nodes: int) -> None:
+def ensure_credentials(creds_dir: Path, *, nodes: int, callout: bool = False) -> None:
     """Make (if missing) the identities of a local installation (:mod:`shoal.auth`):
     the admin, every control-plane service, and a node and a sidecar identity for each
-    of the ``nodes`` emulated nodes ``node0`` …"""
+    of the ``nodes`` emulated nodes ``node0`` …; with ``callout`` also the authorizer's
+    identity and the callout issuer's key (:mod:`shoal.callout`)."""
     from shoal.auth import SERVICE_ROLES, CredentialStore
 
     store = CredentialStore(creds_dir)
     store.ensure("admin")
+    if callout:
+        store.ensure("authorizer")
+        store.ensure_issuer()
     for role in SERVICE_ROLES:
         store.ensure(role)
     for i in range(nodes):
@@ -198,13 +202,17 @@ def service_specs(
     gpus_per_node: int,
     gpu_type: str,
     creds_dir: Path | None = None,
+    callout: bool = False,
 ) -> tuple[list[Any], list[str]]:
     """(process specs, skipped services): every available control-plane service
     (``shoal run <service>``) and ``nodes`` emulated node daemons, all with ``settings``
     as ``SHOAL_*`` variables and ``url`` as their server. With ``creds_dir`` each
     process gets the seed file of its own identity (``SHOAL_NATS_CREDS``, and a node
     daemon ``SHOAL_SIDECAR_CREDS`` for its sidecars); without, they all use
-    ``settings.nats_creds`` (an operator's NATS cluster)."""
+    ``settings.nats_creds`` (an operator's NATS cluster). With ``callout`` (the
+    embedded server judges sidecars by the auth callout) the authorizer runs first and
+    the node daemons sign a token per sidecar with ``SHOAL_SIDECAR_CREDS`` instead of
+    handing it over (``SHOAL_SIDECAR_TOKENS``)."""
     from shoal.supervisor import ProcessSpec
 
     child_env = {**settings.to_env(), "SHOAL_NATS_URL": url}
@@ -217,6 +225,8 @@ def service_specs(
     cli = [*CLI_ARGV, "run"]
     specs: list[ProcessSpec] = []
     skipped: list[str] = []
+    if callout and creds_dir is not None:
+        specs.append(ProcessSpec(name="authorizer", argv=(*cli, "authorizer"), env=env_of("authorizer")))
     for name in CONTROL_PLANE:
         if service_available(name):
             specs.append(ProcessSpec(name=name, argv=(*cli, name), env=env_of(name)))
@@ -227,6 +237,7 @@ def service_specs(
         node_env = env_of(
             f"node-{node_id}",
             **({"SHOAL_SIDECAR_CREDS": str(creds_dir / f"sidecar-{node_id}.nk")} if creds_dir else {}),
+            **({"SHOAL_SIDECAR_TOKENS": "true"} if callout and creds_dir else {}),
         )
         specs.append(
             ProcessSpec(
@@ -331,7 +342,7 @@ async def installation(
         admin_creds = settings.nats_creds
     else:
         creds_dir = state_dir / CREDS_DIR
-        ensure_credentials(creds_dir, nodes=nodes)
+        ensure_credentials(creds_dir, nodes=nodes, callout=settings.auth_callout)
         admin_creds = str(creds_dir / "admin.nk")
         if bool(settings.tls_cert) != bool(settings.tls_key) or (settings.tls_cert and not settings.tls_ca):
             raise CommandError(
@@ -345,6 +356,7 @@ async def installation(
             tls_cert=settings.tls_cert,
             tls_key=settings.tls_key,
             sync_interval=settings.sync_interval,
+            callout=settings.auth_callout,
         )
         try:
             server.start()
@@ -358,7 +370,13 @@ async def installation(
     try:
         await _declare(url, settings.prefix, admin_creds, settings.tls_ca, settings.replicas)
         specs, skipped = service_specs(
-            settings, url, nodes=nodes, gpus_per_node=gpus_per_node, gpu_type=gpu_type, creds_dir=creds_dir
+            settings,
+            url,
+            nodes=nodes,
+            gpus_per_node=gpus_per_node,
+            gpu_type=gpu_type,
+            creds_dir=creds_dir,
+            callout=settings.auth_callout and server is not None,
         )
         specs, metrics = probe_ports(settings, specs)
         base_env = {

@@ -93,7 +93,7 @@ def worker_env(
     The sidecar's NATS credentials are left out: a worker runs the job's own code and
     talks only to its sidecar, never to the bus (:mod:`shoal.auth`)."""
     env = {**(os.environ if base is None else base), **request.env}
-    for secret in ("NATS_CREDS", "SHOAL_NATS_CREDS", "SHOAL_SIDECAR_CREDS"):
+    for secret in ("NATS_CREDS", "SHOAL_NATS_CREDS", "SHOAL_SIDECAR_CREDS", "SHOAL_SIDECAR_TOKEN"):
         env.pop(secret, None)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["CUDA_VISIBLE_DEVICES"] = str(device_index) if request.device == "cuda" else ""

@@ -1,0 +1,328 @@
+"""Per-job sidecar identities through NATS auth callout (pure: no I/O).
+
+A sidecar runs one job on one node, so its identity should be allowed that job's
+subjects only, and only while the job is placed on that node. The server's static
+configuration cannot list an identity per job, so the embedded server delegates the
+authentication of every connection that is not one of the static identities of
+:mod:`shoal.auth` to a callout (nats-server 2.10+, ADR-26 "NATS Authorization
+Callouts"):
+
+1. The node daemon holds the ``sidecar-<node>`` seed and never gives it to a sidecar.
+   For each sidecar it mints a **sidecar token** (:func:`mint_sidecar_token`): a JWT
+   signed with that seed naming the job, the node and the log sequence of the placement
+   the daemon acted on. The sidecar connects with it as its ``auth_token``.
+2. The server sends an authorization request (a JWT signed by the server's own key,
+   with the token in ``connect_opts.auth_token`` and a fresh user nkey in
+   ``user_nkey``) to ``$SYS.REQ.USER.AUTH``. Only the ``authorizer`` identity
+   (``services/authorizer``) may subscribe there (:func:`shoal.auth.permissions`).
+3. The authorizer checks the token's signature against the public key of
+   ``sidecar-<node>`` and, in its fold of the log, that the job is placed on that node
+   (:func:`authorize`), and answers with an authorization response JWT carrying a
+   user JWT whose permissions are :func:`shoal.auth.sidecar_job_permissions` of that
+   job, both signed with the callout's issuer account key (:func:`response`).
+
+JWTs here are the nats-io/jwt v2 format: ``base64url(header).base64url(claims).
+base64url(ed25519 signature)``, header ``{"typ":"JWT","alg":"ed25519-nkey"}``, the
+signer's public nkey in ``iss`` and the type and version under ``nats``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+import nkeys
+
+from shoal.ids import is_subject_token
+
+CALLOUT_SUBJECT = "$SYS.REQ.USER.AUTH"
+"""Where the server sends authorization requests (nats-server ``AuthCalloutSubject``)."""
+
+GLOBAL_ACCOUNT = "$G"
+"""The account every user of a server without ``accounts`` is in (the user JWT's ``aud``)."""
+
+TOKEN_TYPE = "shoal_sidecar"
+"""``nats.type`` of a sidecar token: tells it from any JWT the server would accept."""
+
+_HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
+
+
+class CalloutError(ValueError):
+    """A token or request that cannot be used; the message says why."""
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (binascii.Error, ValueError) as exc:
+        raise CalloutError(f"not base64url: {exc}") from None
+
+
+def _verify_key(public_key: str) -> Any:
+    """The Ed25519 verify key of a public nkey (``U...``, ``N...``, ``A...``)."""
+    import nacl.signing
+
+    try:
+        raw = base64.b32decode(public_key + "=" * (-len(public_key) % 8))
+    except (binascii.Error, ValueError):
+        raise CalloutError(f"not an nkey: {public_key!r}") from None
+    if len(raw) != 35 or nkeys.crc16(bytearray(raw[:-2])) != int.from_bytes(raw[-2:], "little"):
+        raise CalloutError(f"not an nkey: {public_key!r}")
+    return nacl.signing.VerifyKey(raw[1:33])
+
+
+def keypair(seed: bytes) -> nkeys.KeyPair:
+    """The key pair of an nkey seed (a seed file's contents, whitespace stripped)."""
+    try:
+        return nkeys.from_seed(bytearray(seed.strip()))
+    except Exception as exc:  # nkeys raises its own error types and binascii errors
+        raise CalloutError(f"not an nkey seed: {exc}") from None
+
+
+def public_key(kp: nkeys.KeyPair) -> str:
+    return bytes(kp.public_key).decode()
+
+
+def encode_jwt(claims: dict[str, Any], kp: nkeys.KeyPair, *, now: float | None = None) -> str:
+    """``claims`` signed by ``kp`` (its public key becomes ``iss``; ``iat`` and ``jti``
+    are set as nats-io/jwt v2 sets them)."""
+    body = dict(claims)
+    body["iss"] = public_key(kp)
+    body["iat"] = int(time.time() if now is None else now)
+    body.pop("jti", None)
+    digest = hashlib.new("sha512_256", json.dumps(body, sort_keys=True).encode()).digest()
+    body["jti"] = base64.b32encode(digest).decode().rstrip("=")
+    head = _b64(json.dumps(_HEADER, separators=(",", ":")).encode())
+    payload = _b64(json.dumps(body, separators=(",", ":")).encode())
+    sig = kp.sign(f"{head}.{payload}".encode())
+    return f"{head}.{payload}.{_b64(sig)}"
+
+
+def decode_jwt(token: str, *, issuer: str | None = None, now: float | None = None) -> dict[str, Any]:
+    """The claims of ``token`` after checking its signature against its ``iss`` (which
+    must be ``issuer`` when given) and its ``exp``/``nbf``.
+
+    Raises:
+        CalloutError: malformed, wrongly signed, from another issuer, or expired.
+    """
+    import nacl.exceptions
+
+    parts = token.split(".")
+    if len(parts) != 3:
+        raise CalloutError("a JWT has three parts")
+    try:
+        header = json.loads(_unb64(parts[0]))
+        claims = json.loads(_unb64(parts[1]))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CalloutError(f"not a JWT: {exc}") from None
+    if not isinstance(header, dict) or header.get("alg") != _HEADER["alg"] or not isinstance(claims, dict):
+        raise CalloutError("not an nkey-signed JWT")
+    iss = claims.get("iss")
+    if not isinstance(iss, str) or (issuer is not None and iss != issuer):
+        raise CalloutError(f"JWT issued by {iss!r}, not by {issuer!r}")
+    try:
+        _verify_key(iss).verify(f"{parts[0]}.{parts[1]}".encode(), _unb64(parts[2]))
+    except nacl.exceptions.BadSignatureError:
+        raise CalloutError("bad JWT signature") from None
+    t = time.time() if now is None else now
+    exp, nbf = claims.get("exp"), claims.get("nbf")
+    if isinstance(exp, int | float) and exp and t > exp:
+        raise CalloutError("JWT expired")
+    if isinstance(nbf, int | float) and nbf and t < nbf:
+        raise CalloutError("JWT not valid yet")
+    return claims
+
+
+# ---------------------------------------------------------------------------
+# Sidecar tokens
+# ---------------------------------------------------------------------------
+
+
+class SidecarGrant(msgspec.Struct, frozen=True):
+    """What a sidecar token names: the job, the node, and the log sequence of the
+    placement the node daemon acted on (the authorizer's fold waits for it)."""
+
+    job_id: str
+    node_id: str
+    placement_seq: int = 0
+
+
+def mint_sidecar_token(kp: nkeys.KeyPair, grant: SidecarGrant, *, now: float | None = None) -> str:
+    """A token for the sidecar of ``grant.job_id`` on ``grant.node_id``, signed with
+    that node's ``sidecar-<node>`` key ``kp``."""
+    claims = {
+        "sub": public_key(kp),
+        "nats": {
+            "type": TOKEN_TYPE,
+            "version": 1,
+            "job": grant.job_id,
+            "node": grant.node_id,
+            "seq": grant.placement_seq,
+        },
+    }
+    return encode_jwt(claims, kp, now=now)
+
+
+def token_grant(token: str) -> SidecarGrant:
+    """What ``token`` names, without checking its signature (the sidecar's own view of
+    the token it was given; the authorizer checks it, :func:`verify_sidecar_token`).
+
+    Raises:
+        CalloutError: not a sidecar token.
+    """
+    parts = token.split(".")
+    if len(parts) != 3:
+        raise CalloutError("not a sidecar token")
+    try:
+        unverified = json.loads(_unb64(parts[1]))
+        nats = unverified["nats"]
+        job, node, seq = nats["job"], nats["node"], nats.get("seq", 0)
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+        raise CalloutError("not a sidecar token") from None
+    if not isinstance(nats, dict) or nats.get("type") != TOKEN_TYPE:
+        raise CalloutError("not a sidecar token")
+    if not (
+        isinstance(job, str) and is_subject_token(job) and isinstance(node, str) and is_subject_token(node)
+    ):
+        raise CalloutError("a sidecar token names a job and a node (subject tokens)")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise CalloutError("a sidecar token's placement sequence is a non-negative integer")
+    return SidecarGrant(job_id=job, node_id=node, placement_seq=seq)
+
+
+def verify_sidecar_token(token: str, node_keys: Mapping[str, str]) -> SidecarGrant:
+    """The grant of ``token`` if the ``sidecar-<node>`` key of the node it names signed it.
+
+    ``node_keys``: node id -> public key of its ``sidecar-<node>`` identity.
+
+    Raises:
+        CalloutError: malformed, unknown node, or not signed by that node's key.
+    """
+    grant = token_grant(token)
+    key = node_keys.get(grant.node_id)
+    if key is None:
+        raise CalloutError(f"no sidecar key for node {grant.node_id!r}")
+    decode_jwt(token, issuer=key)
+    return grant
+
+
+# ---------------------------------------------------------------------------
+# The callout's answer
+# ---------------------------------------------------------------------------
+
+
+class Request(msgspec.Struct, frozen=True):
+    """What the authorizer uses of an authorization request."""
+
+    server_id: str
+    user_nkey: str
+    token: str
+    client_name: str = ""
+
+
+def parse_request(jwt: str, *, now: float | None = None) -> Request:
+    """The fields of a server's authorization request JWT (signature checked against
+    the server key it names in ``iss``; a server's key is made at its start, so the
+    signature proves integrity, and the server knows the request only because it came
+    on ``$SYS.REQ.USER.AUTH``, which only the server may publish on).
+
+    Raises:
+        CalloutError: not a well-formed, well-signed authorization request.
+    """
+    claims = decode_jwt(jwt, now=now)
+    nats = claims.get("nats")
+    if not isinstance(nats, dict) or nats.get("type") not in ("authorization_request", "authorization"):
+        raise CalloutError("not an authorization request")
+    server = nats.get("server_id") or {}
+    opts = nats.get("connect_opts") or {}
+    info = nats.get("client_info") or {}
+    if not isinstance(server, dict) or not isinstance(opts, dict) or not isinstance(info, dict):
+        raise CalloutError("malformed authorization request")
+    server_id, user_nkey = server.get("id"), nats.get("user_nkey")
+    if not isinstance(server_id, str) or not isinstance(user_nkey, str) or server_id != claims.get("iss"):
+        raise CalloutError("malformed authorization request")
+    token = opts.get("auth_token") or ""
+    name = opts.get("name") or ""
+    return Request(
+        server_id=server_id,
+        user_nkey=user_nkey,
+        token=token if isinstance(token, str) else "",
+        client_name=name if isinstance(name, str) else "",
+    )
+
+
+def sidecar_inbox(grant: SidecarGrant) -> str:
+    """The reply-subject prefix of a job's sidecar on one node (dot-separated tokens, so
+    no two (node, job) pairs share one)."""
+    return f"_INBOX.sidecar.{grant.node_id}.{grant.job_id}"
+
+
+def user_claims(
+    req: Request, grant: SidecarGrant, permissions: dict[str, Any], *, expires_s: float | None
+) -> dict[str, Any]:
+    """The user JWT claims for ``grant``: subject the request's user nkey, in the
+    global account, with ``permissions`` (a :func:`shoal.auth.permissions`-style block)."""
+    nats: dict[str, Any] = {
+        "pub": permissions.get("publish", {}),
+        "sub": permissions.get("subscribe", {}),
+        "subs": -1,
+        "data": -1,
+        "payload": -1,
+        "type": "user",
+        "version": 2,
+    }
+    claims: dict[str, Any] = {
+        "sub": req.user_nkey,
+        "aud": GLOBAL_ACCOUNT,
+        "name": f"sidecar.{grant.node_id}.{grant.job_id}",
+        "nats": nats,
+    }
+    if expires_s is not None:
+        claims["exp"] = int(time.time() + expires_s)
+    return claims
+
+
+def response(
+    req: Request,
+    issuer: nkeys.KeyPair,
+    *,
+    user: dict[str, Any] | None = None,
+    error: str = "",
+) -> bytes:
+    """The authorization response JWT for ``req``: the user JWT (claims ``user``,
+    signed by ``issuer``) or ``error``."""
+    nats: dict[str, Any] = {"type": "authorization_response", "version": 2}
+    if user is not None:
+        nats["jwt"] = encode_jwt(user, issuer)
+    else:
+        nats["error"] = error or "not authorized"
+    return encode_jwt({"sub": req.user_nkey, "aud": req.server_id, "nats": nats}, issuer).encode()
+
+
+Placed = Callable[[str, str], bool]
+"""``placed(job_id, node_id)``: whether the job runs (is placed, not finished) on the node."""
+
+
+def authorize(req: Request, *, node_keys: Mapping[str, str], placed: Placed) -> SidecarGrant:
+    """The grant of the request's sidecar token if its node signed it and the job is
+    placed on that node now.
+
+    Raises:
+        CalloutError: no token, a bad token, or a job not placed on that node.
+    """
+    if not req.token:
+        raise CalloutError("no sidecar token (static identities connect with their nkey)")
+    grant = verify_sidecar_token(req.token, node_keys)
+    if not placed(grant.job_id, grant.node_id):
+        raise CalloutError(f"job {grant.job_id!r} is not placed on node {grant.node_id!r}")
+    return grant

@@ -1,0 +1,1 @@
+"""The auth callout service: per-job sidecar identities (:mod:`shoal.callout`)."""

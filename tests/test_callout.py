@@ -1,0 +1,291 @@
+"""Per-job sidecar identities through the NATS auth callout (:mod:`shoal.callout`).
+
+The pure side (tokens, JWTs, the server configuration), then a real nats-server with the
+callout on and the authorizer service answering it from a real log: a sidecar of job A
+is refused job B's events and lease, a token for a job not placed on its node is refused
+at connect, and nobody but the authorizer reaches the callout subject. The same path
+under ``shoal up`` is in ``tests/test_security.py`` (the audit's sidecar attacks) and
+``tests/services/test_up.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import nats
+import nkeys
+import pytest
+from shoal import auth, callout
+from shoal import events as ev
+from shoal.auth import CredentialStore
+from shoal.bus import AuthFailed, Bus, PermissionDenied
+from shoal.nats_server import EmbeddedNats
+from shoal_services.authorizer.service import AuthorizerService
+
+PREFIX = "cot"
+
+
+def _kp(store: CredentialStore, name: str) -> nkeys.KeyPair:
+    return callout.keypair(store.path(name).read_bytes())
+
+
+def test_sidecar_token_names_its_job_and_only_its_node_key_verifies_it(tmp_path: Path) -> None:
+    store = CredentialStore(tmp_path)
+    store.ensure("sidecar", "n1")
+    store.ensure("sidecar", "n2")
+    keys = store.sidecar_keys()
+    grant = callout.SidecarGrant(job_id="jA", node_id="n1", placement_seq=7)
+    token = callout.mint_sidecar_token(_kp(store, "sidecar-n1"), grant)
+    assert callout.verify_sidecar_token(token, keys) == grant
+    assert callout.token_grant(token) == grant
+    # Signed by another node's key: that node may not speak for n1's jobs.
+    forged = callout.mint_sidecar_token(_kp(store, "sidecar-n2"), grant)
+    with pytest.raises(callout.CalloutError, match="issued by"):
+        callout.verify_sidecar_token(forged, keys)
+    # A token whose claims were edited after signing.
+    head, body, sig = token.split(".")
+    claims = json.loads(callout._unb64(body))
+    claims["nats"]["job"] = "jB"
+    edited = ".".join((head, callout._b64(json.dumps(claims).encode()), sig))
+    with pytest.raises(callout.CalloutError, match="signature"):
+        callout.verify_sidecar_token(edited, keys)
+    with pytest.raises(callout.CalloutError, match="no sidecar key"):
+        callout.verify_sidecar_token(token, {"n2": keys["n2"]})
+    for junk in ("", "a.b", "x.y.z", "eyJ9.eyJ9.AA"):
+        with pytest.raises(callout.CalloutError):
+            callout.verify_sidecar_token(junk, keys)
+
+
+def test_authorize_needs_the_job_placed_on_the_token_node(tmp_path: Path) -> None:
+    store = CredentialStore(tmp_path)
+    store.ensure("sidecar", "n1")
+    token = callout.mint_sidecar_token(_kp(store, "sidecar-n1"), callout.SidecarGrant("jA", "n1"))
+    req = callout.Request(server_id="N", user_nkey="U", token=token)
+    keys = store.sidecar_keys()
+    assert callout.authorize(req, node_keys=keys, placed=lambda j, n: (j, n) == ("jA", "n1")).job_id == "jA"
+    with pytest.raises(callout.CalloutError, match="not placed"):
+        callout.authorize(req, node_keys=keys, placed=lambda j, n: (j, n) == ("jA", "n2"))
+    with pytest.raises(callout.CalloutError, match="no sidecar token"):
+        callout.authorize(
+            callout.Request(server_id="N", user_nkey="U", token=""), node_keys=keys, placed=lambda j, n: True
+        )
+
+
+def test_sidecar_job_permissions_are_one_job() -> None:
+    from tests.test_auth import allowed
+
+    perms = auth.sidecar_job_permissions("jA", "n1", "shoal")
+    for subject, ok in [
+        ("shoal.job.jA.progress", True),
+        ("shoal.job.jA.completed", True),
+        ("shoal.job.jA.reconf.started", True),
+        ("shoal.job.jB.reconf.completed", False),
+        ("shoal.job.jB.progress", False),
+        ("shoal.job.jB.completed", False),
+        ("shoal.job.jA.submitted", False),
+        ("shoal.job.jA.cancelled", False),
+        ("$KV.SHOAL_LEASES_3000MS.train.jA", True),
+        ("$KV.SHOAL_LEASES_TRAIN_META.train.jA", True),
+        ("$KV.SHOAL_LEASES_3000MS.train.jB", False),
+        ("$KV.SHOAL_LEASES_3000MS.allocator", False),
+        ("shoal.sidecar.jA.n2.adopt", True),
+        ("shoal.sidecar.jB.n2.adopt", False),
+        ("$JS.API.STREAM.PURGE.SHOAL_EVENTS", False),
+        (auth.CALLOUT_SUBJECT, False),
+    ]:
+        assert allowed(perms, "publish", subject) == ok, subject
+    assert allowed(perms, "subscribe", "_INBOX.sidecar.n1.jA.x")
+    assert not allowed(perms, "subscribe", "_INBOX.sidecar.n1.jB.x")
+    assert not allowed(perms, "subscribe", "shoal.sidecar.jB.n1.adopt")
+    # Only the authorizer may read the callout's requests (they carry the tokens).
+    for role in auth.ROLES:
+        ident = auth.Identity(name="x", role=role, subject="s")
+        assert allowed(auth.permissions(ident), "subscribe", auth.CALLOUT_SUBJECT) == (
+            role == "authorizer"
+        ), role
+
+
+def test_callout_configuration_lets_every_static_identity_bypass(tmp_path: Path) -> None:
+    store = CredentialStore(tmp_path)
+    for role, subject in [
+        ("admin", ""),
+        ("allocator", ""),
+        ("node", "n1"),
+        ("sidecar", "n1"),
+        ("authorizer", ""),
+    ]:
+        store.ensure(role, subject)  # type: ignore[arg-type]
+    store.ensure("client", "alice", mqtt_password="pw")
+    text = auth.authorization_block(store.identities(), "shoal", callout_issuer="AISSUER")
+    block = json.loads(text.removeprefix("authorization: "))
+    keys = {i.name: i.public_key for i in store.identities()}
+    assert block["auth_callout"]["issuer"] == "AISSUER"
+    bypass = set(block["auth_callout"]["auth_users"])
+    assert bypass == {k for n, k in keys.items() if n != "sidecar-n1"} | {"alice"}
+    users = {u.get("nkey") or u.get("user") for u in block["users"]}
+    assert keys["sidecar-n1"] not in users, "a sidecar key only signs tokens under the callout"
+    # Without the callout nothing changes: the sidecar identity is a user.
+    plain = json.loads(auth.authorization_block(store.identities(), "shoal").removeprefix("authorization: "))
+    assert "auth_callout" not in plain
+    assert keys["sidecar-n1"] in {u.get("nkey") for u in plain["users"]}
+
+
+# ---------------------------------------------------------------------------
+# A real server with the callout on, the authorizer answering from a real log
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def callout_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
+    store = CredentialStore(tmp_path_factory.mktemp("creds"))
+    for role, subject in [("admin", ""), ("authorizer", ""), ("client", "mallory")]:
+        store.ensure(role, subject)  # type: ignore[arg-type]
+    for node in ("n1", "n2"):
+        store.ensure("node", node)
+        store.ensure("sidecar", node)
+    with EmbeddedNats(
+        store_dir=tmp_path_factory.mktemp("js"), creds_dir=store.directory, prefix=PREFIX, callout=True
+    ) as server:
+        yield server
+
+
+@contextlib.asynccontextmanager
+async def authorizer(server: EmbeddedNats) -> AsyncIterator[tuple[AuthorizerService, Bus, CredentialStore]]:
+    """The log (jA placed on n1, jB on n2, as the admin writes it) and the authorizer."""
+    assert server.creds_dir is not None
+    store = CredentialStore(server.creds_dir)
+    admin = await Bus.connect(server.url, PREFIX, creds=str(store.path("admin")))
+    bus = await Bus.connect(server.url, PREFIX, creds=str(store.path("authorizer")), declare=False)
+    service = AuthorizerService(bus, issuer=_kp(store, auth.ISSUER), node_keys=store.sidecar_keys)
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    try:
+        spec = ev.JobSpec(user="u", model="resnet50", max_gpus=1, total_iterations=10)
+        for job in ("jA", "jB"):
+            await admin.publish(ev.JobSubmitted(job_id=job, spec=spec))
+        await admin.publish(
+            ev.PlacementDecided(
+                epoch=1,
+                placements={
+                    "jA": (ev.GpuRef(node_id="n1", index=0),),
+                    "jB": (ev.GpuRef(node_id="n2", index=0),),
+                },
+            )
+        )
+        await asyncio.wait_for(service.serving.wait(), 30)
+        await service.projection.wait_for(await admin.last_seq())
+        yield service, admin, store
+    finally:
+        stop.set()
+        await asyncio.gather(task, return_exceptions=True)
+        await bus.close()
+        await admin.close()
+
+
+async def _sidecar(server: EmbeddedNats, token: str) -> Bus:
+    return await Bus.connect(server.url, PREFIX, token=token, declare=False, initial_connect_timeout_s=8.0)
+
+
+@pytest.mark.integration
+async def test_a_sidecar_reports_only_for_its_own_job(callout_server: EmbeddedNats) -> None:
+    async with authorizer(callout_server) as (service, admin, store):
+        token = callout.mint_sidecar_token(
+            _kp(store, "sidecar-n1"), callout.SidecarGrant("jA", "n1", await admin.last_seq())
+        )
+        side = await _sidecar(callout_server, token)
+        try:
+            assert side.identity == "sidecar.n1.jA"
+            # Its own job: appended to the log.
+            await side.publish(ev.ProgressReported(job_id="jA", iteration=1), timeout_s=5.0)
+            # Another job's progress and completion: refused by the server.
+            for forged in (ev.ProgressReported(job_id="jB", iteration=10**6), ev.JobCompleted(job_id="jB")):
+                with pytest.raises(PermissionDenied):
+                    await side.publish(forged, timeout_s=3.0)
+            # Another job's leader lease (the KV key train.jB).
+            lease = f"$KV.{side.names.lease_bucket}_3000MS.train.jB"
+            with pytest.raises(PermissionDenied):
+                await _raw_publish_refused(side, lease)
+            await _raw_publish_refused(side, f"$KV.{side.names.lease_bucket}_3000MS.train.jA")  # its own
+        finally:
+            await side.close()
+        assert service.decisions.get("allowed", 0) >= 1
+
+
+async def _raw_publish_refused(side: Bus, subject: str) -> None:
+    """Publish on ``subject`` and raise PermissionDenied when the server refuses it."""
+    errors: list[str] = []
+    nc = side.nc
+    previous = nc._error_cb
+
+    async def record(exc: Exception) -> None:
+        errors.append(str(exc))
+        await previous(exc)
+
+    nc._error_cb = record
+    try:
+        await nc.publish(subject, b"me")
+        await nc.flush()
+        for _ in range(60):
+            if any("permissions violation" in e.lower() for e in errors):
+                raise PermissionDenied(f"refused: {subject}", subject=subject)
+            await asyncio.sleep(0.05)
+    finally:
+        nc._error_cb = previous
+
+
+@pytest.mark.integration
+async def test_a_token_for_a_job_not_placed_on_its_node_is_refused_at_connect(
+    callout_server: EmbeddedNats,
+) -> None:
+    async with authorizer(callout_server) as (service, _admin, store):
+        good = callout.mint_sidecar_token(_kp(store, "sidecar-n1"), callout.SidecarGrant("jA", "n1"))
+        await (await _sidecar(callout_server, good)).close()
+        # jB runs on n2, not n1: n1's daemon cannot get it a sidecar identity.
+        wrong_node = callout.mint_sidecar_token(_kp(store, "sidecar-n1"), callout.SidecarGrant("jB", "n1"))
+        # n1 signing for n2 (a token naming n2, signed with n1's key).
+        foreign = callout.mint_sidecar_token(_kp(store, "sidecar-n1"), callout.SidecarGrant("jB", "n2"))
+        # A job that was never placed anywhere.
+        unknown = callout.mint_sidecar_token(_kp(store, "sidecar-n1"), callout.SidecarGrant("jZ", "n1"))
+        for token in (wrong_node, foreign, unknown):
+            with pytest.raises(AuthFailed):
+                await _sidecar(callout_server, token)
+        # Neither a plain token nor no credentials at all.
+        with pytest.raises(Exception, match=r"(?i)authorization"):
+            await nats.connect(
+                callout_server.url, token="let-me-in", allow_reconnect=False, max_reconnect_attempts=0
+            )
+        assert service.decisions.get("refused", 0) >= 4
+
+
+@pytest.mark.integration
+async def test_only_the_authorizer_reaches_the_callout_subject(callout_server: EmbeddedNats) -> None:
+    assert callout_server.creds_dir is not None
+    store = CredentialStore(callout_server.creds_dir)
+    for name in ("user-mallory", "node-n1", "admin"):
+        errors: list[str] = []
+
+        async def on_error(exc: Exception, errors: list[str] = errors) -> None:
+            errors.append(str(exc).lower())
+
+        nc = await nats.connect(
+            callout_server.url,
+            nkeys_seed=str(store.path(name)),
+            inbox_prefix=auth.inbox_prefix(name),
+            error_cb=on_error,
+            allow_reconnect=False,
+        )
+        try:
+            await nc.subscribe(auth.CALLOUT_SUBJECT)
+            await nc.publish(auth.CALLOUT_SUBJECT, b"forged request")
+            await nc.flush()
+            for _ in range(60):
+                if sum("permissions violation" in e for e in errors) >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert any("subscription" in e and "permissions violation" in e for e in errors), (name, errors)
+            assert any("publish" in e and "permissions violation" in e for e in errors), (name, errors)
+        finally:
+            await nc.close()
