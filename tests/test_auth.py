@@ -285,3 +285,48 @@ async def test_a_node_stores_only_its_own_heartbeat_and_none_in_the_log(
     finally:
         await node.close()
         await client.close()
+
+
+@pytest.mark.integration
+async def test_a_sidecar_answers_the_requests_of_another_nodes_sidecar(
+    nats_server: EmbeddedNats, prefix: str
+) -> None:
+    """A job's leading sidecar starts the workers of another node through that node's
+    sidecar of the job (a request on ``<p>.sidecar.<job>.<node>.spawn``): the answer goes
+    to the leader's inbox, which only a response permission lets the other identity
+    publish to. Without it a job spanning two nodes never started under ``shoal up``
+    (found by the real-mode fault suite). A sidecar still cannot publish into another
+    identity's inbox unasked."""
+    from tests.conftest import add_identity
+
+    leader = await Bus.connect(
+        nats_server.url, prefix=prefix, creds=add_identity(nats_server, "sidecar", "rq0"), declare=False
+    )
+    follower = await Bus.connect(
+        nats_server.url, prefix=prefix, creds=add_identity(nats_server, "sidecar", "rq1"), declare=False
+    )
+    try:
+
+        async def answer(msg: object) -> None:
+            await msg.respond(b"pid 42")  # type: ignore[attr-defined]
+
+        await follower.nc.subscribe(f"{prefix}.sidecar.j1.rq1.spawn", cb=answer)
+        await follower.nc.flush()
+        reply = await leader.nc.request(f"{prefix}.sidecar.j1.rq1.spawn", b"start worker 1", timeout=5)
+        assert reply.data == b"pid 42"
+        # Unasked: refused by the server, so nothing reaches the leader's inbox.
+        got: list[bytes] = []
+        inbox = leader.nc.new_inbox()
+
+        async def keep(msg: object) -> None:
+            got.append(msg.data)  # type: ignore[attr-defined]
+
+        await leader.nc.subscribe(inbox, cb=keep)
+        await leader.nc.flush()
+        await follower.nc.publish(inbox, b"forged")
+        await follower.nc.flush()
+        await leader.nc.flush()
+        assert got == []
+    finally:
+        await leader.close()
+        await follower.close()

@@ -264,6 +264,9 @@ def permissions(identity: Identity, prefix: str = "shoal") -> dict[str, Any]:
             # both keys train.<job> (lease bucket and <TOKEN>_LEASES_TRAIN_META).
             pub.append(f"{p}.sidecar.>")
             sub.append(f"{p}.sidecar.>")
+            # ... whose answers go to the asking sidecar's inbox: one reply per request
+            # received (services/trainer_sidecar/remote.py), no other inbox.
+            out["allow_responses"] = {"max": 1}
         elif role == "allocator":
             # The cluster snapshot every service starts from (object store) is the leading
             # allocator's to write; the others only read it. Chunks are replaced, so old
