@@ -746,6 +746,9 @@ class AFSP:
     name = "afs-p"
     elastic = True
     """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
+    reads_progress = False
+    """Length-unaware: it reads curves, counts, arrival and its memory only
+    (:func:`shoal.policies.base.policy_reads_progress`)."""
     _naive = False
 
     def __init__(self, unit_s: float = DEFAULT_UNIT_S, *, wake_at_every_lease_end: bool = False) -> None:

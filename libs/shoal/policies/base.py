@@ -92,6 +92,21 @@ def policy_is_elastic(policy: object) -> bool:
     return value if isinstance(value, bool) else False
 
 
+def policy_reads_progress(policy: object) -> bool:
+    """``policy.reads_progress`` when it is a bool, else True.
+
+    A policy may set ``reads_progress = False`` when its ``decide`` never reads the
+    fields of a :class:`JobView` that move with time alone (``iterations_done``,
+    ``remaining_iterations``, ``attained_service_gpu_s``): the simulator then leaves a
+    running job's view as it was built at the newest event about the job instead of
+    carrying it to every decision's instant. A test
+    (``tests/sim/test_engine.py::test_a_policy_that_reads_no_progress_decides_the_same_given_it``)
+    runs every policy that declares False both ways and requires the same result.
+    """
+    value = getattr(policy, "reads_progress", True)
+    return value if isinstance(value, bool) else True
+
+
 def feasible_counts(job: JobView) -> tuple[int, ...]:
     """The positive GPU counts this job may be given, in increasing order.
 

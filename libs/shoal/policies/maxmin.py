@@ -37,6 +37,8 @@ class MaxMin:
     name = "max-min"
     elastic = True
     """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
+    reads_progress = False
+    """It reads curves, counts and arrival only: :func:`shoal.policies.base.policy_reads_progress`."""
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Level GPU counts across jobs (the fewest GPUs first)."""

@@ -113,7 +113,7 @@ from shoal import events as ev
 from shoal.allocation import decide_shares, place
 from shoal.events import GpuInfo
 from shoal.placement.hinted import NODE_HINTS
-from shoal.policies.base import ClusterView, JobView, Policy, prime_jobs_by_id
+from shoal.policies.base import ClusterView, JobView, Policy, policy_reads_progress, prime_jobs_by_id
 from shoal.profiling.overestimate import decide_overestimate_first
 from shoal.profiling.ratelimit import MIN_INTERVAL_S
 from shoal.sim.costs import PRESETS, ReconfigCosts, charge, classify, measured
@@ -400,6 +400,9 @@ class Simulator:
         # The flat homogeneous pool needs no placement (the AFS simulator); every other
         # setting places, so generations are respected.
         self.placing = not cfg.flat or self.hetero
+        self._carry_progress = policy_reads_progress(policy)
+        """Whether a running job's view is carried to each decision's instant (see
+        :func:`shoal.policies.base.policy_reads_progress`)."""
         self.clock = VirtualClock(0.0)
         self.log = InMemoryLog(retain=cfg.retain_log)
         self.jobs: dict[str, _Job] = {}
@@ -854,9 +857,11 @@ class Simulator:
         job's exact progress and published curves, built job by job with
         :func:`shoal.view.job_view`. A job that holds no GPUs keeps its view until an
         event about it is folded (:meth:`_emit` marks it stale then): in a long queue most
-        jobs wait, and rebuilding their views was most of a decision's cost.
+        jobs wait, and rebuilding their views was most of a decision's cost. For a
+        policy that reads no progress (:func:`shoal.policies.base.policy_reads_progress`)
+        a running job's view, too, stays as built at the newest event about it.
         ``tests/sim/test_engine.py`` checks the result equals ``build_view`` at every
-        decision."""
+        decision (but for those fields of those jobs, with such a policy)."""
         state = self.log.state
         jobs = state.jobs
         views = self._views
@@ -865,8 +870,9 @@ class Simulator:
         stale = self._stale
         active = self.active
         # A running job about which nothing was folded since its view was built has
-        # only moved in time (job_view_at); the others are built afresh.
-        for job_id in state.shares:
+        # only moved in time (job_view_at), which a policy that reads no progress does
+        # not see; the others are built afresh.
+        for job_id in state.shares if self._carry_progress else ():
             if job_id not in stale:
                 old = views.get(job_id)
                 if old is not None:
