@@ -4,7 +4,9 @@ Starts ``shoal up --mqtt`` (two emulated nodes) on a temporary state directory, 
 a user ``mallory`` (the attacker, with an MQTT password) and a user ``alice`` (the
 victim) with ``shoal creds add``, then runs :func:`shoal.audit.run_audit`: every
 attack on a connection of its own with plain nats-py (or an MQTT client), judged by
-whether the log changed, then the legitimate path. Writes the table.
+whether the log changed, then the legitimate path. The sidecar attacks play a
+compromised sidecar of job ``audit-sidecar-job`` holding what its node daemon gave it
+(a token for that job, :mod:`shoal.callout`). Writes the table.
 
 Usage::
 
@@ -40,14 +42,16 @@ def main(argv: list[str] | None = None) -> int:
         "Each attack of issue 20 runs against `shoal up --mqtt` (the default installation: "
         "authentication on), from its own connection with plain nats-py or an MQTT client. "
         "The attacker holds the credentials of user `mallory` (made with `shoal creds add user "
-        "mallory`) or of node `node0`; the victim is user `alice`, whose job `victim-job` is "
-        "pending. An attack counts as **accepted** when the log changed as the attacker wanted "
+        "mallory`) or of node `node0`, or is the sidecar of mallory's job `audit-sidecar-job` "
+        "with the token its node daemon gave it (or a node's sidecar key signing tokens); the "
+        "victim is user `alice`, whose job `victim-job` runs. An attack counts as **accepted** when the log changed as the attacker wanted "
         "(an event landed on the forged subject, the log shrank, a command's event was written) "
         "or the server answered a destructive request without error; the *how* column gives the "
         "server's or admission's words. See `docs/security.md` for the threat model.",
         "",
         f"**{refused} of {len(outcomes)} attacks refused.** Legitimate path (mallory submits and "
-        f"cancels her own job): {'works' if legit_ok else 'FAILED'} ({legit_how}).",
+        "cancels her own job; the sidecar of `audit-sidecar-job`, started by its node daemon, "
+        f"reports its progress): {'works' if legit_ok else 'FAILED'} ({legit_how}).",
         "",
         "| attack | as | outcome | how |",
         "|---|---|---|---|",

@@ -289,3 +289,22 @@ async def test_only_the_authorizer_reaches_the_callout_subject(callout_server: E
             assert any("publish" in e and "permissions violation" in e for e in errors), (name, errors)
         finally:
             await nc.close()
+
+
+@pytest.mark.integration
+async def test_an_identity_added_later_is_admitted(tmp_path: Path) -> None:
+    """nats-server cannot reload a changed ``auth_callout`` (its ``auth_users`` list every
+    static identity), so :meth:`EmbeddedNats.reload` restarts the server on its port."""
+    store = CredentialStore(tmp_path / "creds")
+    store.ensure("admin")
+    store.ensure("authorizer")
+    with EmbeddedNats(
+        store_dir=tmp_path / "js", creds_dir=store.directory, prefix=PREFIX, callout=True
+    ) as server:
+        url, pid = server.url, server.proc.pid if server.proc else None
+        late = str(store.ensure("client", "late"))
+        server.reload()
+        assert server.url == url
+        assert server.proc is not None and server.proc.pid != pid
+        async with await Bus.connect(server.url, PREFIX, creds=late, declare=False) as bus:
+            assert bus.identity == "user-late"

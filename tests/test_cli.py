@@ -44,6 +44,7 @@ def test_run_help_lists_every_service() -> None:
         "trader",
         "node-daemon",
         "trainer-sidecar",
+        "authorizer",
     }
 
 

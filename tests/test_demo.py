@@ -118,7 +118,8 @@ def test_reduced_demo_prints_results_and_exits_0() -> None:
     started = {str(e["name"]): int(e["pid"]) for e in log if e.get("event") == "child_started"}  # type: ignore[call-overload]
     services = [n for n in CONTROL_PLANE if service_available(n)]
     assert {"admission", "allocator", "placer"} <= set(services)
-    assert set(started) == {*services, "node-daemon-node0", "node-daemon-node1"}, started
+    # (the authorizer answers the server's auth callout: per-job sidecar identities)
+    assert set(started) == {"authorizer", *services, "node-daemon-node0", "node-daemon-node1"}, started
     assert len(set(started.values())) == len(started)
     # ... each of which stopped cleanly (sidecars too, stopped by their node daemon) ...
     clean = [e["service"] for e in log if e.get("event") == "stopped" and e.get("clean")]

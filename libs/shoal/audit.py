@@ -30,7 +30,7 @@ import nats.js.errors
 
 from shoal import codec
 from shoal import events as ev
-from shoal.auth import ADMIN_TOKEN, inbox_prefix, name_of_creds
+from shoal.auth import ADMIN_TOKEN, CALLOUT_SUBJECT, inbox_prefix, name_of_creds
 
 
 class Outcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,6 +58,11 @@ class Target(msgspec.Struct, frozen=True, kw_only=True):
     mqtt_port: int | None = None
     mqtt_user: str = ""
     mqtt_password: str = ""
+    creds_dir: str = ""
+    """The installation's credentials directory: the audit plays a compromised sidecar
+    with what its node daemon would give it (a token signed with ``sidecar-<node>.nk``
+    when the server runs the auth callout, else that seed itself). Empty: no sidecar
+    attacks."""
 
 
 class _Conn:
@@ -69,13 +74,19 @@ class _Conn:
 
     @classmethod
     async def open(cls, url: str, creds: str | None) -> _Conn:
+        """Connect with a seed file, or with ``token:<sidecar token>`` (:mod:`shoal.callout`)."""
         self = cls()
 
         async def on_error(exc: Exception) -> None:
             self.errors.append(str(exc))
 
         kw: dict[str, Any] = {}
-        if creds:
+        if creds and creds.startswith("token:"):
+            from shoal.callout import sidecar_inbox, token_grant
+
+            token = creds.removeprefix("token:")
+            kw = {"token": token, "inbox_prefix": sidecar_inbox(token_grant(token))}
+        elif creds:
             kw = {"nkeys_seed": creds, "inbox_prefix": inbox_prefix(name_of_creds(creds))}
         self.nc = await nats.connect(
             url, error_cb=on_error, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0, **kw
@@ -279,6 +290,123 @@ async def _mqtt_other_topic(t: Target) -> tuple[bool, str]:
 
 Attack = tuple[str, str, Callable[[Target], Awaitable[tuple[bool, str]]]]
 
+SIDECAR_JOB = "audit-sidecar-job"
+"""The job whose sidecar the audit plays (submitted by :func:`run_audit`)."""
+
+
+def _callout_on(t: Target) -> bool:
+    from pathlib import Path
+
+    from shoal.auth import ISSUER
+
+    return bool(t.creds_dir) and (Path(t.creds_dir) / f"{ISSUER}.nk").exists()
+
+
+def _sidecar_creds(t: Target, job_id: str, node_id: str, *, key_of: str | None = None) -> str:
+    """What the node daemon of ``node_id`` gives the sidecar of ``job_id``: a token
+    signed with its ``sidecar-<node>`` seed (``key_of``: another node's seed) under the
+    auth callout, else the seed file itself."""
+    from pathlib import Path
+
+    from shoal import callout as co
+
+    seed = Path(t.creds_dir) / f"sidecar-{key_of or node_id}.nk"
+    if not _callout_on(t):
+        return str(seed)
+    grant = co.SidecarGrant(job_id=job_id, node_id=node_id)
+    return "token:" + co.mint_sidecar_token(co.keypair(seed.read_bytes()), grant)
+
+
+async def _placed_nodes(t: Target, job_id: str, timeout_s: float = 30.0) -> set[str]:
+    """The nodes ``job_id`` is placed on, once it is (read as the admin)."""
+    from shoal.client import Client
+
+    async with await Client.connect(t.url, t.prefix, creds=t.admin, timeout_s=2.0) as admin:
+        for _ in range(int(timeout_s / 0.25)):
+            job = await admin.status(job_id)
+            if job.placement:
+                return {g.node_id for g in job.placement}
+            await asyncio.sleep(0.25)
+    raise RuntimeError(f"{job_id} was not placed within {timeout_s}s")
+
+
+def _sidecar_nodes(t: Target) -> list[str]:
+    from shoal.auth import CredentialStore
+
+    return sorted(CredentialStore(t.creds_dir).sidecar_keys())
+
+
+async def _sidecar_forge(t: Target, event: ev.Event) -> tuple[bool, str]:
+    """The sidecar of :data:`SIDECAR_JOB` (on a node it runs on) forges ``event``."""
+    node = sorted(await _placed_nodes(t, SIDECAR_JOB))[0]
+    try:
+        creds = _sidecar_creds(t, SIDECAR_JOB, node)
+        return await _forge(t, creds, event)
+    except nats.errors.Error as exc:
+        return False, f"audit error: the sidecar could not connect: {exc}"
+
+
+async def _sidecar_lease(t: Target, job_id: str) -> tuple[bool, str]:
+    """The sidecar of :data:`SIDECAR_JOB` writes ``job_id``'s leader lease key; refused
+    unless its value is the newest of that key afterwards."""
+    node = sorted(await _placed_nodes(t, SIDECAR_JOB))[0]
+    bucket = f"{_token(t.prefix)}_LEASES_{3000}MS"
+    subject = f"$KV.{bucket}.train.{job_id}"
+    value = f"audit-{SIDECAR_JOB}".encode()
+    conn = await _Conn.open(t.url, _sidecar_creds(t, SIDECAR_JOB, node))
+    try:
+        await conn.nc.publish(subject, value)
+        why = await conn.violation()
+    finally:
+        await conn.close()
+    admin = await _Conn.open(t.url, t.admin)
+    try:
+        try:
+            msg = await admin.nc.jetstream().get_last_msg(f"KV_{bucket}", subject)
+        except nats.js.errors.NotFoundError:
+            return True, why or "nothing stored"
+    finally:
+        await admin.close()
+    if msg.data == value:
+        return False, f"stored under {subject}"
+    return True, why or "not stored"
+
+
+async def _sidecar_connect(
+    t: Target, job_id: str, node_id: str, key_of: str | None = None
+) -> tuple[bool, str]:
+    """Connect as the sidecar of ``job_id`` on ``node_id``; refused unless admitted."""
+    if not _callout_on(t):
+        return False, "no auth callout: a node's sidecar identity serves every job"
+    try:
+        conn = await _Conn.open(t.url, _sidecar_creds(t, job_id, node_id, key_of=key_of))
+    except Exception as exc:
+        return True, f"connection refused: {exc or type(exc).__name__}"
+    await conn.close()
+    return False, f"connected as the sidecar of {job_id} on {node_id}"
+
+
+async def _token_for_unplaced(t: Target) -> tuple[bool, str]:
+    """A node's own key signs a token for the victim's job, which runs elsewhere."""
+    if not _callout_on(t):
+        return False, "no auth callout: a node's sidecar identity serves every job"
+    placed = await _placed_nodes(t, "victim-job")
+    free = [n for n in _sidecar_nodes(t) if n not in placed]
+    if not free:
+        return False, "audit error: the victim's job runs on every node"
+    return await _sidecar_connect(t, "victim-job", free[0])
+
+
+async def _token_signed_by_another_node(t: Target) -> tuple[bool, str]:
+    """Node A's key signs a token naming node B (where the victim's job runs)."""
+    if not _callout_on(t):
+        return False, "no auth callout: a node's sidecar identity serves every job"
+    placed = sorted(await _placed_nodes(t, "victim-job"))
+    others = [n for n in _sidecar_nodes(t) if n != placed[0]]
+    if not others:
+        return False, "audit error: one node only"
+    return await _sidecar_connect(t, "victim-job", placed[0], key_of=others[0])
+
 
 def attacks(t: Target) -> list[Attack]:
     """(name, identity, run) of every attack, in the issue's order."""
@@ -416,6 +544,36 @@ def attacks(t: Target) -> list[Attack]:
     ]
     if t.mqtt_port:
         out.append(("MQTT device submits on another user's topic", t.mqtt_user, _mqtt_other_topic))
+    if t.creds_dir:
+        sidecar = f"sidecar of {SIDECAR_JOB}"
+        out += [
+            (
+                "sidecar reports progress for another job",
+                sidecar,
+                lambda t: _sidecar_forge(t, ev.ProgressReported(job_id="victim-job", iteration=10**9)),
+            ),
+            (
+                "sidecar completes another job (forged JobCompleted)",
+                sidecar,
+                lambda t: _sidecar_forge(t, ev.JobCompleted(job_id="victim-job")),
+            ),
+            ("sidecar takes another job's leader lease", sidecar, lambda t: _sidecar_lease(t, "victim-job")),
+            (
+                "node signs a sidecar token for a job not placed on it",
+                "a node's sidecar key",
+                _token_for_unplaced,
+            ),
+            (
+                "node signs a sidecar token naming another node",
+                "a node's sidecar key",
+                _token_signed_by_another_node,
+            ),
+            (
+                "read the auth callout's requests (sidecar tokens)",
+                user,
+                lambda t: _subscribe(t, t.user, CALLOUT_SUBJECT),
+            ),
+        ]
     return out
 
 
@@ -428,15 +586,27 @@ def _submit_body(user: str, **spec: Any) -> dict[str, Any]:
 
 async def legitimate_path(t: Target) -> tuple[bool, str]:
     """A user submits their own job and cancels it; the node daemon's heartbeats and
-    the admin's reads keep working. True when all of it did."""
+    the admin's reads keep working; with ``creds_dir``, the sidecar of
+    :data:`SIDECAR_JOB` (started by its node daemon) reports its progress. True when all
+    of it did."""
     from shoal.client import Client
 
     async with await Client.connect(t.url, t.prefix, creds=t.user) as client:
         job = await client.submit({"model": "resnet50", "max_gpus": 1, "total_iterations": 10**6})
         reply = await client.cancel(job, reason="audit")
         status = (await client.status(job)).status
-    ok = not reply.duplicate and status == "cancelled"
-    return ok, f"submitted {job} as {client.user}, cancelled: {status}"
+        ok = not reply.duplicate and status == "cancelled"
+        how = f"submitted {job} as {client.user}, cancelled: {status}"
+        if t.creds_dir:
+            iteration = 0
+            for _ in range(120):  # its sidecar reports every fraction of a second
+                iteration = (await client.status(SIDECAR_JOB)).iteration
+                if iteration > 0:
+                    break
+                await asyncio.sleep(0.25)
+            ok = ok and iteration > 0
+            how += f"; the sidecar of {SIDECAR_JOB} reported iteration {iteration}"
+    return ok, how
 
 
 async def run_audit(t: Target) -> tuple[list[Outcome], tuple[bool, str]]:
@@ -449,6 +619,9 @@ async def run_audit(t: Target) -> tuple[list[Outcome], tuple[bool, str]]:
         for attempt in range(60):  # admission may still be starting
             try:
                 await admin.submit(victim, job_id="victim-job")
+                if t.creds_dir:
+                    own = {**victim, "user": name_of_creds(t.user).removeprefix("user-")}
+                    await admin.submit(own, job_id=SIDECAR_JOB)
                 break
             except NoAdmissionError:
                 if attempt == 59:
@@ -529,6 +702,7 @@ def local_installation(state_dir: str, *, nodes: int = 2, mqtt: bool = True) -> 
             mqtt_port=mqtt_port,
             mqtt_user="mallory",
             mqtt_password="mallory-pw",
+            creds_dir=str(creds),
         )
     finally:
         if proc.poll() is None:

@@ -208,16 +208,33 @@ class EmbeddedNats:
         have the running server reload it (SIGHUP) and wait until its log says it has,
         so that a client connecting next is judged by the new configuration.
 
+        With ``callout``, a new identity changes the callout's ``auth_users``, which
+        nats-server cannot reload ("config reload not supported for AuthCallout"): the
+        server is then restarted instead (:meth:`restart`: same store, ports and
+        credentials; clients reconnect), and a new ``proc`` runs when this returns.
+
         Raises:
-            NatsServerError: the server is not running or did not reload in ``timeout_s``.
+            NatsServerError: the server is not running or did not reload (or restart)
+                in ``timeout_s``.
         """
         if self.proc is None or self._workdir is None:
             raise NatsServerError("server not started")
         log_path = self._workdir / "nats.log"
         before = self._reloads(log_path)
         conf = self._workdir / "nats.conf"
+        text = self._config()
+        if self.callout and _callout_section(text) != _callout_section(conf.read_text()):
+            proc = self.proc
+            proc.terminate()
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout_s)
+            self.restart(timeout_s)
+            return
         tmp = conf.with_suffix(".tmp")
-        tmp.write_text(self._config())
+        tmp.write_text(text)
         os.chmod(tmp, 0o600)
         tmp.replace(conf)
         self.proc.send_signal(signal.SIGHUP)
@@ -369,6 +386,18 @@ class EmbeddedNats:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _callout_section(config: str) -> object:
+    """The ``auth_callout`` block of a configuration :meth:`EmbeddedNats._config` wrote
+    (its ``authorization`` section is JSON), None when it has none."""
+    _, sep, block = config.partition("authorization: ")
+    if not sep:
+        return None
+    try:
+        return json.loads(block).get("auth_callout")
+    except ValueError:
+        return None
 
 
 def _free_port(host: str) -> int:

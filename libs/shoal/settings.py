@@ -112,10 +112,11 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     daemon signs with it a token per sidecar naming its job, and the server's auth
     callout (:mod:`shoal.callout`) makes each sidecar an identity of that job only.
     `shoal up` sets it for its node daemons when ``auth_callout`` is on."""
-    auth_callout: bool = False
+    auth_callout: bool = True
     """`shoal up`'s embedded server: judge sidecars by the auth callout (starts ``shoal run
     authorizer``, and the node daemons with ``sidecar_tokens``): each sidecar is an
-    identity of its own job only (``docs/security.md``)."""
+    identity of its own job only (``docs/security.md``). Off: every sidecar of a node
+    shares the static ``sidecar-<node>`` identity, allowed any job's reports."""
     prefix: Prefix = "shoal"
     """Subject/stream prefix of one installation (several can share a NATS server)."""
     state_dir: str = ""

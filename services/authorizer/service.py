@@ -46,7 +46,8 @@ class AuthorizerService:
         issuer: the callout issuer's account key pair (signs every answer).
         node_keys: node id -> public key of its ``sidecar-<node>`` identity; a callable
             is asked again at each request (identities added later, ``shoal creds add``).
-        wait_s: how long a request waits for the fold to reach its placement sequence.
+        wait_s: how long a request waits for the fold to reach its placement sequence
+            (under the 2 s a shoal client waits for the server's answer to its connect).
         expires_s: lifetime of the user JWTs it issues (None: no expiry; the server ends
             a connection whose JWT expires).
     """
@@ -57,7 +58,7 @@ class AuthorizerService:
         *,
         issuer: nkeys.KeyPair,
         node_keys: Mapping[str, str] | Callable[[], Mapping[str, str]],
-        wait_s: float = 3.0,
+        wait_s: float = 1.5,
         expires_s: float | None = None,
         projection: Projection | None = None,
     ) -> None:

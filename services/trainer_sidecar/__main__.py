@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
-from shoal.bus import Bus
+from shoal.bus import AuthFailed, Bus
 from shoal.clock import SharedClock, make_clock
 from shoal.models import get_catalog
 from shoal.sim.costs import get_costs
@@ -154,7 +154,7 @@ async def main_async(args: argparse.Namespace) -> int:
             tls_ca=os.environ.get("SHOAL_TLS_CA") or os.environ.get("NATS_CA") or None,
         )
 
-    bus: Bus | None = None if with_token and args.job == SPARE_JOB else await connect(label)
+    bus: Bus | None = None if with_token else await connect(label)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -179,7 +179,12 @@ async def main_async(args: argparse.Namespace) -> int:
         args.job = adoption.job_id
         token = adoption.token
     if bus is None:
-        bus = await connect(args.job)
+        try:
+            bus = await connect(args.job)
+        except AuthFailed as exc:
+            # Not (or no longer) placed here: the node daemon starts it again if needed.
+            log.warning("sidecar_not_admitted", job_id=args.job, node_id=args.node, error=str(exc))
+            return 0
     if args.mode == "real":
         return await _run_real(args, bus, stop, stdin)
     trainer = EmulatedTrainer(

@@ -20,6 +20,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import structlog
 from shoal.runtime import StartupError, connect_bus, make_clock
 from shoal.settings import Settings
 
@@ -71,18 +72,38 @@ def configure(argv: Sequence[str]) -> Serve:
             # connects once its adoption line names the job and brings the token.
             token = take_token() if settings.sidecar_tokens else None
 
-            async def connect(label: str) -> Bus:
+            async def connect(label: str) -> Bus | None:
+                """The bus; None when the server refused this sidecar's token (its job
+                is not, or no longer, placed on this node: a placement that moved the
+                job away may come between the daemon's decision and this connection).
+                The node daemon starts the sidecar again if the job still needs one."""
+                if token:
+                    try:
+                        bus = await connect_bus(
+                            settings,
+                            f"sidecar-{label}-{args.node}",
+                            declare=False,
+                            token=token,
+                        )
+                    except StartupError as exc:
+                        structlog.get_logger("shoal.trainer_sidecar").warning(
+                            "sidecar_not_admitted", job_id=label, node_id=args.node, error=str(exc)
+                        )
+                        return None
+                    resources.push_async_callback(bus.close)
+                    return bus
                 bus = await connect_bus(
                     settings,
                     f"sidecar-{label}-{args.node}",
                     declare=False,
                     identity=f"sidecar-{args.node}",
-                    token=token,
                 )
                 resources.push_async_callback(bus.close)
                 return bus
 
             early = None if settings.sidecar_tokens and spare else await connect(label)
+            if early is None and not (settings.sidecar_tokens and spare):
+                return
             stdin = await open_stdin()
             signal_ready(args.ready_fd)
             job_id: str | None = args.job
@@ -98,6 +119,8 @@ def configure(argv: Sequence[str]) -> Serve:
                     token = adoption.token
             assert job_id is not None
             bus = early if early is not None else await connect(job_id)
+            if bus is None:
+                return
             trainer = EmulatedTrainer(
                 bus,
                 job_id,

@@ -447,9 +447,13 @@ async def _watch_server(server: Any, record: Any, poll_s: float = 0.5) -> None:
 
     log = structlog.get_logger("shoal.up")
     restarts = 0
+    pid = server.proc.pid if server.proc is not None else None
     while True:
         await asyncio.sleep(poll_s)  # the server is a subprocess.Popen: poll its exit
         if server.alive():
+            if server.proc.pid != pid:  # restarted by a reload (auth callout: EmbeddedNats.reload)
+                pid = server.proc.pid
+                record()
             continue
         code = server.proc.returncode if server.proc is not None else None
         log.error("nats_server_died", returncode=code)
@@ -464,6 +468,7 @@ async def _watch_server(server: Any, record: Any, poll_s: float = 0.5) -> None:
                 await asyncio.sleep(delay)
                 delay = min(10.0, delay * 2)
         restarts += 1
+        pid = server.proc.pid
         log.warning("nats_server_restarted", pid=server.proc.pid, url=server.url, restarts=restarts)
         print(f"shoal up: NATS server restarted (pid {server.proc.pid}, {server.url})", file=sys.stderr)
         record()
