@@ -22,7 +22,7 @@ import msgspec
 from msgspec import Struct
 from shoal import admission
 from shoal.bus import Bus
-from shoal.clock import ScaledClock, SharedClock, hold, release, submit_key
+from shoal.clock import HOLD_TTL_S, ScaledClock, SharedClock, hold, release, submit_key
 from shoal.events import JobSpec
 from shoal.gpus import fake_gpus
 from shoal.models import Catalog, get_catalog
@@ -61,6 +61,9 @@ class StackConfig(Struct, frozen=True, kw_only=True):
     """Share a :class:`~shoal.clock.SharedClock` that stands still while the control
     plane works on an event (exact emulation at any time scale; see its docstring)
     instead of a free-running :class:`~shoal.clock.ScaledClock`."""
+    hold_ttl_s: float = HOLD_TTL_S
+    """With ``synchronized``: how long a hand-over hold nobody releases lives (wall
+    seconds, :meth:`shoal.clock.SharedClock.create`)."""
     profiler: bool = False
     """Also run the profiler (:class:`~shoal_services.profiler.service.ProfilerService`),
     which turns the trainers' progress reports into throughput models."""
@@ -99,7 +102,9 @@ class EmulatedStack:
             shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # no disk writes per hold
             self._clock_dir = tempfile.TemporaryDirectory(prefix="shoal-clock-", dir=shm)
             self.clock = SharedClock.create(
-                os.path.join(self._clock_dir.name, "clock"), self.config.time_scale
+                os.path.join(self._clock_dir.name, "clock"),
+                self.config.time_scale,
+                hold_ttl_s=self.config.hold_ttl_s,
             )
         else:
             self.clock = ScaledClock(self.config.time_scale)

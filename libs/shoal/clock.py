@@ -93,6 +93,8 @@ class _State(msgspec.Struct):
     ``scale`` from there, up to the lowest live barrier."""
     w0: float
     barriers: dict[str, _Barrier] = {}
+    ttl_factor: float = 1.0
+    """Every hand-over hold's lifetime is its ``ttl_s`` times this (set at creation)."""
 
 
 _decode_state = msgspec.json.Decoder(_State).decode
@@ -147,13 +149,33 @@ class SharedClock:
         state = self._read()
         self.scale = state.scale
         self.origin = state.v0
+        self.ttl_factor = state.ttl_factor
+        """Hand-over holds live ``ttl_s`` times this (see :meth:`create`)."""
 
     @classmethod
-    def create(cls, path: str | os.PathLike[str], scale: float, origin: float | None = None) -> SharedClock:
+    def create(
+        cls,
+        path: str | os.PathLike[str],
+        scale: float,
+        origin: float | None = None,
+        *,
+        hold_ttl_s: float = HOLD_TTL_S,
+    ) -> SharedClock:
+        """A new clock file at ``path``. ``hold_ttl_s``: how long a hand-over hold nobody
+        releases lives (wall seconds; the longer holds some services place, and the
+        waits tied to them, are stretched by the same factor); a consumer slower than
+        that on a loaded machine is taken for a lost message and the clock runs on."""
         if scale <= 0:
             raise ValueError(f"time scale must be positive, got {scale}")
+        if not hold_ttl_s > 0:
+            raise ValueError(f"hold_ttl_s must be positive, got {hold_ttl_s}")
         p = os.fspath(path)
-        state = _State(scale=scale, v0=time.time() if origin is None else origin, w0=time.monotonic())
+        state = _State(
+            scale=scale,
+            v0=time.time() if origin is None else origin,
+            w0=time.monotonic(),
+            ttl_factor=hold_ttl_s / HOLD_TTL_S,
+        )
         _write_atomic(p, _encode(state))
         with open(p + ".lock", "ab"):
             pass
@@ -215,11 +237,11 @@ class SharedClock:
         """Hold the clock at ``at`` (default: now; never before now) under ``key``,
         replacing an earlier barrier of that key. ``ttl_s=None``: the barrier belongs
         to this process and lasts while it lives; otherwise it is a hand-over hold
-        that lapses after ``ttl_s`` wall seconds."""
+        that lapses after ``ttl_s`` wall seconds times the clock's ``ttl_factor``."""
         owner = os.getpid() if ttl_s is None else 0
 
         def change(state: _State, now: float) -> None:
-            expires = 0.0 if ttl_s is None else time.monotonic() + ttl_s
+            expires = 0.0 if ttl_s is None else time.monotonic() + ttl_s * state.ttl_factor
             state.barriers[key] = _Barrier(max(now, now if at is None else at), owner, expires)
 
         self._update(change)

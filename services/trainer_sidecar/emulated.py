@@ -238,7 +238,11 @@ class EmulatedTrainer:
             # On a synchronized clock the wait costs no virtual time (the order's hold
             # keeps the clock here), and a carry-over would make the run depend on how
             # loaded the machine is: wait as long as a hold lives.
-            wait_s = HOLD_TTL_S / 2 if isinstance(self.clock, SharedClock) else _HANDOVER_WAIT_S
+            wait_s = (
+                HOLD_TTL_S / 2 * self.clock.ttl_factor
+                if isinstance(self.clock, SharedClock)
+                else _HANDOVER_WAIT_S
+            )
             deadline = asyncio.get_running_loop().time() + wait_s
             while running_before(env) and asyncio.get_running_loop().time() < deadline:
                 if await self._last_event("completed") is not None:
