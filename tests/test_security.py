@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,3 +124,33 @@ def test_mosquitto_pub_job_runs_to_completion(target: Target) -> None:
 
     seen = asyncio.run(asyncio.wait_for(follow(), 90))
     assert seen[0] == "job.submitted" and seen[-1] == "job.completed", seen
+
+
+def test_sidecars_hold_no_seed(target: Target) -> None:
+    """Under the auth callout the node daemons give their sidecars (spares included) a
+    token per job, never a seed file: no sidecar process of this installation has one
+    in its environment."""
+    state = str(Path(target.admin).parent.parent).encode()
+
+    def sidecar_envs() -> dict[str, dict[bytes, bytes]]:
+        out = {}
+        for proc in Path("/proc").iterdir():
+            try:
+                if b"trainer_sidecar" not in (proc / "cmdline").read_bytes():
+                    continue
+                environ = (proc / "environ").read_bytes()
+            except OSError:  # not a process, or gone
+                continue
+            env = dict(item.split(b"=", 1) for item in environ.split(b"\0") if b"=" in item)
+            if env.get(b"SHOAL_STATE_DIR") == state:
+                out[proc.name] = env
+        return out
+
+    deadline = time.monotonic() + 30
+    while not (envs := sidecar_envs()) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the daemons start their spares once they run
+    assert envs, "no sidecar of this installation found (each daemon keeps a spare)"
+    for pid, env in envs.items():
+        held = {b"NATS_CREDS", b"SHOAL_NATS_CREDS", b"SHOAL_SIDECAR_CREDS"} & env.keys()
+        assert not held, (pid, held)
+        assert env.get(b"SHOAL_SIDECAR_TOKENS") == b"true", pid

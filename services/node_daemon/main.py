@@ -183,6 +183,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         log.warning("sidecars_use_the_daemon_credentials", creds=creds)
         sidecar_creds = creds
     os.environ.pop("NATS_CREDS", None)
+    os.environ.pop("SHOAL_SIDECAR_CREDS", None)  # the seed's path is the daemon's alone
     os.environ.pop("SHOAL_METRICS_PORT", None)  # sidecars serve no probes (and not on our port)
     os.environ.update(sidecar_env(settings, url, sidecar_creds))
     if mint_token is not None:
