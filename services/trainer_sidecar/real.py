@@ -48,6 +48,10 @@ reach (and gloo may need ``GLOO_SOCKET_IFNAME`` in ``spec.env``). The checkpoint
 directory must be storage that every node of the job sees, as for a leader
 handover.
 
+A job that needs more restarts (worker deaths, failed starts) than its
+``SHOAL_TRAIN_MAX_RESTARTS`` (:class:`~shoal.train.config.TrainConfig`) has its workers
+stopped by the controller, and the leader publishes ``JobFailed`` with the reason.
+
 A follower that is stopped (the job left its node) gives the workers it hosts
 ``drain_s`` to leave at the switch of the graceful scale-in before it kills them; a
 worker that dies with its node reaches the leader as a worker death, which the
@@ -414,6 +418,20 @@ class RealSidecar:
             pass  # another sidecar of this job completed it first
         log.info("job_completed", job_id=self.job_id, iterations=step)
 
+    async def _fail(self, reason: str) -> None:
+        """The job needed a restart beyond its ``max_restarts``: ``JobFailed`` (once, as
+        :meth:`_complete`); the node daemons then stop its sidecars."""
+        if self._completed:
+            return
+        self._completed = True
+        try:
+            await self.bus.publish_first(
+                codec.wrap(ev.JobFailed(job_id=self.job_id, reason=reason[:4096]), at=time.time())
+            )
+        except ConcurrencyConflict:
+            pass  # another sidecar of this job ended it first
+        log.error("job_failed", job_id=self.job_id, reason=reason)
+
     async def _campaign(self, lease: LeaderLease, stop: asyncio.Event, changed: asyncio.Event) -> None:
         """Renew or try to take the lease every TTL/3, on its own task so that slow work never
         delays a renewal; ``changed`` wakes the main loop when leadership flips."""
@@ -480,6 +498,8 @@ class RealSidecar:
                     await self._on_order(order)
                 if self.controller is not None and self.controller.done.is_set():
                     await self._complete()
+                elif self.controller is not None and self.controller.failed is not None:
+                    await self._fail(self.controller.failed)
         finally:
             handed = False
             if lease.is_leader and self.controller is not None:

@@ -38,6 +38,11 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """When a worker dies: ``consistent`` restarts the survivors from the last checkpoint;
     ``approximate`` re-forms the group of survivors at once and completes the current
     step with their gradients (the dead worker's share of that batch is lost; EDL §4.2)."""
+    max_restarts: int = 3
+    """How many times the job may be started again after its workers stopped against its
+    will: a worker death (either recovery mode), or a start or restart that failed with
+    no worker left running (retried at once). One more and the job fails (the sidecar
+    publishes ``JobFailed``), as TorchElastic's ``--max-restarts`` ends a job."""
     trace_dir: str = ""
     """Debug/test aid: every worker appends what it consumed at each step here."""
     trace_params_every: int = 0
@@ -50,6 +55,8 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise ValueError(f"SHOAL_TRAIN_RECOVERY must be one of {RECOVERY_MODES}, got {self.recovery!r}")
         if self.collective_timeout_s <= 0 or self.rendezvous_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
+        if self.max_restarts < 0:
+            raise ValueError(f"SHOAL_TRAIN_MAX_RESTARTS must be >= 0, got {self.max_restarts}")
         if self.control and ":" not in self.control:
             raise ValueError(f"SHOAL_TRAIN_CONTROL must be host:port, got {self.control!r}")
 

@@ -182,6 +182,11 @@ class Controller:
         self.progress: pr.Progress | None = None
         self.done = asyncio.Event()
         self.failed: str | None = None
+        """Why the job failed: it needed a restart beyond ``train.max_restarts`` (see
+        :meth:`_restart_allowed`); its workers are stopped and nothing starts them again."""
+        self.restarts = 0
+        """Restarts made after a worker death or a failed start (``train.max_restarts``), by
+        this controller: a new leader's controller counts from 0 again."""
         self._changed = asyncio.Condition()
         self._next_worker = 0
         self._next_gen = 0
@@ -501,6 +506,15 @@ class Controller:
             await self.emit(
                 ev.ReconfigurationFailed(job_id=self.job_id, epoch=inflight.epoch, reason=str(exc)[:4000])
             )
+            if (
+                self.current is None
+                and inflight.kind != "stop"
+                and self._queued is None
+                and not self._closing
+                and self._restart_allowed(f"{inflight.kind} failed: {str(exc)[:2000]}")
+            ):
+                # No worker runs and no order would start one: start again, at once.
+                self._queued = (inflight.epoch, inflight.target)
         finally:
             if self.inflight is inflight:
                 self.inflight = None
@@ -711,13 +725,29 @@ class Controller:
             self._recovering = True
             self._spawn_task(self._recover(w))
 
+    def _restart_allowed(self, why: str) -> bool:
+        """Count one restart for ``why``; past ``train.max_restarts`` set :attr:`failed`
+        instead and say no."""
+        if self.restarts >= self.train.max_restarts:
+            self.failed = f"{why}; no restart left (SHOAL_TRAIN_MAX_RESTARTS={self.train.max_restarts})"
+            log.error("job_failed", job_id=self.job_id, reason=self.failed)
+            return False
+        self.restarts += 1
+        return True
+
     async def _recover(self, dead: Worker) -> None:
-        """A dead worker is a forced scale-in with consistent recovery (EDL §4.2)."""
+        """A dead worker is a forced scale-in with consistent recovery (EDL §4.2), while
+        restarts are left (:meth:`_restart_allowed`); else the job's workers stop."""
         try:
             if self.inflight is not None:
                 await self._cancel_inflight(self.epoch)
             cur = self.current
             if cur is None:
+                return
+            if not self._restart_allowed(f"worker {dead.id} exited with status {dead.proc.returncode}"):
+                await self._kill([self.workers[m] for m in cur.members if m in self.workers])
+                self.current = None
+                await self._notify()
                 return
             culprits = await self._culprits(cur, dead)
             survivors = tuple(g for m, g in zip(cur.members, cur.gpus, strict=False) if m not in culprits)
