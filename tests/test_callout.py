@@ -14,6 +14,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import nkeys
@@ -168,7 +169,7 @@ async def authorizer(server: EmbeddedNats) -> AsyncIterator[tuple[AuthorizerServ
             await admin.publish(ev.JobSubmitted(job_id=job, spec=spec))
         await admin.publish(
             ev.PlacementDecided(
-                epoch=1,
+                epoch=await admin.last_seq() + 1,  # newer than any earlier test's on this log
                 placements={
                     "jA": (ev.GpuRef(node_id="n1", index=0),),
                     "jB": (ev.GpuRef(node_id="n2", index=0),),
@@ -234,6 +235,54 @@ async def _raw_publish_refused(side: Bus, subject: str) -> None:
             await asyncio.sleep(0.05)
     finally:
         nc._error_cb = previous
+
+
+@pytest.mark.integration
+async def test_the_sidecars_of_one_job_answer_each_other(callout_server: EmbeddedNats) -> None:
+    """Real mode's cross-node requests (spawn, adopt, status on ``sidecar.<job>.<node>.*``):
+    the answer goes to the asking sidecar's inbox, which only ``allow_responses`` lets the
+    answering sidecar publish on."""
+    async with authorizer(callout_server) as (_service, admin, store):
+        placed = await admin.last_seq()
+        jb_on_n2 = callout.mint_sidecar_token(
+            _kp(store, "sidecar-n2"), callout.SidecarGrant("jB", "n2", placed)
+        )
+        jb_on_n1 = callout.mint_sidecar_token(
+            _kp(store, "sidecar-n1"), callout.SidecarGrant("jA", "n1", placed)
+        )
+        answering = await _sidecar(callout_server, jb_on_n2)
+        asking = await _sidecar(callout_server, jb_on_n1)
+        try:
+
+            async def answer(msg: Any) -> None:
+                await msg.respond(b"pid 42")
+
+            await answering.nc.subscribe(f"{PREFIX}.sidecar.jB.n2.status", cb=answer)
+            await answering.nc.flush()
+            # jA's sidecar may not even ask jB's: its subject is jB's.
+            with pytest.raises(PermissionDenied):
+                await _raw_publish_refused(asking, f"{PREFIX}.sidecar.jB.n2.status")
+        finally:
+            await asking.close()
+        # A sidecar of jB on another node asks and gets the answer.
+        admin_placement = ev.PlacementDecided(
+            epoch=await admin.last_seq() + 1,
+            placements={
+                "jA": (ev.GpuRef(node_id="n1", index=0),),
+                "jB": (ev.GpuRef(node_id="n2", index=0), ev.GpuRef(node_id="n1", index=1)),
+            },
+        )
+        await admin.publish(admin_placement)
+        jb_on_n1 = callout.mint_sidecar_token(
+            _kp(store, "sidecar-n1"), callout.SidecarGrant("jB", "n1", await admin.last_seq())
+        )
+        peer = await _sidecar(callout_server, jb_on_n1)
+        try:
+            msg = await peer.nc.request(f"{PREFIX}.sidecar.jB.n2.status", b"?", timeout=3)
+            assert msg.data == b"pid 42"
+        finally:
+            await peer.close()
+            await answering.close()
 
 
 @pytest.mark.integration

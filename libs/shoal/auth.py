@@ -264,6 +264,7 @@ def permissions(identity: Identity, prefix: str = "shoal") -> dict[str, Any]:
             # both keys train.<job> (lease bucket and <TOKEN>_LEASES_TRAIN_META).
             pub.append(f"{p}.sidecar.>")
             sub.append(f"{p}.sidecar.>")
+            out["allow_responses"] = {"max": 1}  # answers to another node's sidecar
             # ... whose answers go to the asking sidecar's inbox: one reply per request
             # received (services/trainer_sidecar/remote.py), no other inbox.
             out["allow_responses"] = {"max": 1}
@@ -309,7 +310,13 @@ def sidecar_job_permissions(job_id: str, node_id: str, prefix: str = "shoal") ->
     pub += [event_subject(cls, p, job_id) for cls in EVENT_OWNERS["sidecar"]]
     pub += [f"{p}.dlq.>", f"$KV.*.train.{job_id}", f"{p}.sidecar.{job_id}.>"]
     sub = [f"_INBOX.sidecar.{node_id}.{job_id}.>", f"{p}.sidecar.{job_id}.>"]
-    return {"publish": {"allow": pub, "deny": list(_JS_DENY)}, "subscribe": {"allow": sub}}
+    return {
+        "publish": {"allow": pub, "deny": list(_JS_DENY)},
+        "subscribe": {"allow": sub},
+        # Answers to the job's other sidecars (spawn, adopt, status: a reply to a request
+        # it received on sidecar.<job>.>, whose reply subject is the asker's inbox).
+        "allow_responses": {"max": 1},
+    }
 
 
 def authorization_block(

@@ -281,6 +281,8 @@ def user_claims(
         "type": "user",
         "version": 2,
     }
+    if "allow_responses" in permissions:  # ttl 0: the server's default (2 minutes)
+        nats["resp"] = {"max": permissions["allow_responses"]["max"], "ttl": 0}
     claims: dict[str, Any] = {
         "sub": req.user_nkey,
         "aud": GLOBAL_ACCOUNT,
