@@ -4,8 +4,9 @@ The pure side (tokens, JWTs, the server configuration), then a real nats-server 
 callout on and the authorizer service answering it from a real log: a sidecar of job A
 is refused job B's events and lease, a token for a job not placed on its node is refused
 at connect, and nobody but the authorizer reaches the callout subject. The same path
-under ``shoal up`` is in ``tests/test_security.py`` (the audit's sidecar attacks) and
-``tests/services/test_up.py``."""
+under ``shoal up`` is in ``tests/test_security.py`` (the audit's sidecar attacks, a token
+sidecar's progress, no seed in any sidecar's environment); ``tests/services/test_up.py``
+and ``tests/test_demo.py`` run jobs to completion with the callout on (the default)."""
 
 from __future__ import annotations
 

@@ -231,10 +231,11 @@ class Request(msgspec.Struct, frozen=True):
 
 
 def parse_request(jwt: str, *, now: float | None = None) -> Request:
-    """The fields of a server's authorization request JWT (signature checked against
-    the server key it names in ``iss``; a server's key is made at its start, so the
-    signature proves integrity, and the server knows the request only because it came
-    on ``$SYS.REQ.USER.AUTH``, which only the server may publish on).
+    """The fields of a server's authorization request JWT, its signature checked
+    against the server key it names in ``iss``. A server makes its key at start, so
+    the signature proves only that the request is intact; the authorizer trusts it
+    because it comes on ``$SYS.REQ.USER.AUTH``, where no client may publish (the server
+    forbids it; ``tests/test_callout.py`` checks it for every kind of identity).
 
     Raises:
         CalloutError: not a well-formed, well-signed authorization request.

@@ -12,8 +12,9 @@ not have folded yet), waiting at most ``wait_s``.
 
 Publishes: nothing on the log; each request gets one answer, the user JWT with the
 job's permissions (:func:`shoal.auth.sidecar_job_permissions`) or an error, both signed
-with the callout issuer's account key. Every answer is counted by outcome
-(``shoal_authorizer_decisions_total``).
+with the callout issuer's account key (a request that is not a well-formed server
+request gets none). Every request is counted by outcome (``allowed``, ``refused``,
+``malformed``: ``shoal_authorizer_decisions_total``).
 """
 
 from __future__ import annotations
