@@ -264,7 +264,6 @@ def permissions(identity: Identity, prefix: str = "shoal") -> dict[str, Any]:
             # both keys train.<job> (lease bucket and <TOKEN>_LEASES_TRAIN_META).
             pub.append(f"{p}.sidecar.>")
             sub.append(f"{p}.sidecar.>")
-            out["allow_responses"] = {"max": 1}  # answers to another node's sidecar
             # ... whose answers go to the asking sidecar's inbox: one reply per request
             # received (services/trainer_sidecar/remote.py), no other inbox.
             out["allow_responses"] = {"max": 1}
