@@ -40,11 +40,18 @@ def server_config(
     store_dir: str = "/data",
     mqtt: bool = True,
     max_payload: int = 1024 * 1024,
+    callout_issuer: str | None = None,
 ) -> str:
     """The configuration of ``server_name``, one of ``servers`` (host names that resolve
     to each server, e.g. compose service names), with JetStream in ``store_dir``, routes
     to every server of ``servers`` (a server ignores the route to itself), client and MQTT
     listeners on every address, and the identities' permissions for ``prefix``.
+
+    With ``callout_issuer`` (the public account nkey the ``authorizer`` signs its answers
+    with) every server also delegates to the auth callout each connection that is not one
+    of ``identities`` (:func:`shoal.auth.authorization_block`): the static ``sidecar``
+    identities are then no users of the cluster, and each sidecar connects with a token
+    its node daemon signed, as an identity of its one job (:mod:`shoal.callout`).
 
     Raises:
         ValueError: ``server_name`` is not one of ``servers``, or a name or the password
@@ -79,4 +86,4 @@ def server_config(
     ]
     if mqtt:
         lines += ["mqtt {", '  host: "0.0.0.0"', f"  port: {MQTT_PORT}", "}"]
-    return "\n".join(lines) + "\n" + authorization_block(identities, prefix)
+    return "\n".join(lines) + "\n" + authorization_block(identities, prefix, callout_issuer=callout_issuer)

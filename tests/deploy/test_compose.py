@@ -20,8 +20,10 @@ collector, but it is not the collector. Prometheus is Debian's, built from the s
 (target ``prometheus``), and scrapes every service.
 
 From the host it checks: an outsider is refused by the NATS cluster; each container holds
-only its own credentials; the streams have three replicas; a job submitted with a user's
-credentials through the published port completes; an MQTT device submits with the user's
+only its own credentials; a node's sidecar seed is no user of the cluster and a forged
+sidecar token is refused (auth callout); the streams have three replicas; a job submitted with a user's
+credentials through the published port completes, its sidecars admitted by the
+authorizer as identities of that job; an MQTT device submits with the user's
 MQTT password (and a wrong one is refused); one reconfiguration's trace reaches the trace
 receiver with spans of the allocator, the placer, the node daemon and
 the sidecar; Prometheus scrapes every service; killing the leading allocator's container
@@ -33,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -67,6 +70,7 @@ STARTED = [
     "allocator-2",
     "placer",
     "trader",
+    "authorizer",
     "node-a",
     "node-b",
     "prometheus",
@@ -77,7 +81,17 @@ NOT_STARTED = {
     "jaeger": "jaegertracing/all-in-one",
     "grafana": "grafana/grafana",
 }
-SCRAPED = ["admission", "profiler", "allocator-1", "allocator-2", "placer", "trader", "node-a", "node-b"]
+SCRAPED = [
+    "admission",
+    "profiler",
+    "allocator-1",
+    "allocator-2",
+    "placer",
+    "trader",
+    "authorizer",
+    "node-a",
+    "node-b",
+]
 
 
 def _unavailable(reason: str) -> None:
@@ -137,9 +151,9 @@ class Stack:
         with urllib.request.urlopen(f"{self.trace_sink}/traces", timeout=5) as r:
             return [json.loads(line) for line in r.read().decode().splitlines() if line.strip()]
 
-    def logs(self, service: str) -> str:
+    def logs(self, service: str, tail: int = 30) -> str:
         out = subprocess.run(
-            ["podman", "logs", "--tail", "30", self.container(service)],
+            ["podman", "logs", "--tail", str(tail), self.container(service)],
             capture_output=True,
             text=True,
             timeout=30,
@@ -296,11 +310,11 @@ async def _run_job(stack: Stack, job_id: str, timeout_s: float = 180) -> list[st
         return seen
 
 
-async def _refused(url: str, creds: str | None) -> bool:
+async def _refused(url: str, creds: str | None, token: str | None = None) -> bool:
     from shoal.bus import Bus
 
     try:
-        bus = await asyncio.wait_for(Bus.connect(url, "shoal", creds=creds), 20)
+        bus = await asyncio.wait_for(Bus.connect(url, "shoal", creds=creds, token=token), 20)
     except Exception:
         return True
     await bus.close()
@@ -321,12 +335,14 @@ def test_outsiders_are_refused(stack: Stack, tmp_path: Path) -> None:
 
 def test_each_container_holds_only_its_own_seeds(stack: Stack) -> None:
     """nats-config --split: a service's container mounts its own identity's seed and no
-    other (a node daemon's: its own and its sidecars')."""
+    other (a node daemon's: its own and the one that signs its sidecars' tokens; the
+    authorizer's: its own, the callout issuer's and the sidecar keys' manifest)."""
     expected = {
         "admission": ["admission.nk"],
         "allocator-2": ["allocator.nk"],
         "placer": ["placer.nk"],
         "node-a": ["node-node-a.nk", "sidecar-node-a.nk"],
+        "authorizer": ["authorizer.nk", "callout-issuer.nk", "identities.json"],
     }
     for service, files in expected.items():
         out = subprocess.run(
@@ -337,6 +353,28 @@ def test_each_container_holds_only_its_own_seeds(stack: Stack) -> None:
         )
         assert out.returncode == 0, out.stderr
         assert sorted(out.stdout.split()) == files, (service, out.stdout)
+
+
+def test_a_node_s_sidecar_seed_is_no_user_of_the_cluster(stack: Stack, tmp_path: Path) -> None:
+    """With the auth callout the sidecar-<node> seed only signs tokens: a connection with
+    it (no token) is refused, as is a token signed by a key the cluster does not know."""
+    out = subprocess.run(
+        ["podman", "volume", "inspect", "--format", "{{.Mountpoint}}", f"{stack.project}_creds-node-a"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    seed = tmp_path / "sidecar-node-a.nk"
+    shutil.copyfile(Path(out.stdout.strip()) / "sidecar-node-a.nk", seed)
+    seed.chmod(0o600)
+    assert asyncio.run(_refused(stack.nats_url, str(seed)))
+    import nkeys
+    from shoal import callout as co
+
+    forger = co.keypair(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
+    token = co.mint_sidecar_token(forger, co.SidecarGrant(job_id="compose-job-1", node_id="node-a"))
+    assert asyncio.run(_refused(stack.nats_url, None, token=token))
 
 
 def test_every_stream_has_three_replicas(stack: Stack) -> None:
@@ -361,6 +399,19 @@ def test_every_stream_has_three_replicas(stack: Stack) -> None:
 def test_a_job_submitted_from_the_host_completes(stack: Stack) -> None:
     seen = _run_job_sync(stack, "compose-job-1")
     assert "reconf.completed" in seen and seen[-1] == "job.completed", seen
+    # Its sidecars connected as identities of this job, granted by the auth callout.
+    granted = re.findall(r"allowed compose-job-1@(node-[ab])", stack.logs("authorizer", tail=2000))
+    assert granted, stack.logs("authorizer")
+    wait_for(
+        "the authorizer's allowed answers scraped",
+        lambda: [
+            r
+            for r in stack.query('shoal_authorizer_decisions_total{outcome="allowed"}')
+            if float(r["value"][1]) >= 1
+        ],
+        30,
+        1.0,
+    )
 
 
 def _run_job_sync(stack: Stack, job_id: str) -> list[str]:

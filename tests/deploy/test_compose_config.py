@@ -2,7 +2,8 @@
 files of the services the container test cannot start (Grafana's dashboard and
 provisioning, the OpenTelemetry collector), Prometheus's configuration with promtool, the
 NATS servers' configuration that ``shoal nats-config`` writes (with nats-server's own
-``-t`` check), and that nothing in compose.yaml runs without credentials."""
+``-t`` check, and the auth callout for per-job sidecar identities), and that nothing in
+compose.yaml runs without credentials."""
 
 from __future__ import annotations
 
@@ -127,7 +128,9 @@ def test_otel_collector_config_has_a_traces_pipeline_to_jaeger() -> None:
 
 def test_every_shoal_container_authenticates_and_ports_stay_local() -> None:
     services = shoal_services()
-    assert {"admission", "profiler", "placer", "trader", "allocator-1", "allocator-2"} <= set(services)
+    assert {"admission", "profiler", "placer", "trader", "allocator-1", "allocator-2", "authorizer"} <= set(
+        services
+    )
     for name, svc in services.items():
         creds = svc["environment"]["SHOAL_NATS_CREDS"]
         assert creds.startswith("/var/lib/shoal/creds/"), name
@@ -137,7 +140,9 @@ def test_every_shoal_container_authenticates_and_ports_stay_local() -> None:
         group = identity if svc["command"][1] != "node-daemon" else identity.removeprefix("node-")
         assert mounts == [f"creds-{group}:/var/lib/shoal/creds:ro"], (name, svc["volumes"])
         if svc["command"][1] == "node-daemon":
+            # The sidecar seed signs per-job tokens; the sidecars never get it.
             assert svc["environment"]["SHOAL_SIDECAR_CREDS"] == f"/var/lib/shoal/creds/sidecar-{group}.nk"
+            assert svc["environment"]["SHOAL_SIDECAR_TOKENS"] == "true", name
         # nats-config writes that container's directory into that volume.
         writer = compose()["services"]["nats-config"]
         assert "--split" in writer["command"]
@@ -166,6 +171,8 @@ def test_nats_config_writes_valid_server_configs_and_keeps_seeds(tmp_path: Path)
         "trader.nk",
         "node-n1.nk",
         "sidecar-n1.nk",
+        "authorizer.nk",
+        "callout-issuer.nk",
         "admin.nk",
         "user-alice.nk",
     }
@@ -180,8 +187,21 @@ def test_nats_config_writes_valid_server_configs_and_keeps_seeds(tmp_path: Path)
         "trader/trader.nk",
         "node-n1/node-n1.nk",
         "node-n1/sidecar-n1.nk",
+        "authorizer/authorizer.nk",
+        "authorizer/callout-issuer.nk",
     }
     assert all(seeds[name.split("/")[1]] == data for name, data in split.items())
+    # The authorizer's directory: the sidecar keys that verify tokens, public keys only.
+    from shoal.auth import CredentialStore
+
+    services = CredentialStore(out / "creds")
+    authorizer = CredentialStore(out / "creds.d/authorizer")
+    assert authorizer.sidecar_keys() == services.sidecar_keys() and "n1" in authorizer.sidecar_keys()
+    assert sorted(p.name for p in (out / "creds.d/authorizer").iterdir()) == [
+        "authorizer.nk",
+        "callout-issuer.nk",
+        "identities.json",
+    ]
     for path in out.rglob("*"):
         assert path.stat().st_mode & 0o077 == 0, f"{path} is readable by others"
     again = subprocess.run([*argv, "--users", "bob"], capture_output=True, text=True, timeout=60, env=env)
@@ -191,14 +211,44 @@ def test_nats_config_writes_valid_server_configs_and_keeps_seeds(tmp_path: Path)
     text = conf.read_text()
     password = (out / "server/route.password").read_text().strip()
     assert f"route:{password}@nats-1:6222" in text and f'password: "{password}"' in text
-    from shoal.auth import CredentialStore
-
     bob = next(i for i in CredentialStore(out / "operator").identities() if i.subject == "bob")
     assert bob.public_key in text
     check = subprocess.run(
         [find_nats_server(), "-c", str(conf), "-t"], capture_output=True, text=True, timeout=30
     )
     assert check.returncode == 0, check.stdout + check.stderr
+    # Per-job sidecar identities: the callout block names the issuer the authorizer signs
+    # with, every static identity bypasses it, and the node's sidecar key is no user.
+    block = authorization(text)
+    issuer = services.issuer_public_key()
+    assert issuer and block["auth_callout"]["issuer"] == issuer
+    users = {u.get("nkey") or u["user"] for u in block["users"]}
+    assert set(block["auth_callout"]["auth_users"]) == users
+    static = {i.public_key for i in [*services.identities(), *CredentialStore(out / "operator").identities()]}
+    sidecar = services.sidecar_keys()["n1"]
+    assert users == (static - {sidecar}) | {"alice", "bob"} and sidecar not in text
+    authorizer_key = next(i.public_key for i in services.identities() if i.role == "authorizer")
+    assert authorizer_key in users
+
+
+def authorization(config: str) -> dict[str, Any]:
+    """The ``authorization`` block of a server configuration nats-config wrote (JSON)."""
+    return dict(json.loads(config.split("\nauthorization: ", 1)[1]))
+
+
+def test_nats_config_without_the_callout_keeps_static_sidecars(tmp_path: Path) -> None:
+    """--no-callout: no callout block; the node's sidecar key is a user of the cluster."""
+    out = tmp_path / "cfg"
+    argv = [*CLI_ARGV, "nats-config", str(out), "--nodes", "n1", "--split", "--no-callout"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    from shoal.auth import CredentialStore
+
+    block = authorization((out / "server/nats-1.conf").read_text())
+    assert "auth_callout" not in block
+    assert CredentialStore(out / "creds").sidecar_keys()["n1"] in {u.get("nkey") for u in block["users"]}
+    assert not (out / "creds.d/authorizer").exists() and not (out / "creds/callout-issuer.nk").exists()
 
 
 def test_server_config_refuses_what_would_break_its_syntax() -> None:

@@ -9,9 +9,11 @@ It writes three directories, each readable by its owner only:
     JetStream, routes with a password of their own, MQTT, and every identity's
     permissions) and ``route.password``. Only the NATS servers need it.
 ``DIR/creds``
-    The nkey seeds of the services (admission, allocator, placer, profiler, trader) and
-    of each node of ``--nodes`` (``node-<n>.nk`` for its daemon, ``sidecar-<n>.nk`` for
-    its sidecars). The service and node-daemon containers need it.
+    The nkey seeds of the services (admission, allocator, placer, profiler, trader,
+    authorizer) and of each node of ``--nodes`` (``node-<n>.nk`` for its daemon,
+    ``sidecar-<n>.nk`` for its sidecars), the auth callout issuer's account seed
+    (``callout-issuer.nk``) and the manifest of their public keys. The service and
+    node-daemon containers need it.
 ``DIR/operator``
     The admin's seed and each user's of ``--users`` (``user-<u>.nk``, and with
     ``--mqtt`` an MQTT password in ``user-<u>.mqtt``). Hand these to the people; no
@@ -20,15 +22,29 @@ It writes three directories, each readable by its owner only:
 ``DIR/creds.d/<container>`` (with ``--split``)
     The same seeds again, one directory per container that needs them: each service's
     own (``admission/admission.nk``, ...) and, for each node, its daemon's and its
-    sidecars' (``node-<n>/node-<n>.nk`` and ``sidecar-<n>.nk``). The compose stack gives
-    each container a volume with its directory only, so a service that is broken into
-    holds its own identity and no other (``DIR/creds`` is then mounted by no service).
+    sidecars' (``node-<n>/node-<n>.nk`` and ``sidecar-<n>.nk``) and the authorizer's
+    (``authorizer/authorizer.nk``, ``callout-issuer.nk`` and ``identities.json`` with the
+    public keys of the ``sidecar-<n>`` identities, which verify the sidecar tokens). The
+    compose stack gives each container a volume with its directory only, so a service
+    that is broken into holds its own identity and no other (``DIR/creds`` is then
+    mounted by no service).
+
+Per-job sidecar identities (the default; ``--no-callout`` turns them off): every
+server's configuration enables the NATS auth callout (:mod:`shoal.callout`) with the
+issuer's public key, and lists every static identity in ``auth_users``, the sidecars'
+excepted: ``sidecar-<n>`` is no user of the cluster, its seed only signs the tokens the
+node daemon (``SHOAL_SIDECAR_TOKENS=true``) gives its sidecars, and ``shoal run
+authorizer`` answers each sidecar's connect with an identity of its one job. With
+``--no-callout`` the sidecars connect as the static ``sidecar-<n>`` identity, which may
+report for any job.
 
 ``--password-file PATH`` also makes a random password in ``PATH`` (e.g. the compose
 stack's Grafana admin password).
 
 Running it again keeps every seed and password it made before and adds what is new, so
-the servers' configuration can be regenerated (then have each server reload it: SIGHUP).
+the servers' configuration can be regenerated (then have each server reload it: SIGHUP;
+with the callout, a new identity changes ``auth_users``, which nats-server does not
+reload: restart the servers one at a time instead).
 """
 
 from __future__ import annotations
@@ -63,6 +79,12 @@ def register(subparsers: Any) -> None:
         help="also write each container's seeds into a directory of its own (DIR/creds.d/<container>)",
     )
     p.add_argument(
+        "--no-callout",
+        dest="callout",
+        action="store_false",
+        help="no per-job sidecar identities: sidecars connect as their node's static sidecar identity",
+    )
+    p.add_argument(
         "--password-file",
         action="append",
         default=[],
@@ -88,7 +110,9 @@ def _secret(path: Path) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from shoal.auth import SERVICE_ROLES, AuthError, CredentialStore, _write_private
+    import msgspec
+
+    from shoal.auth import ISSUER, MANIFEST, SERVICE_ROLES, AuthError, CredentialStore, _write_private
     from shoal.nats_config import server_config
 
     out = Path(args.directory)
@@ -104,6 +128,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         for role in SERVICE_ROLES:
             services.ensure(role)
+        if args.callout:
+            services.ensure("authorizer")
+            services.ensure_issuer()
         for node in _names(args.nodes):
             services.ensure("node", node)
             services.ensure("sidecar", node)
@@ -119,6 +146,8 @@ def _run(args: argparse.Namespace) -> int:
         groups: dict[str, list[str]] = {role: [role] for role in SERVICE_ROLES}
         for node in _names(args.nodes):
             groups[f"node-{node}"] = [f"node-{node}", f"sidecar-{node}"]
+        if args.callout:
+            groups["authorizer"] = ["authorizer", ISSUER]
         for group, names in groups.items():
             target = out / "creds.d" / group
             target.mkdir(parents=True, exist_ok=True)
@@ -129,11 +158,16 @@ def _run(args: argparse.Namespace) -> int:
             os.chmod(target, 0o700)
             for name in names:
                 _write_private(target / f"{name}.nk", services.path(name).read_bytes())
+            if group == "authorizer":
+                # The public keys that verify sidecar tokens (CredentialStore.sidecar_keys).
+                keys = [i for i in services.identities() if i.role in ("sidecar", "authorizer")]
+                _write_private(target / MANIFEST, msgspec.json.format(msgspec.json.encode(keys)))
     route_password = _secret(dirs["server"] / "route.password")
     for path in args.password_file:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         _secret(Path(path))
     identities = [*services.identities(), *operator.identities()]
+    issuer = services.issuer_public_key() if args.callout else None
     for server in servers:
         try:
             text = server_config(
@@ -145,6 +179,7 @@ def _run(args: argparse.Namespace) -> int:
                 prefix=args.prefix,
                 store_dir=args.store_dir,
                 mqtt=args.mqtt,
+                callout_issuer=issuer,
             )
         except ValueError as exc:
             raise CommandError(str(exc)) from None
