@@ -287,6 +287,34 @@ async def test_the_sidecars_of_one_job_answer_each_other(callout_server: Embedde
 
 
 @pytest.mark.integration
+async def test_two_authorizers_answer_each_request_once(callout_server: EmbeddedNats) -> None:
+    """Two authorizers (deploy/k8s runs two replicas) share the requests in one queue
+    group: each connect is answered by one of them, not both."""
+    async with authorizer(callout_server) as (first, admin, store):
+        bus = await Bus.connect(
+            callout_server.url, PREFIX, creds=str(store.path("authorizer")), declare=False
+        )
+        second = AuthorizerService(bus, issuer=_kp(store, auth.ISSUER), node_keys=store.sidecar_keys)
+        stop = asyncio.Event()
+        task = asyncio.create_task(second.run(stop))
+        try:
+            await asyncio.wait_for(second.serving.wait(), 30)
+            seq = await admin.last_seq()
+            await second.projection.wait_for(seq)
+            token = callout.mint_sidecar_token(
+                _kp(store, "sidecar-n1"), callout.SidecarGrant("jA", "n1", seq)
+            )
+            for _ in range(4):
+                await (await _sidecar(callout_server, token)).close()
+            answers = [sum(first.decisions.values()), sum(second.decisions.values())]
+            assert sum(answers) == 4, answers
+        finally:
+            stop.set()
+            await asyncio.gather(task, return_exceptions=True)
+            await bus.close()
+
+
+@pytest.mark.integration
 async def test_a_token_for_a_job_not_placed_on_its_node_is_refused_at_connect(
     callout_server: EmbeddedNats,
 ) -> None:

@@ -5,7 +5,8 @@ Started by ``shoal up`` when its embedded server runs with the auth callout
 the installation: its own seed (``SHOAL_NATS_CREDS``), the callout issuer's seed
 (``callout-issuer.nk`` next to it) and the manifest, whose ``sidecar-<node>`` public
 keys verify the sidecar tokens. It is not leader-elected: answers depend only on the
-log, so any number may run.
+log, so any number may run; they share the requests (one queue group), each request
+answered by one of them.
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ from shoal.state import FINISHED_STATUSES
 
 log = structlog.get_logger("shoal.authorizer")
 
+QUEUE = "authorizer"
+"""The queue group of the authorizers' subscriptions to the callout subject."""
+
 DECISIONS = Counter(
     "shoal_authorizer_decisions", "Auth callout answers of the authorizer, by outcome", ["outcome"]
 )
@@ -130,7 +133,9 @@ class AuthorizerService:
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
 
-            sub = await self.bus.nc.subscribe(co.CALLOUT_SUBJECT, cb=on_request)
+            # A queue group: several authorizers (they fold the same log) share the
+            # requests, one answer each.
+            sub = await self.bus.nc.subscribe(co.CALLOUT_SUBJECT, queue=QUEUE, cb=on_request)
             await self.bus.nc.flush()
             self.serving.set()
             log.info("authorizer_ready", last_seq=self.projection.last_seq)
