@@ -31,7 +31,15 @@ import nkeys
 import pytest
 import yaml
 from shoal.auth import CredentialStore, identity_name
-from shoal.k8s import AUTH_SECRET, NODES_SECRET, cluster_conf, node_id_of, secret_manifests, service_secret
+from shoal.k8s import (
+    AUTH_SECRET,
+    AUTHORIZER_SECRET,
+    NODES_SECRET,
+    cluster_conf,
+    node_id_of,
+    secret_manifests,
+    service_secret,
+)
 from shoal.nats_server import find_nats_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +124,37 @@ def test_secret_manifests_hold_each_seed_once_and_never_the_admins(tmp_path: Pat
     )
     for ident in idents:
         assert ident.public_key in auth
+    assert "auth_callout" not in auth
     assert all(d["metadata"]["namespace"] == "ns" for d in docs.values())
+
+
+def test_secret_manifests_with_the_callout_give_the_authorizer_its_keys(tmp_path: Path) -> None:
+    """Per-job sidecar identities: auth.conf has the callout block (the sidecar key is no
+    user), and only the authorizer's Secret holds the issuer's seed."""
+    store = CredentialStore(tmp_path)
+    for role in ("admin", "admission", "allocator", "placer", "profiler", "trader", "authorizer"):
+        store.ensure(role)  # type: ignore[arg-type]
+    store.ensure("node", "gpu-1")
+    store.ensure("sidecar", "gpu-1")
+    issuer_seed = store.ensure_issuer().read_bytes()
+    idents = store.identities()
+    seeds = {i.name: store.path(i.name).read_bytes() for i in idents}
+    docs = {
+        d["metadata"]["name"]: d
+        for d in secret_manifests(idents, seeds, route_password="abc123", callout_issuer_seed=issuer_seed)
+    }
+    data = {name: {k: base64.b64decode(v) for k, v in d["data"].items()} for name, d in docs.items()}
+    files = data[AUTHORIZER_SECRET]
+    assert files["authorizer.nk"] == seeds["authorizer"] and files["callout-issuer.nk"] == issuer_seed
+    assert [n for n, d in data.items() if issuer_seed in b"".join(d.values())] == [AUTHORIZER_SECRET]
+    (tmp_path / "authorizer").mkdir()
+    (tmp_path / "authorizer" / "identities.json").write_bytes(files["identities.json"])
+    assert CredentialStore(tmp_path / "authorizer").sidecar_keys() == store.sidecar_keys()
+    auth = json.loads(data[AUTH_SECRET]["auth.conf"].decode().removeprefix("authorization: "))
+    assert auth["auth_callout"]["issuer"] == store.issuer_public_key()
+    users = [u["nkey"] for u in auth["users"]]
+    assert sorted(auth["auth_callout"]["auth_users"]) == sorted(users)
+    assert store.sidecar_keys()["gpu-1"] not in users and len(users) == len(idents) - 1
 
 
 def check_roles() -> tuple[str, ...]:
@@ -135,7 +173,14 @@ def test_shoal_creds_k8s_keeps_seeds_and_adds_nodes(tmp_path: Path) -> None:
     subprocess.run([*SHOAL_CLI, "creds", "k8s", str(out), "--node", "gpu-1.example"], check=True)
     first = {p.name: p.read_bytes() for p in out.glob("*.nk")}
     route_password = (out / "route-password").read_text()
-    assert {"admin.nk", "allocator.nk", "node-gpu-1-example.nk", "sidecar-gpu-1-example.nk"} <= set(first)
+    assert {
+        "admin.nk",
+        "allocator.nk",
+        "authorizer.nk",
+        "callout-issuer.nk",
+        "node-gpu-1-example.nk",
+        "sidecar-gpu-1-example.nk",
+    } <= set(first)
     subprocess.run(
         [*SHOAL_CLI, "creds", "k8s", str(out), "--node", "gpu-1.example", "--node", "gpu-2"], check=True
     )
@@ -155,6 +200,11 @@ def test_shoal_creds_k8s_keeps_seeds_and_adds_nodes(tmp_path: Path) -> None:
         "node-gpu-2.nk",
         "sidecar-gpu-2.nk",
     }
+    # The authorizer's Secret: its seed, the issuer's, and every node's sidecar key.
+    assert set(docs[AUTHORIZER_SECRET]["data"]) == {"authorizer.nk", "callout-issuer.nk", "identities.json"}
+    manifest = base64.b64decode(docs[AUTHORIZER_SECRET]["data"]["identities.json"])
+    assert all(k in manifest.decode() for k in CredentialStore(out).sidecar_keys().values())
+    assert "auth_callout" in (out / "auth.conf").read_text()
 
 
 # ---------------------------------------------------------------------------
@@ -253,6 +303,7 @@ def test_control_plane_replicas_and_durability(rendered: dict[str, list[dict[str
             ("placer", 2),
             ("profiler", 1),
             ("trader", 1),
+            ("authorizer", 2),
         ):
             dep = _one(docs, "Deployment", f"shoal-{name}")
             assert dep["spec"]["replicas"] == replicas
@@ -285,6 +336,7 @@ def test_prod_node_daemons_own_their_gpus_in_real_mode(rendered: dict[str, list[
         assert gpus >= 1 and c["resources"]["limits"]["nvidia.com/gpu"] == gpus
         env = {e["name"]: e for e in c["env"]}
         assert env["SHOAL_SIDECAR_MODE"]["value"] == "real"
+        assert env["SHOAL_SIDECAR_TOKENS"]["value"] == "true"  # per-job sidecar identities
         assert env["SHOAL_SIDECAR_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert "NVIDIA_VISIBLE_DEVICES" not in env  # the device plugin decides
         volumes = {v["name"]: v for v in pod["volumes"]}
@@ -307,6 +359,7 @@ async def test_rendered_nats_config_admits_only_shoal_identities(
     conf = _one(docs, "ConfigMap", "nats-config")["data"]["nats.conf"]
     nats_auth = _one(docs, "Secret", AUTH_SECRET)["data"]
     seeds = _one(docs, "Secret", service_secret("allocator"))["data"]
+    node_seeds = _one(docs, "Secret", NODES_SECRET)["data"]
     (tmp_path / "config").mkdir()
     (tmp_path / "auth").mkdir()
     for name in ("auth.conf", "cluster.conf"):
@@ -325,6 +378,9 @@ async def test_rendered_nats_config_admits_only_shoal_identities(
     seed.write_bytes(base64.b64decode(seeds["allocator.nk"]))
     stranger = tmp_path / "stranger.nk"
     stranger.write_bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
+    # With the auth callout a node's sidecar key only signs tokens: it is no user.
+    sidecar = tmp_path / "sidecar.nk"
+    sidecar.write_bytes(base64.b64decode(node_seeds[f"sidecar-{node_id_of(check.DEV_NODES[0])}.nk"]))
     proc = subprocess.Popen(
         [find_nats_server(), "-c", str(tmp_path / "config" / "nats.conf"), "--ports_file_dir", str(tmp_path)],
         env={**os.environ, "POD_NAME": "nats-0"},
@@ -342,12 +398,36 @@ async def test_rendered_nats_config_admits_only_shoal_identities(
         nc = await nats.connect(url, nkeys_seed=str(seed), allow_reconnect=False, connect_timeout=5)
         await nc.flush()
         await nc.close()
-        for kw in ({}, {"nkeys_seed": str(stranger)}):
-            with pytest.raises(Exception, match=r"(?i)authoriz"):
+
+        async def refused(**kw: Any) -> None:
+            # Judged by the auth callout, which no authorizer answers here: the server
+            # ends the connection when its authorization timeout (5 s) passes (nats-py
+            # may have returned from connect by then).
+            async def quiet(_exc: Exception) -> None:
+                pass
+
+            try:
                 bad = await nats.connect(
-                    url, allow_reconnect=False, connect_timeout=5, max_reconnect_attempts=0, **kw
+                    url,
+                    allow_reconnect=False,
+                    connect_timeout=15,
+                    max_reconnect_attempts=0,
+                    error_cb=quiet,
+                    **kw,
                 )
+            except Exception as exc:
+                assert "authoriz" in str(exc).lower(), exc
+                return
+            try:
+                for _ in range(400):
+                    if "authoriz" in str(bad.last_error).lower():
+                        return
+                    await asyncio.sleep(0.05)
+                pytest.fail(f"admitted: {kw}")
+            finally:
                 await bad.close()
+
+        await asyncio.gather(refused(), refused(nkeys_seed=str(stranger)), refused(nkeys_seed=str(sidecar)))
     finally:
         proc.terminate()
         proc.wait(timeout=10)

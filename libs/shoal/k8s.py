@@ -6,13 +6,21 @@ objects the manifests in ``deploy/k8s`` mount (``docs/deploy.md``):
 ``shoal-nats-auth``
     ``auth.conf``: the NATS servers' ``authorization`` block, every identity's public
     nkey and its permissions, from :func:`shoal.auth.authorization_block` (no seed;
-    MQTT password hashes if any). ``cluster.conf``: the route password the servers of
+    MQTT password hashes if any); with the callout issuer's seed, also the auth callout
+    (per-job sidecar identities, :mod:`shoal.callout`): every static identity but the
+    sidecars' in ``auth_users``, the issuer's public key. ``cluster.conf``: the route password the servers of
     the StatefulSet require of each other, and their routes (:func:`cluster_conf`).
 ``shoal-creds-<service>`` (admission, allocator, placer, profiler, trader)
     ``<service>.nk``: that service's seed alone, so each Deployment mounts only its own.
+``shoal-creds-authorizer`` (with the callout)
+    ``authorizer.nk``, ``callout-issuer.nk`` (the account key the authorizer signs its
+    answers with) and ``identities.json`` (the public keys of the ``sidecar-<id>``
+    identities, which verify the sidecar tokens): ``shoal run authorizer``'s alone.
 ``shoal-creds-nodes``
     ``node-<id>.nk`` and ``sidecar-<id>.nk`` of every node: a DaemonSet cannot mount a
     different Secret on each node, so every node daemon pod can read every node's seeds.
+    With the callout a ``sidecar-<id>`` seed is no user of the servers: it only signs
+    the tokens of that node's sidecars.
 
 The admin's and the users' seeds are never put in a Secret: the operator and the
 users keep them (their public keys are in ``auth.conf``).
@@ -24,10 +32,13 @@ import base64
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from shoal.auth import SERVICE_ROLES, Identity, authorization_block
+import msgspec
+
+from shoal.auth import ISSUER, MANIFEST, SERVICE_ROLES, Identity, authorization_block
 
 AUTH_SECRET = "shoal-nats-auth"
 NODES_SECRET = "shoal-creds-nodes"
+AUTHORIZER_SECRET = "shoal-creds-authorizer"
 
 
 def node_id_of(node_name: str) -> str:
@@ -84,16 +95,25 @@ def secret_manifests(
     prefix: str = "shoal",
     namespace: str = "shoal",
     nats_servers: int = 3,
+    callout_issuer_seed: bytes | None = None,
 ) -> list[dict[str, Any]]:
     """The Secrets of ``identities`` (``seeds``: identity name -> seed file content) and
-    of the NATS servers' routes (``route_password``, :func:`cluster_conf`).
+    of the NATS servers' routes (``route_password``, :func:`cluster_conf`). With
+    ``callout_issuer_seed`` (the auth callout's account seed) the servers judge sidecars
+    by the auth callout and the authorizer gets its Secret.
 
     Raises:
-        KeyError: a service, node or sidecar identity whose seed is not in ``seeds``.
+        KeyError: a service, node, sidecar or (with the callout) authorizer identity whose
+            seed is not in ``seeds``.
     """
     idents = sorted(identities, key=lambda i: i.name)
+    issuer = None
+    if callout_issuer_seed is not None:
+        from shoal import callout as co
+
+        issuer = co.public_key(co.keypair(callout_issuer_seed))
     nats_files = {
-        "auth.conf": authorization_block(idents, prefix).encode(),
+        "auth.conf": authorization_block(idents, prefix, callout_issuer=issuer).encode(),
         "cluster.conf": cluster_conf(route_password, namespace=namespace, servers=nats_servers).encode(),
     }
     out = [_secret(AUTH_SECRET, namespace, nats_files)]
@@ -104,4 +124,12 @@ def secret_manifests(
             )
     nodes = {f"{i.name}.nk": seeds[i.name] for i in idents if i.role in ("node", "sidecar")}
     out.append(_secret(NODES_SECRET, namespace, nodes))
+    if callout_issuer_seed is not None:
+        keys = [i for i in idents if i.role in ("sidecar", "authorizer")]
+        files = {
+            "authorizer.nk": seeds["authorizer"],
+            f"{ISSUER}.nk": callout_issuer_seed,
+            MANIFEST: msgspec.json.format(msgspec.json.encode(keys)),
+        }
+        out.append(_secret(AUTHORIZER_SECRET, namespace, files))
     return out

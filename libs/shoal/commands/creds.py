@@ -16,7 +16,9 @@ existing seeds are kept, so running it again with one more ``--node`` adds that 
 and writes ``DIR/secrets.yaml``, the Secrets
 the manifests in ``deploy/k8s`` mount (:mod:`shoal.k8s`; ``docs/deploy.md``), and
 ``DIR/auth.conf``, the NATS servers' authorization block, for servers run without
-Kubernetes.
+Kubernetes. It also keeps the authorizer's identity and the auth callout issuer's seed
+(``callout-issuer.nk``): the servers judge sidecars by the auth callout, each sidecar an
+identity of its one job (``--no-callout``: static ``sidecar-<node>`` identities instead).
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ def register(subparsers: Any) -> None:
     k8s.add_argument("--namespace", default="shoal", help="the namespace of the Secrets")
     k8s.add_argument(
         "--nats-servers", type=int, default=3, help="servers of the NATS StatefulSet (default 3)"
+    )
+    k8s.add_argument(
+        "--no-callout",
+        dest="callout",
+        action="store_false",
+        help="no per-job sidecar identities: sidecars connect as their node's static sidecar identity",
     )
     k8s.set_defaults(func=_k8s)
     ls = sub.add_parser("list", help="every identity and its role")
@@ -98,7 +106,7 @@ def _k8s(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from shoal.auth import SERVICE_ROLES, AuthError, CredentialStore, authorization_block
+    from shoal.auth import ISSUER, SERVICE_ROLES, AuthError, CredentialStore, authorization_block
     from shoal.k8s import node_id_of, secret_manifests
 
     store = CredentialStore(args.directory)
@@ -106,6 +114,9 @@ def _k8s(args: argparse.Namespace) -> int:
         store.ensure("admin")
         for role in SERVICE_ROLES:
             store.ensure(role)
+        if args.callout:
+            store.ensure("authorizer")
+            store.ensure_issuer()
         for node in args.node:
             store.ensure("node", node_id_of(node))
             store.ensure("sidecar", node_id_of(node))
@@ -128,6 +139,7 @@ def _k8s(args: argparse.Namespace) -> int:
         prefix=args.prefix,
         namespace=args.namespace,
         nats_servers=args.nats_servers,
+        callout_issuer_seed=store.path(ISSUER).read_bytes() if args.callout else None,
     )
     out = Path(args.directory) / "secrets.yaml"
     text = "# Made by `shoal creds k8s`: seeds; keep out of version control.\n"
@@ -140,7 +152,8 @@ def _k8s(args: argparse.Namespace) -> int:
     auth = Path(args.directory) / "auth.conf"
     fd = os.open(auth, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
-        fh.write(authorization_block(idents, args.prefix))
+        issuer = store.issuer_public_key() if args.callout else None
+        fh.write(authorization_block(idents, args.prefix, callout_issuer=issuer))
     print(auth)
     return 0
 
