@@ -35,11 +35,12 @@ Roles (``docs/security.md`` has the threat model)
     Publishes what a trainer reports about a job (progress, completion, the
     reconfiguration phases) and talks to the sidecars of the same job on other
     nodes (``<p>.sidecar.>``), with its per-job leader lease. As a static identity
-    (``callout=False``, e.g. the compose and Kubernetes configurations) it is not
-    narrowed to one job. With the auth callout (``callout=True``: ``shoal up``) it is
-    no user of the server at all: the node daemon signs with its seed a token per
-    sidecar naming the job (:mod:`shoal.callout`), and each sidecar connects as an
-    identity allowed that job's subjects only (:func:`sidecar_job_permissions`).
+    (``callout_issuer=None``, e.g. ``shoal nats-config --no-callout``) it is not
+    narrowed to one job. With the auth callout (the default of ``shoal up``, ``shoal
+    nats-config`` and ``shoal creds k8s``) it is no user of the server at all: the
+    node daemon signs with its seed a token per sidecar naming the job
+    (:mod:`shoal.callout`), and each sidecar connects as an identity allowed that
+    job's subjects only (:func:`sidecar_job_permissions`).
 ``authorizer`` (the callout service, ``shoal run authorizer``)
     Alone may subscribe to :data:`CALLOUT_SUBJECT` and answer its requests; reads the log
     (which job is placed where).
