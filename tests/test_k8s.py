@@ -207,6 +207,15 @@ def test_shoal_creds_k8s_keeps_seeds_and_adds_nodes(tmp_path: Path) -> None:
     assert "auth_callout" in (out / "auth.conf").read_text()
 
 
+def test_shoal_creds_k8s_without_the_callout_keeps_static_sidecars(tmp_path: Path) -> None:
+    out = tmp_path / "creds"
+    subprocess.run([*SHOAL_CLI, "creds", "k8s", str(out), "--node", "gpu-1", "--no-callout"], check=True)
+    auth = (out / "auth.conf").read_text()
+    assert "auth_callout" not in auth and CredentialStore(out).sidecar_keys()["gpu-1"] in auth
+    docs = {d["metadata"]["name"] for d in yaml.safe_load_all((out / "secrets.yaml").read_text())}
+    assert AUTHORIZER_SECRET not in docs and not (out / "callout-issuer.nk").exists()
+
+
 # ---------------------------------------------------------------------------
 # The rendered manifests
 # ---------------------------------------------------------------------------
