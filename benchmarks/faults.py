@@ -7,18 +7,23 @@ with a standby allocator and a steady load of submissions, injects every fault o
 ``--pauses SECONDS`` runs :func:`shoal.faults.pauses` instead (a SIGSTOP of that long of
 every kind of process, one at a time; report ``faults_pause_<SECONDS>s.md``) and ``--out``
 writes the report elsewhere.
+
+``--real`` runs :data:`shoal.faults.REAL` instead: kill -9 of a sidecar leader and of a
+training worker of real jobs (``examples/cnn_digits.py`` on CPU with gloo, through
+``shoal up`` in real mode; report ``faults_real.md``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from shoal.faults import FULL, REDUCED, pauses, run_suite
+from shoal.faults import FULL, REAL_KW, REAL_STEPS, REDUCED, pauses, run_real_suite, run_suite
 
 REPORT = Path(__file__).resolve().parent / "reports" / "faults.md"
 
@@ -32,10 +37,15 @@ def main() -> int:
         metavar="SECONDS",
         help="only SIGSTOP of every kind of process for SECONDS each (e.g. 60)",
     )
+    p.add_argument(
+        "--real", action="store_true", help="only the real-mode faults (sidecar leader, training worker)"
+    )
     p.add_argument("--out", type=Path, help=f"report path (default {REPORT}, or faults_pause_<S>s.md)")
     args = p.parse_args()
     from shoal.faults import report
 
+    if args.real:
+        return real(args.out or REPORT.with_name("faults_real.md"))
     if args.pauses is not None:
         faults = pauses(args.pauses)
         out = args.out or REPORT.with_name(f"faults_pause_{args.pauses:g}s.md")
@@ -63,6 +73,41 @@ def main() -> int:
         text = report(results, command=command, elapsed_s=elapsed, submit_every_s=every)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
+        print(text)
+        failed = [r for r in results if r.failed]
+        if failed:
+            err = Path(tmp) / "up.err"
+            print(f"--- last lines of {err}:", file=sys.stderr)
+            print("\n".join(err.read_text().splitlines()[-60:]), file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _machine() -> str:
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"{os.cpu_count()} CPUs, load average (1/5/15 min) {load}"
+
+
+def real(out: Path) -> int:
+    from shoal.faults import report
+
+    before = _machine()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="shoal-faults-real-") as tmp:
+        results = asyncio.run(run_real_suite(Path(tmp)))
+        elapsed = time.monotonic() - started
+        machine = (
+            f"Measured on a shared, loaded machine (other work running): at the start {before}; at the"
+            f" end {_machine()}. Recovery timeout {REAL_KW['recovery_timeout_s']:g} s."
+        )
+        text = report(
+            results,
+            command="python benchmarks/faults.py --real",
+            elapsed_s=elapsed,
+            real_steps=REAL_STEPS,
+            machine=machine,
+        )
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
         print(text)
         failed = [r for r in results if r.failed]
         if failed:

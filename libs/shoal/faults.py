@@ -24,7 +24,9 @@ harness's follower folds them, and then runs the checks:
 * ``digest``: every service's ``shoal_state_digest`` (its ``/metrics``) equals a fresh
   fold of the log up to the sequence it reports;
 * ``orphans``: no process of the installation's sessions outlives its parent
-  (reparented, not a descendant of ``shoal up`` or of the harness's supervisor);
+  (reparented, not a descendant of ``shoal up`` or of the harness's supervisor); in
+  real mode neither does any process, in any session, whose ``SHOAL_TRAIN_JOB`` names
+  a job of the run (a training worker);
 * ``leader``: for every leader-elected service, never two processes that report
   ``shoal_leader`` 1 at once, and one leader in the end; a paused process, once
   resumed, is a leader or a standby (or exited and was restarted);
@@ -32,6 +34,15 @@ harness's follower folds them, and then runs the checks:
 
 The wall-clock times measured include this harness's own follower's latency (it too
 reconnects after a NATS server restart).
+
+Real mode (``FaultSuite(real=True)``, :data:`REAL`, :data:`REAL_KW`): ``shoal up`` with
+``SHOAL_SIDECAR_MODE=real`` and ``SHOAL_ENTRYPOINTS`` allowing :data:`CNN` in its
+environment (it hands them to its node daemons and admission), two nodes of one GPU, and
+real jobs of :data:`CNN` on two GPUs (so over both nodes: a leading and a following
+sidecar) as the load. Its faults kill -9 the sidecar holding a job's lease
+``train.<job>``, or a worker of the job; the result also has ``to_training_s`` (until
+the job trains again) and how it restarted, and a hit job that never trains again
+fails the row (``no restart``) unless it was allowed no restart and ended ``failed``.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -61,13 +73,21 @@ from shoal.projection import Projection
 
 LEADER_ELECTED = ("allocator", "placer", "profiler", "trader")
 
+CNN = Path(__file__).resolve().parents[2] / "examples" / "cnn_digits.py"
+"""The shipped example a real-mode suite's jobs run (``examples/cnn_digits.py``)."""
+
+REAL_STEPS = 300
+"""Steps of each real job of a real-mode suite (by default)."""
+
 
 class Fault(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     target: str
     """``admission``, ``allocator-leader``, ``allocator-standby``, ``placer``, ``profiler``,
     ``trader``, ``node-daemon``, ``sidecar``, ``nats``, ``allocator`` (the leader, with
-    no standby running)."""
+    no standby running); in a real-mode suite (:attr:`FaultSuite.real`) also
+    ``sidecar-leader-real`` (the sidecar holding a two-node job's lease ``train.<job>``)
+    and ``worker-real`` (one ``shoal.train`` worker process of a running job)."""
     stop_s: float = 0.0
     """0: ``kill -9``; else ``SIGSTOP`` for this long, then ``SIGCONT``."""
     standby: bool = True
@@ -78,6 +98,9 @@ class Result(msgspec.Struct, kw_only=True):
     fault: str
     to_decision_s: float | None = None
     to_placement_s: float | None = None
+    to_training_s: float | None = None
+    """Real-mode faults: from the fault to the hit job's first ``ProgressReported`` after
+    a ``ReconfigurationCompleted`` of it appended after the fault (it trains again)."""
     failed: list[str] = []
     notes: list[str] = []
 
@@ -128,6 +151,25 @@ def cmdline(pid: int) -> list[str]:
         return []
 
 
+def train_job_of(pid: int) -> str | None:
+    """The ``SHOAL_TRAIN_JOB`` in the environment of ``pid`` (a real sidecar's worker), if any."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    for item in raw.split(b"\0"):
+        if item.startswith(b"SHOAL_TRAIN_JOB="):
+            return item.split(b"=", 1)[1].decode(errors="replace")
+    return None
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -164,11 +206,23 @@ class Follower:
         self.placements: list[tuple[float, int]] = []
         """The same for every ``PlacementDecided``."""
         self.submitted: dict[str, int] = {}
+        self.reconfigured: list[tuple[float, int, str]] = []
+        """(monotonic time folded, sequence, job) of every ``ReconfigurationCompleted``."""
+        self.progress: list[tuple[float, int, str, int]] = []
+        """The same, and the iteration, for every ``ProgressReported``."""
+        self.restarts: list[tuple[int, str, str]] = []
+        """(sequence, job, ``kind from->to``) of every ``ReconfigurationStarted``."""
         self.projection = Projection(bus, listeners=[self._on_event])
 
     def _on_event(self, seq: int, env: ev.Envelope, state: st.ClusterState) -> None:
         e = env.event
-        if isinstance(e, ev.SharesDecided):
+        if isinstance(e, ev.ReconfigurationCompleted):
+            self.reconfigured.append((time.monotonic(), seq, e.job_id))
+        elif isinstance(e, ev.ProgressReported):
+            self.progress.append((time.monotonic(), seq, e.job_id, e.iteration))
+        elif isinstance(e, ev.ReconfigurationStarted):
+            self.restarts.append((seq, e.job_id, f"{e.kind} {e.from_world}->{e.to_world}"))
+        elif isinstance(e, ev.SharesDecided):
             self.decisions.append((time.monotonic(), seq))
         elif isinstance(e, ev.PlacementDecided):
             self.placements.append((time.monotonic(), seq))
@@ -197,8 +251,24 @@ class FaultSuite:
         submit_every_s: float = 1.0,
         lease_ttl_s: float = 3.0,
         recovery_timeout_s: float = 60.0,
+        real: bool = False,
+        real_steps: int = REAL_STEPS,
+        real_backlog: int = 2,
+        real_job_env: dict[str, str] | None = None,
     ) -> None:
         self.work_dir = work_dir
+        self.real = real
+        """Real mode: the node daemons' sidecars run ``shoal.train`` workers
+        (``SHOAL_SIDECAR_MODE=real``, one CPU gloo slot per emulated GPU), admission allows
+        :data:`CNN` (``SHOAL_ENTRYPOINTS``), time is not scaled and the load is real jobs
+        (see :meth:`_submit_forever`)."""
+        self.real_steps = real_steps
+        """Steps (``--max-steps``, ``total_iterations``) of each real job."""
+        self.real_job_env = dict(real_job_env or {})
+        """More ``spec.env`` of each real job (e.g. ``SHOAL_TRAIN_MAX_RESTARTS``)."""
+        self.real_backlog = real_backlog
+        """Real mode: a job is submitted only while fewer than this many accepted ones
+        have not ended."""
         self.state_dir = work_dir / "state"
         self.nodes = nodes
         self.gpus_per_node = gpus_per_node
@@ -221,6 +291,8 @@ class FaultSuite:
         self._notes: list[str] = []
         self.replacements = 0
         """``PlacementDecided`` of an epoch already placed (re-placements), at the last check."""
+        self._hit_job: str | None = None
+        """The job a real-mode fault hit (see :meth:`_real_target`)."""
         """Every round of :meth:`_leaders_now` that found two leaders of one lease: who."""
 
     # -- life cycle ------------------------------------------------------------------------
@@ -245,12 +317,21 @@ class FaultSuite:
             SHOAL_HEARTBEAT_S="0.5",
             SHOAL_NODE_TIMEOUT_S="4.0",
         )
+        if self.real:
+            env.update(
+                SHOAL_SIDECAR_MODE="real",
+                SHOAL_ENTRYPOINTS=json.dumps([[sys.executable, str(CNN)]]),
+                SHOAL_REPORT_EVERY_S="0.5",
+                # Torch workers take both cores of a small machine: a node daemon's
+                # heartbeat may be late by seconds without the node being gone.
+                SHOAL_NODE_TIMEOUT_S="15.0",
+            )
         return env
 
     async def start(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         argv = [*CLI_ARGV, "up", "--nodes", str(self.nodes), "--gpus-per-node", str(self.gpus_per_node)]
-        argv += ["--time-scale", "20", "--policy", "fifo"]
+        argv += ["--time-scale", "1" if self.real else "20", "--policy", "fifo"]
         self.proc = subprocess.Popen(
             argv,
             env=self.env(),
@@ -312,8 +393,13 @@ class FaultSuite:
                 await asyncio.to_thread(self.proc.wait)
 
     def leftovers(self) -> list[int]:
-        """Processes of the installation's sessions still alive (after :meth:`stop`)."""
-        return [pid for pid, _pp, sid, s in _procs() if sid in self._sessions and s != "Z"]
+        """Processes of the installation's sessions still alive (after :meth:`stop`); in
+        real mode also any process whose ``SHOAL_TRAIN_JOB`` is one of this run's jobs."""
+        return [
+            pid
+            for pid, _pp, sid, s in _procs()
+            if s != "Z" and (sid in self._sessions or (self.real and train_job_of(pid) in self.accepted))
+        ]
 
     def up_info(self) -> dict[str, Any]:
         return dict(json.loads((self.state_dir / "up.json").read_text()))
@@ -397,16 +483,11 @@ class FaultSuite:
                     self.url, "shoal", creds=str(self.creds / "admin.nk"), timeout_s=5.0
                 )
                 while True:
+                    if self.real:
+                        await wait_until(lambda: self._unfinished() < self.real_backlog, float("inf"), 0.5)
                     n += 1
                     job_id = f"load-{n:05d}"
-                    gpus = 1 + n % 2
-                    spec = ev.JobSpec(
-                        user=("alice", "bob")[n % 2],
-                        min_gpus=1,
-                        max_gpus=gpus,
-                        requested_gpus=gpus,
-                        total_iterations=30,
-                    )
+                    spec = self._real_spec(n) if self.real else self._emulated_spec(n)
                     try:
                         await client.submit(spec, job_id=job_id)
                         self.accepted[job_id] = time.monotonic()
@@ -421,6 +502,38 @@ class FaultSuite:
                 if client is not None:
                     with contextlib.suppress(Exception):
                         await client.close()
+
+    @staticmethod
+    def _emulated_spec(n: int) -> ev.JobSpec:
+        gpus = 1 + n % 2
+        return ev.JobSpec(
+            user=("alice", "bob")[n % 2],
+            min_gpus=1,
+            max_gpus=gpus,
+            requested_gpus=gpus,
+            total_iterations=30,
+        )
+
+    def _real_spec(self, n: int) -> ev.JobSpec:
+        """:data:`CNN` for :attr:`real_steps` steps on 2 GPUs (so, with one GPU per node,
+        over two nodes: a leader and a follower sidecar; ``min_gpus`` 2, or FIFO gives two
+        queued jobs one GPU each), checkpointing every 20."""
+        return ev.JobSpec(
+            user=("alice", "bob")[n % 2],
+            min_gpus=2,
+            max_gpus=2,
+            requested_gpus=2,
+            total_iterations=self.real_steps,
+            global_batch_size=64,
+            entrypoint=(sys.executable, str(CNN), "--max-steps", str(self.real_steps)),
+            env={"SHOAL_TRAIN_CHECKPOINT_EVERY": "20", **self.real_job_env},
+        )
+
+    def _unfinished(self) -> int:
+        """Accepted jobs the harness's fold has not seen end."""
+        assert self.follower is not None
+        jobs = self.follower.projection.state.jobs
+        return sum(j not in jobs or jobs[j].status not in st.FINISHED_STATUSES for j in self.accepted)
 
     async def stop_load(self) -> None:
         if self._load is not None:
@@ -451,6 +564,8 @@ class FaultSuite:
             return self.pid_of("node-daemon", f"node{self.nodes - 1}")
         if t == "nats":
             return int(self.up_info()["server_pid"])
+        if t in ("sidecar-leader-real", "worker-real"):
+            return await self._real_target(t)
         if t == "sidecar":
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
@@ -460,6 +575,40 @@ class FaultSuite:
                 await asyncio.sleep(0.2)
             return None
         return self.pid_of(t)
+
+    async def _real_target(self, target: str) -> int | None:
+        """A process of a real job that trains over both nodes and is past its first
+        checkpoint (step 20): the sidecar holding its lease ``train.<job>``
+        (``sidecar-leader-real``), or its worker hosted by the other sidecar, the
+        follower (``worker-real``; any of its workers if none is found there). Sets
+        :attr:`_hit_job`."""
+        assert self.bus is not None and self.follower is not None and self.proc is not None
+        state = self.follower.projection.state
+        deadline = time.monotonic() + self.recovery_timeout_s
+        while time.monotonic() < deadline:
+            for job_id, job in list(state.jobs.items()):
+                if not (
+                    job.status == st.RUNNING
+                    and job.world_size == 2
+                    and len({g.node_id for g in job.placement}) == 2
+                    and job.iteration >= 40
+                ):
+                    continue
+                lease = await self.bus.lease(f"train.{job_id}", "observer", ttl_s=self.lease_ttl_s)
+                holder = await lease.holder_now()
+                family = descendants(self.proc.pid)
+                leader = int(holder.rsplit("-", 1)[1]) if holder else None
+                if leader is None or leader not in family:
+                    continue
+                self._hit_job = job_id
+                if target == "sidecar-leader-real":
+                    return leader
+                workers = [p for p in family if str(CNN) in cmdline(p) and train_job_of(p) == job_id]
+                hosted = [p for p in workers if _ppid(p) != leader]
+                if hosted or workers:
+                    return (hosted or workers)[0]
+            await asyncio.sleep(0.2)
+        return None
 
     def _running_sidecar(self) -> int | None:
         """A live sidecar of a running job: the node daemons log ``sidecar_started`` with
@@ -494,6 +643,11 @@ class FaultSuite:
             return result
         before_jobs = dict(self.accepted)
         n_dec, n_pl = len(self.follower.decisions), len(self.follower.placements)
+        n_rec, n_prog = len(self.follower.reconfigured), len(self.follower.progress)
+        hit, self._hit_job = self._hit_job, None
+        if hit is not None:
+            role = "leader" if fault.target == "sidecar-leader-real" else "worker"
+            result.notes.append(f"job {hit}'s {role}")
         leaders_seen: list[int] = []
         at = time.monotonic()
         if fault.stop_s:
@@ -521,14 +675,50 @@ class FaultSuite:
                     return t - at
             return None
 
+        def trained_again() -> tuple[float, int] | None:
+            """(time, iteration) of ``hit``'s first progress after its first reconfiguration
+            completed after the fault."""
+            done = [seq for t, seq, job in f.reconfigured[n_rec:] if job == hit and seq > fence and t >= at]
+            if not done:
+                return None
+            for t, seq, job, iteration in f.progress[n_prog:]:
+                if job == hit and seq > done[0]:
+                    return t - at, iteration
+            return None
+
+        def trains_again() -> float | None:
+            again = trained_again()
+            return None if again is None else again[0]
+
         await wait_until(
             lambda: (
-                first_after(f.decisions, n_dec) is not None and first_after(f.placements, n_pl) is not None
+                first_after(f.decisions, n_dec) is not None
+                and first_after(f.placements, n_pl) is not None
+                and (hit is None or trains_again() is not None or self._ended(hit))
             ),
             self.recovery_timeout_s,
         )
         result.to_decision_s = first_after(f.decisions, n_dec)
         result.to_placement_s = first_after(f.placements, n_pl)
+        if hit is not None:
+            again = trained_again()
+            job = f.projection.state.jobs.get(hit)
+            if again is None:
+                # Expected only of a job allowed no restart, which must then have failed.
+                if not (
+                    self.real_job_env.get("SHOAL_TRAIN_MAX_RESTARTS") == "0"
+                    and job is not None
+                    and job.status == st.FAILED
+                ):
+                    result.failed.append("no restart")
+            else:
+                result.to_training_s = again[0]
+                before = [i for _t, seq, job, i in f.progress[:n_prog] if job == hit]
+                how = [k for seq, job, k in f.restarts if job == hit and seq > fence]
+                result.notes.append(
+                    f"{', '.join(how) or 'no reconfiguration'}; trained again at step {again[1]}"
+                    f" (last report before the fault: step {before[-1] if before else 0})"
+                )
         if result.to_decision_s is None:
             result.failed.append("no decision")
         if result.to_placement_s is None:
@@ -538,10 +728,20 @@ class FaultSuite:
         if fault.stop_s and (fault.target.startswith("allocator") or fault.target == "placer"):
             result.notes.append(f"resumed as {await asyncio.to_thread(self._role_of, pid)}")
         result.failed += await self.check(before_jobs, leaders_seen)
+        ended = f.projection.state.jobs.get(hit) if hit is not None else None
+        if ended is not None and ended.status in st.FINISHED_STATUSES:
+            result.notes.append(
+                f"job {hit} ended {ended.status}" + (f": {ended.reason}" if ended.reason else "")
+            )
         result.notes += self._notes
         self._notes = []
         self.results.append(result)
         return result
+
+    def _ended(self, job_id: str) -> bool:
+        assert self.follower is not None
+        job = self.follower.projection.state.jobs.get(job_id)
+        return job is not None and job.status in st.FINISHED_STATUSES
 
     async def _fence(self) -> int:
         """The stream's last sequence just after a fault: what the log held then (a decision
@@ -727,9 +927,11 @@ class FaultSuite:
                 pid = self.standby_pid()
                 if pid is not None:
                     family |= {pid} | descendants(pid)
-            return not [
-                p for p, _pp, sid, s in _procs() if sid in self._sessions and s != "Z" and p not in family
-            ]
+            procs = [(p, sid) for p, _pp, sid, s in _procs() if s != "Z" and p not in family]
+            if any(sid in self._sessions for _p, sid in procs):
+                return False
+            # Real mode: a training worker of this run's jobs in any session.
+            return not (self.real and any(train_job_of(p) in self.accepted for p, _sid in procs))
 
         return await wait_until(none, timeout_s, 0.5)
 
@@ -806,14 +1008,16 @@ def pauses(stop_s: float = 60.0) -> tuple[Fault, ...]:
     )
 
 
-NOT_RUN = (
-    (
-        "kill -9 sidecar leader (real mode)",
-        "not run: real mode (SHOAL_SIDECAR_MODE=real, examples/cnn_digits.py) under shoal up is not "
-        "part of this suite yet; the emulated sidecar kill above covers the node daemon's side",
-    ),
-    ("kill -9 training worker (real mode)", "not run: needs real mode, as above"),
+REAL: tuple[Fault, ...] = (
+    Fault(name="kill -9 sidecar leader (real mode)", target="sidecar-leader-real", standby=False),
+    Fault(name="kill -9 training worker (real mode)", target="worker-real", standby=False),
 )
+"""The faults of real training (``FaultSuite(real=True)``: 2 nodes of 1 GPU, real
+``shoal.train`` workers of :data:`CNN` on CPU with gloo, no standby allocator)."""
+
+NOT_RUN: tuple[tuple[str, str], ...] = ()
+"""Faults of the issue this harness does not run, with why (none now: the real-mode
+ones are :data:`REAL`, a suite of their own)."""
 
 
 async def run_suite(work_dir: Path, faults: tuple[Fault, ...], **kw: Any) -> list[Result]:
@@ -830,33 +1034,92 @@ async def run_suite(work_dir: Path, faults: tuple[Fault, ...], **kw: Any) -> lis
     return results
 
 
-def report(results: list[Result], *, command: str, elapsed_s: float, submit_every_s: float = 1.0) -> str:
+REAL_KW: dict[str, Any] = {"real": True, "nodes": 2, "gpus_per_node": 1, "recovery_timeout_s": 180.0}
+""":class:`FaultSuite` arguments of the real-mode suite (:data:`REAL`): two nodes of one
+GPU each, so that every job spans both; jobs (torch imports on a loaded 2-core machine)
+take tens of seconds to start, hence the longer recovery timeout."""
+
+
+async def run_real_suite(work_dir: Path, **kw: Any) -> list[Result]:
+    """:data:`REAL` through :func:`run_suite` with :data:`REAL_KW` (``kw`` overrides)."""
+    return await run_suite(work_dir, REAL, **{**REAL_KW, **kw})
+
+
+def _real_intro(steps: int) -> list[str]:
+    return [
+        "# Fault suite under load: real training",
+        "",
+        "`shoal up` with 2 emulated nodes of 1 GPU each in real mode (`SHOAL_SIDECAR_MODE=real`:"
+        " one CPU gloo worker slot per emulated GPU; `SHOAL_ENTRYPOINTS` allows only"
+        " `examples/cnn_digits.py`), FIFO, time scale 1, lease TTL 3 s, no standby allocator."
+        f" Load: the harness submits `cnn_digits.py --max-steps {steps}` (2 GPUs, so every job runs"
+        " over both nodes: a leader and a follower sidecar; checkpoint every 20 steps) through the SDK"
+        " whenever fewer than 2 accepted jobs have not ended. A sidecar leader is the sidecar that"
+        " holds the job's lease `train.<job>`; the killed worker is the one its follower sidecar"
+        " hosts. Both are hit once the job has trained past step 40 on both nodes.",
+        "",
+        "Recovery: to decision / to placement as in faults.md (the next `SharesDecided` /"
+        " `PlacementDecided` after the fault; with this load they come when a job ends, so they"
+        " include the hit job's recovery and the rest of its run); to training: to the hit job's"
+        " first `ProgressReported` after its first `ReconfigurationCompleted` after the fault"
+        " (workers restarted from the checkpoint and training).",
+    ]
+
+
+def report(
+    results: list[Result],
+    *,
+    command: str,
+    elapsed_s: float,
+    submit_every_s: float = 1.0,
+    real_steps: int | None = None,
+    machine: str = "",
+) -> str:
+    """The report as Markdown; ``real_steps``: of a real-mode run (:data:`REAL`), with its
+    ``to training`` column; ``machine``: a line on the machine it ran on (its load)."""
+
     def secs(v: float | None) -> str:
         return "-" if v is None else f"{v:.2f} s"
 
-    lines = [
-        "# Fault suite under load",
+    real = real_steps is not None
+    if real:
+        assert real_steps is not None
+        lines = [*_real_intro(real_steps), "", f"Generated by `{command}` in {elapsed_s:.0f} s. {machine}"]
+    else:
+        lines = [
+            "# Fault suite under load",
+            "",
+            f"Generated by `{command}` in {elapsed_s:.0f} s on this machine. `shoal up` with 2 emulated"
+            " nodes of 2 GPUs, FIFO, time scale 20, lease TTL 3 s, a standby `shoal run allocator` (except"
+            f" where noted), one submission every {submit_every_s:g} s through the SDK; a pause is a"
+            " SIGSTOP, then SIGCONT, as long as its row says."
+            " Recovery: wall time from the fault (SIGKILL, or SIGSTOP) to the next `SharesDecided` /"
+            " `PlacementDecided` appended after it (past the stream's last sequence read just after the"
+            " signal), as the harness's follower folds them. A decision by a service the fault did not"
+            " touch counts too, so a small number after a fault of admission, profiler, trader or a node"
+            " means scheduling went on; after a kill of the allocator leader it is the standby's take-over"
+            " (the lease TTL), after a kill of the NATS server the server's restart and reconnection."
+            f"{' ' + machine if machine else ''}",
+        ]
+    lines += [
         "",
-        f"Generated by `{command}` in {elapsed_s:.0f} s on this machine. `shoal up` with 2 emulated nodes"
-        " of 2 GPUs, FIFO, time scale 20, lease TTL 3 s, a standby `shoal run allocator` (except where"
-        f" noted), one submission every {submit_every_s:g} s through the SDK; a pause is a SIGSTOP, then SIGCONT,"
-        " as long as its row says."
-        " Recovery: wall time from the fault (SIGKILL, or SIGSTOP) to the next `SharesDecided` /"
-        " `PlacementDecided` appended after it (past the stream's last sequence read just after the"
-        " signal), as the harness's follower folds them. A decision by a service the fault did not"
-        " touch counts too, so a small number after a fault of admission, profiler, trader or a node"
-        " means scheduling went on; after a kill of the allocator leader it is the standby's take-over"
-        " (the lease TTL), after a kill of the NATS server the server's restart and reconnection.",
-        "",
-        "| fault | to decision | to placement | checks | notes |",
-        "|---|---|---|---|---|",
+        "| fault | to decision | to placement |" + (" to training |" if real else "") + " checks | notes |",
+        "|---|---|---|" + ("---|" if real else "") + "---|---|",
     ]
     for r in results:
         checks = "all passed" if not r.failed else "FAILED: " + ", ".join(r.failed)
-        row = f"| {r.fault} | {secs(r.to_decision_s)} | {secs(r.to_placement_s)} | {checks} |"
-        lines.append(f"{row} {'; '.join(r.notes)} |")
+        row = f"| {r.fault} | {secs(r.to_decision_s)} | {secs(r.to_placement_s)} |"
+        if real:
+            row += f" {secs(r.to_training_s)} |"
+        lines.append(f"{row} {checks} | {'; '.join(r.notes)} |")
     for name, why in NOT_RUN:
         lines.append(f"| {name} | - | - | not run | {why} |")
+    if not real:
+        lines += [
+            "",
+            "The real-mode faults (kill -9 of a sidecar leader and of a training worker) are a suite"
+            " of their own: `python benchmarks/faults.py --real`, report faults_real.md.",
+        ]
     lines += [
         "",
         "Checks after each fault (libs/shoal/faults.py): once (every accepted submission in the log"
@@ -865,8 +1128,15 @@ def report(results: list[Result], *, command: str, elapsed_s: float, submit_ever
         " terminal (every job"
         " accepted before the fault ends), ready (every service's /readyz 200 again), digest (every"
         " service's shoal_state_digest equals a fresh fold of the log at its sequence), orphans (no"
-        " process of the installation outlives its parent), leader (never two processes leading one"
-        " lease, one leader in the end).",
+        " process of the installation outlives its parent"
+        + (
+            "; nor does any process, in any session, whose environment names one of the run's jobs"
+            " in SHOAL_TRAIN_JOB: a training worker"
+            if real
+            else ""
+        )
+        + "), leader (never two processes leading one lease, one leader in the end)"
+        + ("; no restart (real faults: the hit job trained again after the fault)." if real else "."),
         "",
     ]
     return "\n".join(lines)
