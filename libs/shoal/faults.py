@@ -514,6 +514,10 @@ class FaultSuite:
             total_iterations=30,
         )
 
+    def report_every_s(self) -> float:
+        """Wall seconds between a real job's progress reports (``SHOAL_REPORT_EVERY_S``)."""
+        return float(self.env().get("SHOAL_REPORT_EVERY_S", "0.25"))
+
     def _real_spec(self, n: int) -> ev.JobSpec:
         """:data:`CNN` for :attr:`real_steps` steps on 2 GPUs (so, with one GPU per node,
         over two nodes: a leader and a follower sidecar; ``min_gpus`` 2, or FIFO gives two
@@ -716,8 +720,9 @@ class FaultSuite:
                 before = [i for _t, seq, job, i in f.progress[:n_prog] if job == hit]
                 how = [k for seq, job, k in f.restarts if job == hit and seq > fence]
                 result.notes.append(
-                    f"{', '.join(how) or 'no reconfiguration'}; trained again at step {again[1]}"
-                    f" (last report before the fault: step {before[-1] if before else 0})"
+                    f"{', '.join(how) or 'no reconfiguration'}; first progress report after it at step"
+                    f" {again[1]} (last before the fault: step {before[-1] if before else 0};"
+                    f" reports every {self.report_every_s():g} s)"
                 )
         if result.to_decision_s is None:
             result.failed.append("no decision")
