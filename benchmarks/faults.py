@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from shoal.faults import FULL, REAL_KW, REAL_STEPS, REDUCED, pauses, run_real_suite, run_suite
 
@@ -74,12 +75,18 @@ def main() -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
         print(text)
-        failed = [r for r in results if r.failed]
-        if failed:
-            err = Path(tmp) / "up.err"
-            print(f"--- last lines of {err}:", file=sys.stderr)
-            print("\n".join(err.read_text().splitlines()[-60:]), file=sys.stderr)
+        failed = _show_failures(results, Path(tmp))
     return 1 if failed else 0
+
+
+def _show_failures(results: list[Any], tmp: Path) -> bool:
+    """Print the last lines of ``shoal up``'s log when a fault failed; whether one did."""
+    if not any(r.failed for r in results):
+        return False
+    err = tmp / "up.err"
+    print(f"--- last lines of {err}:", file=sys.stderr)
+    print("\n".join(err.read_text().splitlines()[-60:]), file=sys.stderr)
+    return True
 
 
 def _machine() -> str:
@@ -109,11 +116,7 @@ def real(out: Path) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
         print(text)
-        failed = [r for r in results if r.failed]
-        if failed:
-            err = Path(tmp) / "up.err"
-            print(f"--- last lines of {err}:", file=sys.stderr)
-            print("\n".join(err.read_text().splitlines()[-60:]), file=sys.stderr)
+        failed = _show_failures(results, Path(tmp))
     return 1 if failed else 0
 
 

@@ -224,13 +224,7 @@ class EmbeddedNats:
         conf = self._workdir / "nats.conf"
         text = self._config()
         if self.callout and _callout_section(text) != _callout_section(conf.read_text()):
-            proc = self.proc
-            proc.terminate()
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout_s)
+            _terminate(self.proc, timeout_s)
             self.restart(timeout_s)
             return
         tmp = conf.with_suffix(".tmp")
@@ -329,12 +323,7 @@ class EmbeddedNats:
         """Stop the server (SIGTERM, then SIGKILL) and remove temporary files."""
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout_s)
+            _terminate(proc, timeout_s)
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
@@ -386,6 +375,16 @@ class EmbeddedNats:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _terminate(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM ``proc``, then SIGKILL if it has not exited within ``timeout_s``; reaped."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout_s)
 
 
 def _callout_section(config: str) -> object:
