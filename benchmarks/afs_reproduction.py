@@ -368,9 +368,24 @@ def _provenance_section(
         same = sum(1 for d in diffs if d == 0.0)
         lines += [
             f"Recomputed over a stored cell of an earlier code version: {len(redone)} cells; the average JCT is "
-            f"identical in {same} of them (largest relative difference {max(diffs):.2e}).",
+            f"identical in {same} of them (largest relative difference {max(diffs):.2e}). By setting and "
+            "policy (relative difference of the average JCT, new against replaced, signed: above 0 the "
+            "recomputed cell is slower):",
             "",
+            "| setting | policy | cells | identical | smallest | largest |",
+            "|---|---|---:|---:|---:|---:|",
         ]
+        groups: dict[tuple[str, str], list[float]] = {}
+        for c, d in zip(redone, diffs, strict=True):
+            assert c.replaced is not None and c.replaced.avg_jct_s is not None
+            signed = d if c.outcome.summary["avg_jct_s"] >= c.replaced.avg_jct_s else -d
+            groups.setdefault((c.setting, c.policy), []).append(signed)
+        for (setting, policy), ds in sorted(groups.items()):
+            lines.append(
+                f"| {setting} | {policy} | {len(ds)} | {sum(1 for d in ds if d == 0.0)} | "
+                f"{min(ds):+.2%} | {max(ds):+.2%} |"
+            )
+        lines.append("")
     if older:
         lines += [
             f"**{len(older)} of the {len(cells)} cells below come from an earlier version of the code** (their "
