@@ -299,12 +299,12 @@ async def test_a_sidecar_answers_the_requests_of_another_nodes_sidecar(
     identity's inbox unasked."""
     from tests.conftest import add_identity
 
-    leader = await Bus.connect(
-        nats_server.url, prefix=prefix, creds=add_identity(nats_server, "sidecar", "rq0"), declare=False
-    )
-    follower = await Bus.connect(
-        nats_server.url, prefix=prefix, creds=add_identity(nats_server, "sidecar", "rq1"), declare=False
-    )
+    # Both identities first: each one added reloads the server, which must not happen
+    # between the follower's subscription and the leader's request.
+    leader_creds = add_identity(nats_server, "sidecar", "rq0")
+    follower_creds = add_identity(nats_server, "sidecar", "rq1")
+    leader = await Bus.connect(nats_server.url, prefix=prefix, creds=leader_creds, declare=False)
+    follower = await Bus.connect(nats_server.url, prefix=prefix, creds=follower_creds, declare=False)
     try:
 
         async def answer(msg: object) -> None:
