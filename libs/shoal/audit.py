@@ -163,23 +163,34 @@ async def _forge_beat(t: Target, creds: str, node_id: str) -> tuple[bool, str]:
     names = Names(t.prefix)
     subject = names.beat(node_id)
     env = codec.wrap(ev.NodeHeartbeat(node_id=node_id, seq=10**9), at=0.0)
+    why, stored = await _publish_and_read_back(t, creds, subject, codec.encode(env), names.beats_stream)
+    if stored is None:
+        return True, why or "nothing stored"
+    if codec.decode(stored).id == env.id:
+        return False, "stored in the beats stream"
+    return True, why or "not stored"
+
+
+async def _publish_and_read_back(
+    t: Target, creds: str, subject: str, data: bytes, stream: str
+) -> tuple[str | None, bytes | None]:
+    """Publish ``data`` on ``subject`` as ``creds``: (the server's permission violation,
+    if any; the newest message of ``subject`` in ``stream`` afterwards, read as the
+    admin, or None when there is none)."""
     conn = await _Conn.open(t.url, creds)
     try:
-        await conn.nc.publish(subject, codec.encode(env))
+        await conn.nc.publish(subject, data)
         why = await conn.violation()
     finally:
         await conn.close()
     admin = await _Conn.open(t.url, t.admin)
     try:
-        try:
-            msg = await admin.nc.jetstream().get_last_msg(names.beats_stream, subject)
-        except nats.js.errors.NotFoundError:
-            return True, why or "nothing stored"
+        msg = await admin.nc.jetstream().get_last_msg(stream, subject)
+    except nats.js.errors.NotFoundError:
+        return why, None
     finally:
         await admin.close()
-    if codec.decode(msg.data or b"").id == env.id:
-        return False, "stored in the beats stream"
-    return True, why or "not stored"
+    return why, msg.data or b""
 
 
 def codec_subject(prefix: str, event: ev.Event) -> str:
@@ -353,21 +364,12 @@ async def _sidecar_lease(t: Target, job_id: str) -> tuple[bool, str]:
     bucket = f"{_token(t.prefix)}_LEASES_{3000}MS"
     subject = f"$KV.{bucket}.train.{job_id}"
     value = f"audit-{SIDECAR_JOB}".encode()
-    conn = await _Conn.open(t.url, _sidecar_creds(t, SIDECAR_JOB, node))
-    try:
-        await conn.nc.publish(subject, value)
-        why = await conn.violation()
-    finally:
-        await conn.close()
-    admin = await _Conn.open(t.url, t.admin)
-    try:
-        try:
-            msg = await admin.nc.jetstream().get_last_msg(f"KV_{bucket}", subject)
-        except nats.js.errors.NotFoundError:
-            return True, why or "nothing stored"
-    finally:
-        await admin.close()
-    if msg.data == value:
+    why, stored = await _publish_and_read_back(
+        t, _sidecar_creds(t, SIDECAR_JOB, node), subject, value, f"KV_{bucket}"
+    )
+    if stored is None:
+        return True, why or "nothing stored"
+    if stored == value:
         return False, f"stored under {subject}"
     return True, why or "not stored"
 
