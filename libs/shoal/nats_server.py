@@ -302,10 +302,16 @@ class EmbeddedNats:
         self.stop()
         raise NatsServerError(f"nats-server did not start within {timeout_s}s: {self._log_tail(log_path)}")
 
+    def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines of the server's log, one string (for an error)."""
+        if self._workdir is None:
+            return "(not started)"
+        return self._log_tail(self._workdir / "nats.log", lines)
+
     @staticmethod
-    def _log_tail(path: Path) -> str:
+    def _log_tail(path: Path, lines: int = 5) -> str:
         try:
-            return " | ".join(path.read_text().splitlines()[-5:])
+            return " | ".join(path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
 
