@@ -263,6 +263,15 @@ def test_every_pod_is_locked_down_and_probed(rendered: dict[str, list[dict[str, 
             assert sa["automountServiceAccountToken"] is False, where
             assert pod["securityContext"]["runAsNonRoot"] is True, where
             assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where
+            for c in pod.get("initContainers", []):  # no probes: they run to completion
+                assert c["securityContext"] == {
+                    "allowPrivilegeEscalation": False,
+                    "readOnlyRootFilesystem": True,
+                    "runAsNonRoot": True,
+                    "capabilities": {"drop": ["ALL"]},
+                    "seccompProfile": {"type": "RuntimeDefault"},
+                }, where
+                assert {"cpu", "memory"} <= set(c["resources"]["limits"]), where
             for c in pod["containers"]:
                 sc = c["securityContext"]
                 assert sc["allowPrivilegeEscalation"] is False, where
@@ -353,7 +362,48 @@ def test_prod_node_daemons_own_their_gpus_in_real_mode(rendered: dict[str, list[
         assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == "shoal-checkpoints"
         assert mounts["checkpoints"] == env["SHOAL_STATE_DIR"]["value"]  # checkpoints: <state dir>/train
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory" and mounts["dshm"] == "/dev/shm"
-        assert volumes["creds"]["secret"]["secretName"] == NODES_SECRET
+        # Every node's seeds are in the Secret, which only the init container mounts: the
+        # daemon (and the sidecars and training workers it runs) gets this node's copy.
+        assert volumes["seeds"]["secret"]["secretName"] == NODES_SECRET
+        assert volumes["creds"]["emptyDir"]["medium"] == "Memory"
+        assert "seeds" not in mounts and mounts["creds"] == "/etc/shoal/creds"
+        (init,) = pod["initContainers"]
+        assert {m["name"] for m in init["volumeMounts"]} == {"seeds", "creds"}
+        assert init["image"] == c["image"]
+
+
+def test_a_node_daemon_pod_gets_only_its_own_nodes_seeds(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The init container's script, run on a copy of the Secret with the seeds of two
+    nodes: this node's node and sidecar seeds are copied (owner-read only), nothing else;
+    a node with no seed in the Secret stops the pod with the command that makes one."""
+    for variant, docs in rendered.items():
+        for d in _objects(docs, "DaemonSet"):
+            (init,) = d["spec"]["template"]["spec"]["initContainers"]
+            script = init["command"]
+            seeds, own = tmp_path / variant / "seeds", tmp_path / variant / "own"
+            seeds.mkdir(parents=True)
+            own.mkdir()
+            for name in (
+                "node-gpu-1-example-com",
+                "sidecar-gpu-1-example-com",
+                "node-gpu-2",
+                "sidecar-gpu-2",
+            ):
+                (seeds / f"{name}.nk").write_text(f"seed of {name}\n")
+            env = {"PATH": os.environ["PATH"], "SEEDS": str(seeds), "OWN": str(own)}
+            subprocess.run(script, env={**env, "NODE_NAME": "gpu-1.example.com"}, check=True)
+            assert sorted(p.name for p in own.iterdir()) == [
+                "node-gpu-1-example-com.nk",
+                "sidecar-gpu-1-example-com.nk",
+            ]
+            assert (own / "node-gpu-1-example-com.nk").read_text() == "seed of node-gpu-1-example-com\n"
+            assert stat.S_IMODE((own / "node-gpu-1-example-com.nk").stat().st_mode) == 0o400
+            out = subprocess.run(script, env={**env, "NODE_NAME": "gpu-3"}, capture_output=True, text=True)
+            assert out.returncode == 1 and "shoal creds k8s --node gpu-3" in out.stderr
+            assert len(list(own.iterdir())) == 2
+            shutil.rmtree(tmp_path / variant)
 
 
 # ---------------------------------------------------------------------------
