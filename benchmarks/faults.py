@@ -103,8 +103,9 @@ def real(out: Path) -> int:
         results = asyncio.run(run_real_suite(Path(tmp)))
         elapsed = time.monotonic() - started
         machine = (
-            f"Measured on a shared, loaded machine (other work running): at the start {before}; at the"
-            f" end {_machine()}. Recovery timeout {REAL_KW['recovery_timeout_s']:g} s."
+            f"Machine at the start: {before}; at the end: {_machine()} (the load counts the run's own"
+            f" processes, and any other work the machine had). Recovery timeout"
+            f" {REAL_KW['recovery_timeout_s']:g} s."
         )
         text = report(
             results,

@@ -51,6 +51,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -78,6 +79,9 @@ CNN = Path(__file__).resolve().parents[2] / "examples" / "cnn_digits.py"
 
 REAL_STEPS = 300
 """Steps of each real job of a real-mode suite (by default)."""
+
+_RESTORED = re.compile(r"shoal\.train: restored step (\d+) from ")
+"""The line rank 0 prints when a cold start restored a checkpoint (shoal.train.runtime)."""
 
 
 class Fault(msgspec.Struct, frozen=True, kw_only=True):
@@ -206,8 +210,9 @@ class Follower:
         self.placements: list[tuple[float, int]] = []
         """The same for every ``PlacementDecided``."""
         self.submitted: dict[str, int] = {}
-        self.reconfigured: list[tuple[float, int, str]] = []
-        """(monotonic time folded, sequence, job) of every ``ReconfigurationCompleted``."""
+        self.reconfigured: list[tuple[float, int, str, int]] = []
+        """(monotonic time folded, sequence, job, world size) of every
+        ``ReconfigurationCompleted``."""
         self.progress: list[tuple[float, int, str, int]] = []
         """The same, and the iteration, for every ``ProgressReported``."""
         self.restarts: list[tuple[int, str, str]] = []
@@ -217,7 +222,7 @@ class Follower:
     def _on_event(self, seq: int, env: ev.Envelope, state: st.ClusterState) -> None:
         e = env.event
         if isinstance(e, ev.ReconfigurationCompleted):
-            self.reconfigured.append((time.monotonic(), seq, e.job_id))
+            self.reconfigured.append((time.monotonic(), seq, e.job_id, e.world_size))
         elif isinstance(e, ev.ProgressReported):
             self.progress.append((time.monotonic(), seq, e.job_id, e.iteration))
         elif isinstance(e, ev.ReconfigurationStarted):
@@ -652,6 +657,7 @@ class FaultSuite:
         if hit is not None:
             role = "leader" if fault.target == "sidecar-leader-real" else "worker"
             result.notes.append(f"job {hit}'s {role}")
+        restored_before = self._restored_steps(hit)
         leaders_seen: list[int] = []
         at = time.monotonic()
         if fault.stop_s:
@@ -682,7 +688,9 @@ class FaultSuite:
         def trained_again() -> tuple[float, int] | None:
             """(time, iteration) of ``hit``'s first progress after its first reconfiguration
             completed after the fault."""
-            done = [seq for t, seq, job in f.reconfigured[n_rec:] if job == hit and seq > fence and t >= at]
+            done = [
+                seq for t, seq, job, _ in f.reconfigured[n_rec:] if job == hit and seq > fence and t >= at
+            ]
             if not done:
                 return None
             for t, seq, job, iteration in f.progress[n_prog:]:
@@ -719,11 +727,18 @@ class FaultSuite:
                 result.to_training_s = again[0]
                 before = [i for _t, seq, job, i in f.progress[:n_prog] if job == hit]
                 how = [k for seq, job, k in f.restarts if job == hit and seq > fence]
+                restored = sorted(step for path, step in self._restored_steps(hit) - restored_before)
                 result.notes.append(
-                    f"{', '.join(how) or 'no reconfiguration'}; first progress report after it at step"
-                    f" {again[1]} (last before the fault: step {before[-1] if before else 0};"
-                    f" reports every {self.report_every_s():g} s)"
+                    f"{', '.join(how) or 'no reconfiguration'}; "
+                    + (
+                        f"restored the checkpoint of step {', '.join(map(str, restored))}; "
+                        if restored
+                        else "no checkpoint restored; "
+                    )
+                    + f"first progress report after it at step {again[1]} (last before the fault:"
+                    f" step {before[-1] if before else 0}; reports every {self.report_every_s():g} s)"
                 )
+                result.notes += await self._back_to_size(hit, n_rec, fence, at)
         if result.to_decision_s is None:
             result.failed.append("no decision")
         if result.to_placement_s is None:
@@ -742,6 +757,42 @@ class FaultSuite:
         self._notes = []
         self.results.append(result)
         return result
+
+    async def _back_to_size(self, job_id: str, n_rec: int, fence: int, at: float) -> list[str]:
+        """When ``job_id`` (hit by the fault at ``at``) ran again on as many GPUs as before
+        it: a note for the report (none if it had not run)."""
+        f = self.follower
+        assert f is not None
+        before = [w for _t, _seq, job, w in f.reconfigured[:n_rec] if job == job_id]
+        if not before:
+            return []
+
+        def back() -> float | None:
+            for t, seq, job, w in f.reconfigured[n_rec:]:
+                if job == job_id and seq > fence and t >= at and w >= before[-1]:
+                    return t - at
+            return None
+
+        await wait_until(lambda: back() is not None or self._ended(job_id), self.recovery_timeout_s)
+        took = back()
+        if took is None:
+            return [f"not back to {before[-1]} GPUs before it ended"]
+        return [f"back to {before[-1]} GPUs {took:.2f} s after the fault"]
+
+    def _restored_steps(self, job_id: str | None) -> set[tuple[str, int]]:
+        """(log, step) of each checkpoint ``job_id``'s workers restored: rank 0 of a cold
+        start prints ``shoal.train: restored step N`` to its own log (one per worker),
+        under ``<state>/train/<job>/<sidecar>/logs/`` (``worker-<n>.log``, or
+        ``<leader>-worker-<n>.log`` for a leader on another node; :mod:`shoal.train.runtime`)."""
+        found: set[tuple[str, int]] = set()
+        if job_id is None:
+            return found
+        for path in self.state_dir.glob(f"**/train/{job_id}/*/logs/*worker-*.log"):
+            with contextlib.suppress(OSError):
+                for line in path.read_text(errors="replace").splitlines():
+                    if m := _RESTORED.search(line):
+                        found.add((str(path), int(m.group(1))))
+        return found
 
     def _ended(self, job_id: str) -> bool:
         assert self.follower is not None

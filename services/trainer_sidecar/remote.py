@@ -125,6 +125,9 @@ class RemoteProcess:
         self.worker = worker
         self.pid = pid
         self.returncode: int | None = None
+        self.lost = False
+        """It was lost with its node's sidecar (no answer, or the sidecar no longer knows
+        it), not seen to exit: the controller does not give its GPU back after recovery."""
         self._exited = asyncio.Event()
 
     async def wait(self) -> int:
@@ -295,6 +298,7 @@ class RemoteWorkers:
             rc = reply.workers.get(wid, LOST)
             if rc is not None:
                 self.procs.pop((n, wid), None)
+                proc.lost = wid not in reply.workers
                 proc.exited(rc)
 
     def _lost(self, node: str, why: str) -> None:
@@ -305,6 +309,7 @@ class RemoteWorkers:
             )
         for key, proc in lost:
             self.procs.pop(key, None)
+            proc.lost = True
             proc.exited(LOST)
 
     async def _poll(self) -> None:

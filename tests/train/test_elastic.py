@@ -217,15 +217,34 @@ async def test_worker_kill9_recovers_from_checkpoint(make_controller, job_id: st
     assert ctl.current is not None
     victim = ctl.workers[ctl.current.members[1]]
     os.kill(victim.proc.pid, signal.SIGKILL)
+    # The order still gives the job both GPUs, and the dead worker's GPU is healthy as far
+    # as anyone knows: the job restarts from its checkpoint on both (TorchElastic's restart).
     await rec.wait_for(
-        lambda: any(c.epoch == 1 and c.world_size == 1 for c in rec.of(ev.ReconfigurationCompleted)), 120
+        lambda: any(c.epoch == 1 and c.world_size == 2 for c in rec.of(ev.ReconfigurationCompleted)[1:]), 120
     )
-    recover = [s for s in rec.of(ev.ReconfigurationStarted) if s.kind == "recover"]
-    assert len(recover) == 1 and (recover[0].from_world, recover[0].to_world) == (2, 1)
+    assert [(s.kind, s.epoch, s.from_world, s.to_world) for s in rec.of(ev.ReconfigurationStarted)] == [
+        ("start", 1, 0, 2),
+        ("recover", 1, 2, 2),
+    ]
     resumed = ctl.progress.step if ctl.progress else 0
     after = await wait_steps(ctl, 10)
     assert after > resumed >= 20, "training resumed from a checkpoint, not from scratch"
-    assert ctl.current is not None and ctl.current.gpus == gpus(1)
+    assert ctl.current is not None and ctl.current.gpus == gpus(2)
+    # A second death on that GPU shrinks the job by it (EDL's forced scale-in) until the
+    # next order.
+    victim = ctl.workers[ctl.current.members[1]]
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    await rec.wait_for(lambda: any(c.world_size == 1 for c in rec.of(ev.ReconfigurationCompleted)), 120)
+    await wait_steps(ctl, 5)
+    assert [(s.kind, s.from_world, s.to_world) for s in rec.of(ev.ReconfigurationStarted)][1:] == [
+        ("recover", 2, 2),
+        ("recover", 2, 1),
+    ]
+    assert ctl.current is not None and ctl.current.gpus == gpus(1) and ctl.restarts == 2
+    # A new order gives the GPU back.
+    await ctl.apply(order(job_id, 2, 2))
+    await ctl.wait_idle(120)
+    assert ctl.current is not None and ctl.current.gpus == gpus(2)
 
 
 async def test_worker_kill9_approximate_recovery_regroups_in_place(make_controller, job_id: str) -> None:
@@ -243,10 +262,13 @@ async def test_worker_kill9_approximate_recovery_regroups_in_place(make_controll
     survivors = {ctl.workers[m].proc.pid for m in ctl.current.members[:2]}
     os.kill(ctl.workers[ctl.current.members[2]].proc.pid, signal.SIGKILL)
     await rec.wait_for(lambda: any(c.world_size == 2 for c in rec.of(ev.ReconfigurationCompleted)), 90)
-    assert [s.kind for s in rec.of(ev.ReconfigurationStarted)] == ["start", "recover"]
+    assert survivors <= set(processes_of(job_id)), "the survivors kept running; nothing restarted"
+    # ... and the order's third GPU is given back to the job (a scale-out: they keep running).
+    await rec.wait_for(lambda: rec.of(ev.ReconfigurationCompleted)[-1].world_size == 3, 90)
+    assert [s.kind for s in rec.of(ev.ReconfigurationStarted)] == ["start", "recover", "scale_out"]
     after = await wait_steps(ctl, 10)
     assert after > before, "training went on from where it was (no checkpoint to go back to)"
-    assert set(processes_of(job_id)) == survivors, "the survivors kept running; nothing restarted"
+    assert survivors < set(processes_of(job_id)), "the survivors still run, with the new worker"
 
 
 async def test_checkpoint_restart_for_scripts_without_the_api(

@@ -40,6 +40,7 @@ async def test_kill_of_a_sidecar_leader_in_real_mode(tmp_path: Path) -> None:
     r = await _one(tmp_path, "sidecar-leader-real")
     assert r.to_training_s is not None and r.to_decision_s is not None and r.to_placement_s is not None
     assert any("leader" in n for n in r.notes) and any("killed" in n for n in r.notes)
+    assert any("restored the checkpoint of step" in n for n in r.notes), r.notes
 
 
 @pytest.mark.slow
@@ -47,10 +48,13 @@ async def test_kill_of_a_sidecar_leader_in_real_mode(tmp_path: Path) -> None:
 @pytest.mark.timeout(900)
 async def test_kill_of_a_training_worker_in_real_mode(tmp_path: Path) -> None:
     """The leader notices the worker's death, restarts the job from the checkpoint
-    (consistent recovery), and it completes; no worker is left over."""
+    (consistent recovery) on the GPU left, gives the killed worker's GPU back, and the job
+    completes; no worker is left over."""
     r = await _one(tmp_path, "worker-real")
     assert r.to_training_s is not None
-    assert any(n.startswith("recover ") for n in r.notes), r.notes
+    assert any(n.startswith("recover ") and "restored the checkpoint of step" in n for n in r.notes), r.notes
+    # ... and the killed worker's GPU is given back: the job runs on both GPUs again.
+    assert any(n.startswith("back to 2 GPUs") for n in r.notes), r.notes
 
 
 async def test_the_orphan_check_sees_a_training_worker_outside_the_installation(tmp_path: Path) -> None:

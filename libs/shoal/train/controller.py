@@ -202,6 +202,9 @@ class Controller:
         self._closing = False
         self._queued: tuple[int, tuple[GpuRef, ...]] | None = None
         """The newest order waiting for a cancelled reconfiguration to settle."""
+        self._given_back: set[GpuRef] = set()
+        """GPUs a recovery shrank the job off and gave back to it since the newest order
+        (:meth:`_recover`): each once, so a GPU whose worker keeps dying stays out."""
 
     # -- lifetime ----------------------------------------------------------------------
 
@@ -396,6 +399,7 @@ class Controller:
             await self.emit(ev.ReconfigurationFailed(job_id=self.job_id, epoch=order.epoch, reason=str(exc)))
             return "rejected"
         self.epoch = order.epoch
+        self._given_back.clear()
         inflight = self.inflight
         if self._recovering or (inflight is not None and inflight.task is not None):
             if self._queued is not None:
@@ -456,9 +460,12 @@ class Controller:
         return "migrate"
 
     async def wait_idle(self, timeout_s: float) -> None:
-        """Until no reconfiguration is in flight or waiting to start."""
+        """Until no reconfiguration is in flight or waiting to start, and no recovery is
+        under way (its give-back scale-out is queued only once it has recovered)."""
         await self._wait(
-            lambda: self.inflight is None and self._queued is None, timeout_s, "reconfiguration to finish"
+            lambda: self.inflight is None and self._queued is None and not self._recovering,
+            timeout_s,
+            "reconfiguration to finish",
         )
 
     # -- the reconfigurations ----------------------------------------------------------------
@@ -736,8 +743,19 @@ class Controller:
         return True
 
     async def _recover(self, dead: Worker) -> None:
-        """A dead worker is a forced scale-in with consistent recovery (EDL §4.2), while
-        restarts are left (:meth:`_restart_allowed`); else the job's workers stop."""
+        """Recovery from a dead worker while restarts are left (:meth:`_restart_allowed`);
+        else the job's workers stop.
+
+        A worker that exited (killed, crashed) leaves its GPU to the job: the order still
+        gives the job that GPU, and nobody else could use it until the next order (which
+        may be hours away under a stable allocation). So consistent recovery restarts the
+        job from its checkpoint on all the order's GPUs, as TorchElastic restarts every
+        worker of a failed group; approximate recovery regroups the survivors in place
+        and then gives the GPU back with a scale-out, as EDL §5 has a straggler's machine
+        rejoin "to restore to the original parallelism". A GPU is kept that way once per
+        order: if its worker dies again, or it was lost with its node's sidecar (the
+        node is gone: the next order moves the job), the dead worker is a forced scale-in
+        (EDL §4.2) and the job runs smaller until the next order."""
         try:
             if self.inflight is not None:
                 await self._cancel_inflight(self.epoch)
@@ -745,13 +763,24 @@ class Controller:
             if cur is None:
                 return
             if not self._restart_allowed(f"worker {dead.id} exited with status {dead.proc.returncode}"):
-                await self._kill([self.workers[m] for m in cur.members if m in self.workers])
+                # No generation from here on (set with ``failed``, before any wait): the
+                # workers' exits below are expected, and nobody sees a failed job running.
                 self.current = None
+                await self._kill([self.workers[m] for m in cur.members if m in self.workers])
                 await self._notify()
                 return
             culprits = await self._culprits(cur, dead)
             survivors = tuple(g for m, g in zip(cur.members, cur.gpus, strict=False) if m not in culprits)
             survivors = survivors or cur.gpus
+            back = {
+                g
+                for m, g in zip(cur.members, cur.gpus, strict=False)
+                if m in culprits
+                and not getattr(culprits[m].proc, "lost", False)
+                and g not in self._given_back
+            }
+            back -= set(survivors)
+            restore = tuple(g for g in cur.gpus if g in back or g in survivors)
             alive = tuple(m for m in cur.members if m in self.workers)
             approximate = self.train.recovery == "approximate" and self.api
             if (
@@ -760,7 +789,11 @@ class Controller:
                 and len(alive) == len(survivors)
                 and await self._regroup(cur, alive, dead)
             ):
+                self._give_back(back, restore)
                 return
+            if back:  # consistent recovery on the order's GPUs, the dead worker's kept
+                self._given_back |= back
+                survivors = restore
             await self._kill([self.workers[m] for m in cur.members if m in self.workers])
             self.current = None
             record = ReconfigurationRecord(
@@ -788,8 +821,23 @@ class Controller:
             self._recovering = False
             if self._queued is not None and self.inflight is None:
                 await self._start_queued()
+            await self._notify()
 
-    async def _culprits(self, cur: Generation, dead: Worker) -> set[int]:
+    def _give_back(self, back: set[GpuRef], restore: tuple[GpuRef, ...]) -> None:
+        """After the survivors regrouped: queue the scale-out to ``restore`` (the order's
+        GPUs less those not kept), in the order's epoch, unless a newer order is queued
+        (the queue is started when the recovery ends)."""
+        if not back or self._queued is not None or self.done.is_set() or self._closing:
+            return
+        if self.current is None or set(self.current.gpus) == set(restore):
+            return
+        self._given_back |= back
+        log.info(
+            "giving_back", job_id=self.job_id, epoch=self.epoch, gpus=[f"{g.node_id}/{g.index}" for g in back]
+        )
+        self._queued = (self.epoch, restore)
+
+    async def _culprits(self, cur: Generation, dead: Worker) -> dict[int, Worker]:
         """The members whose failure the job must shrink by: those that died without
         reporting a failed collective (killed, crashed, lost with their node).
 
@@ -800,15 +848,15 @@ class Controller:
         peer), the first death noticed is the culprit.
         """
 
-        def known() -> set[int]:
+        def known() -> dict[int, Worker]:
             return {
-                m for m in cur.members if (w := self._failed.get(m)) is not None and not w.reported_failure
+                m: w for m in cur.members if (w := self._failed.get(m)) is not None and not w.reported_failure
             }
 
         if not known():
             with contextlib.suppress(ReconfigurationFailedError):
                 await self._wait(lambda: bool(known()), self.failure_settle_s, "the failed peer")
-        culprits = known() or {dead.id}
+        culprits = known() or {dead.id: dead}
         self._failed.clear()
         return culprits
 

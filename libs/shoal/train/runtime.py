@@ -631,6 +631,8 @@ class ElasticJob:
         self._control.send(pr.Ready(worker=self.cfg.worker, gen=plan.gen, restored_step=restored))
         t1 = time.perf_counter()
         self._adopt(plan, pg)
+        if restored >= 0 and self.rank == 0:
+            print(f"shoal.train: restored step {restored} from {self.checkpoint_path}", flush=True)
         if plan.broadcast and self.world > 1:
             self._broadcast_state(plan.src, timeout_s=self.cfg.rendezvous_timeout_s)
         if plan.cold and self.rank == 0:
