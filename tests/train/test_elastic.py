@@ -301,8 +301,8 @@ async def test_checkpoint_restart_for_scripts_without_the_api(
 async def test_a_hung_worker_is_detected_within_the_collective_timeout(make_controller, job_id: str) -> None:
     """A worker that stops answering (SIGSTOP: alive, socket open, silent) must not block its
     peers forever: the collective times out after ``collective_timeout_s`` (not NCCL's
-    30-minute default), the job is recovered from its checkpoint on the workers left, and
-    the hung process is not left behind."""
+    30-minute default), the job is recovered from its checkpoint (on both GPUs: a GPU
+    whose worker died once is kept for the job), and the hung process is not left behind."""
     rec = Recorder()
     timeout_s = 5.0
     ctl = make_controller(
@@ -320,7 +320,10 @@ async def test_a_hung_worker_is_detected_within_the_collective_timeout(make_cont
         hung_at = asyncio.get_running_loop().time()
         await rec.wait_for(lambda: any(s.kind == "recover" for s in rec.of(ev.ReconfigurationStarted)), 120)
         detected_s = asyncio.get_running_loop().time() - hung_at
-        await rec.wait_for(lambda: any(c.world_size == 1 for c in rec.of(ev.ReconfigurationCompleted)), 120)
+        await rec.wait_for(lambda: len(rec.of(ev.ReconfigurationCompleted)) == 2, 120)
+        (recover,) = [s for s in rec.of(ev.ReconfigurationStarted) if s.kind == "recover"]
+        assert (recover.from_world, recover.to_world) == (2, 2)
+        assert rec.of(ev.ReconfigurationCompleted)[-1].world_size == 2
         resumed = ctl.progress.step if ctl.progress else 0
         after = await wait_steps(ctl, 10)
         assert after > resumed >= 20, "training resumed from a checkpoint"

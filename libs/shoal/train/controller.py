@@ -203,8 +203,8 @@ class Controller:
         self._queued: tuple[int, tuple[GpuRef, ...]] | None = None
         """The newest order waiting for a cancelled reconfiguration to settle."""
         self._given_back: set[GpuRef] = set()
-        """GPUs a recovery shrank the job off and gave back to it since the newest order
-        (:meth:`_recover`): each once, so a GPU whose worker keeps dying stays out."""
+        """GPUs whose worker died and that a recovery kept for the job since the newest
+        order (:meth:`_recover`): each once, so a GPU whose worker keeps dying is left out."""
 
     # -- lifetime ----------------------------------------------------------------------
 
@@ -838,8 +838,8 @@ class Controller:
         self._queued = (self.epoch, restore)
 
     async def _culprits(self, cur: Generation, dead: Worker) -> dict[int, Worker]:
-        """The members whose failure the job must shrink by: those that died without
-        reporting a failed collective (killed, crashed, lost with their node).
+        """The members that failed, with their workers: those that died without reporting
+        a failed collective (killed, crashed, lost with their node).
 
         A worker that reported ``WorkerFailed`` first died *because* a peer did (its
         all-reduce broke); when it is the first death noticed, the peer's own end (a remote
