@@ -776,18 +776,19 @@ class FaultSuite:
         await wait_until(lambda: back() is not None or self._ended(job_id), self.recovery_timeout_s)
         took = back()
         if took is None:
-            return [f"not back to {before[-1]} GPUs before it ended"]
+            when = "before it ended" if self._ended(job_id) else f"within {self.recovery_timeout_s:g} s"
+            return [f"not back to {before[-1]} GPUs {when}"]
         return [f"back to {before[-1]} GPUs {took:.2f} s after the fault"]
 
     def _restored_steps(self, job_id: str | None) -> set[tuple[str, int]]:
         """(log, step) of each checkpoint ``job_id``'s workers restored: rank 0 of a cold
         start prints ``shoal.train: restored step N`` to its own log (one per worker),
-        under ``<state>/train/<job>/<sidecar>/logs/`` (``worker-<n>.log``, or
+        under the node daemons' ``<state>/train/<job>/<sidecar>/logs/`` (``worker-<n>.log``, or
         ``<leader>-worker-<n>.log`` for a leader on another node; :mod:`shoal.train.runtime`)."""
         found: set[tuple[str, int]] = set()
         if job_id is None:
             return found
-        for path in self.state_dir.glob(f"**/train/{job_id}/*/logs/*worker-*.log"):
+        for path in (self.state_dir / "train" / job_id).glob("*/logs/*worker-*.log"):
             with contextlib.suppress(OSError):
                 for line in path.read_text(errors="replace").splitlines():
                     if m := _RESTORED.search(line):
