@@ -52,12 +52,13 @@ import pytest
 from shoal import events as ev
 from shoal.client import Client
 
+from tests.deploy import BASE_IMAGE, unavailable
+
 pytestmark = [pytest.mark.container, pytest.mark.integration, pytest.mark.timeout(1500)]
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "deploy" / "compose" / "compose.yaml"
 OVERRIDE = Path(__file__).with_name("compose.test.yaml")
-BASE_IMAGE = os.environ.get("SHOAL_BASE_IMAGE", "localhost/shoal-base:bookworm")
 
 STARTED = [
     "nats-config",
@@ -92,12 +93,6 @@ SCRAPED = [
     "node-a",
     "node-b",
 ]
-
-
-def _unavailable(reason: str) -> None:
-    if os.environ.get("CI"):
-        pytest.fail(f"{reason} (under CI the container test must run)")
-    pytest.skip(reason)
 
 
 def _free_port() -> int:
@@ -204,13 +199,13 @@ def wait_for(what: str, check: Any, timeout_s: float, interval_s: float = 0.5) -
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     if shutil.which("podman") is None:
-        _unavailable("podman is not installed (.ci/run installs it)")
+        unavailable("podman is not installed (.ci/run installs it)")
     try:
         import podman_compose  # noqa: F401
     except ImportError:
-        _unavailable("podman-compose is not installed (pip install -e '.[dev]')")
+        unavailable("podman-compose is not installed (pip install -e '.[dev]')")
     if subprocess.run(["podman", "image", "exists", BASE_IMAGE], timeout=60).returncode != 0:
-        _unavailable(f"no base image {BASE_IMAGE} (.ci/run makes it with debootstrap)")
+        unavailable(f"no base image {BASE_IMAGE} (.ci/run makes it with debootstrap)")
     tmp = tmp_path_factory.mktemp("compose")
     project = f"shoaltest{os.getpid()}"
     ports = {name: _free_port() for name in ("nats", "mqtt", "prometheus", "sink")}

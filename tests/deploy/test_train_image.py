@@ -16,33 +16,29 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from tests.deploy import BASE_IMAGE, unavailable
+
 pytestmark = [pytest.mark.container, pytest.mark.integration, pytest.mark.timeout(1500)]
 
 ROOT = Path(__file__).resolve().parents[2]
-BASE_IMAGE = os.environ.get("SHOAL_BASE_IMAGE", "localhost/shoal-base:bookworm")
 IMAGE = "localhost/shoal-train:0.1.0"
-
-
-def _unavailable(reason: str) -> None:
-    if os.environ.get("CI"):
-        pytest.fail(f"{reason} (under CI the container test must run)")
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")
 def train_image() -> str:
     if shutil.which("podman") is None:
-        _unavailable("podman is not installed")
+        unavailable("podman is not installed")
     podman = ["podman", "--runtime", "runc"]
     if subprocess.run([*podman, "image", "exists", BASE_IMAGE], check=False).returncode != 0:
-        _unavailable(f"no base image {BASE_IMAGE} (.ci/run makes it with debootstrap)")
+        unavailable(f"no base image {BASE_IMAGE} (.ci/run makes it with debootstrap)")
     build = subprocess.run(
         [str(ROOT / "deploy" / "compose" / "build.sh"), "shoal-train"],
-        env={**os.environ, "BASE": BASE_IMAGE},
+        env={**os.environ, "BASE": BASE_IMAGE, "PYTHON": sys.executable},
         cwd=ROOT,
         capture_output=True,
         text=True,
