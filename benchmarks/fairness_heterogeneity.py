@@ -76,9 +76,9 @@ REPORT = Path("benchmarks/reports/fairness_heterogeneity.md")
 FIGURES = Path("benchmarks/reports/fairness_heterogeneity")
 
 POLICIES: dict[str, Callable[[], Policy]] = {
-    "gandiva-fair": lambda: GandivaFairPolicy(),
-    "gandiva-fair (no trading)": lambda: GandivaFairPolicy(trading=False),
-    "gandiva-fair (spill)": lambda: GandivaFairPolicy(spill=True),
+    "gandiva-fair": lambda: GandivaFairPolicy(costs=COSTS),
+    "gandiva-fair (no trading)": lambda: GandivaFairPolicy(trading=False, costs=COSTS),
+    "gandiva-fair (spill)": lambda: GandivaFairPolicy(spill=True, costs=COSTS),
     "afs-p": lambda: AFSP(),
     "max-min": lambda: MaxMin(),
     "afs-het": lambda: HeteroAFS(),
@@ -171,8 +171,8 @@ def fmt(x: float, digits: int = 2) -> str:
 
 def section55(resnet_source: str, jobs_per_user: int) -> tuple[Run, Run]:
     jobs = section55_workload(jobs_per_user=jobs_per_user, resnet_source=resnet_source)
-    plain = Run(f"s55-{resnet_source}-no-trading", jobs, GandivaFairPolicy(trading=False))
-    traded = Run(f"s55-{resnet_source}-trading", jobs, GandivaFairPolicy(trading=True))
+    plain = Run(f"s55-{resnet_source}-no-trading", jobs, GandivaFairPolicy(trading=False, costs=COSTS))
+    traded = Run(f"s55-{resnet_source}-trading", jobs, GandivaFairPolicy(trading=True, costs=COSTS))
     return plain, traded
 
 

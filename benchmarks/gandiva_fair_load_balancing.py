@@ -69,7 +69,7 @@ def workload(seed: int) -> tuple[list[TraceJob], dict[str, int]]:
 
 def run(seed: int, balance: bool) -> dict[str, Any]:
     jobs, users = workload(seed)
-    policy = GandivaFairPolicy(balance_threshold=0.25 if balance else math.inf)
+    policy = GandivaFairPolicy(balance_threshold=0.25 if balance else math.inf, costs=COSTS)
     cfg = SimConfig(
         total_gpus=48,
         gpus_per_node=4,

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from shoal import events as ev
 from shoal.allocation import place
-from shoal.fairness.policy import GandivaFairPolicy
+from shoal.fairness.policy import SUSPEND_RESUME, GandivaFairPolicy
 from shoal.models import ThroughputCurve
 from shoal.placement import Topology
 from shoal.placement.hinted import NODE_HINTS, place_hinted, resolve_hint
-from shoal.sim import SimConfig, Simulator
+from shoal.sim import SimConfig, SimResult, Simulator
+from shoal.sim.costs import measured
 from shoal.workloads import make_job
 
 
@@ -107,3 +109,32 @@ def test_a_resumed_gang_returns_to_its_gpus_when_they_are_free() -> None:
             running = set(e.placements)
             last.update(e.placements)
     assert resumed > 5 and same == resumed
+
+
+def _two_time_sliced_gangs(policy: GandivaFairPolicy, max_time_s: float | None = None) -> SimResult:
+    curve = ThroughputCurve(model="m", gpu_type="gpu", throughput=tuple(float(k) for k in range(21)))
+    jobs = [make_job(f"j{i}", 0.0, 600.0, 20, curve, user=f"u{i}", elastic=False) for i in range(2)]
+    cfg = SimConfig(total_gpus=24, gpus_per_node=4, max_time_s=max_time_s)
+    return Simulator(jobs, policy, cfg).run()
+
+
+def test_time_sliced_gangs_pay_gandiva_fairs_suspend_resume_by_default() -> None:
+    # Two 20-GPU gangs on 24 GPUs take turns, one quantum each. Before, the simulator
+    # charged each resume as shoal's checkpoint-restart (1.4 + 3.6 x 20 = 73.4 s, more
+    # than the 60 s quantum), so after its first quantum neither job made progress and
+    # the run never ended. Gandiva_fair's suspend/resume costs 0.25 s (§4).
+    assert GandivaFairPolicy().planning_costs() == SUSPEND_RESUME
+    result = _two_time_sliced_gangs(GandivaFairPolicy(), max_time_s=7200.0)
+    assert result.summary["completed"] == 2
+    jct = sorted(o.jct_s or 0.0 for o in result.jobs)
+    # Alternate quanta; each (re)start costs 0.25 s, so ten quanta give 597.5 of the
+    # 600 s and an eleventh finishes the job: j0's starts at 1,200 s, j1's when j0 ends.
+    assert jct == pytest.approx([1200.0 + 2.75, 1200.0 + 2.75 + 2.75], abs=0.5)
+
+
+def test_shoals_checkpoint_restart_starves_a_gang_bigger_than_the_quantum_allows() -> None:
+    # What the SUSPEND_RESUME docstring warns of, with costs="measured".
+    result = _two_time_sliced_gangs(GandivaFairPolicy(costs="measured"), max_time_s=7200.0)
+    assert result.summary["completed"] == 0
+    with pytest.raises(ValueError, match="plans with 'suspend-resume' costs"):
+        Simulator([], GandivaFairPolicy(), SimConfig(total_gpus=4, gpus_per_node=4, costs=measured()))

@@ -60,7 +60,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         "--costs",
         help=(
             "reconfiguration costs: measured, free, coddl, restart, sidecar-paper, termination-paper or "
-            "field=seconds,... (default: free if --flat, else measured)"
+            "field=seconds,... (default: free if --flat, else measured; gandiva-fair charges its own "
+            "suspend/resume, change it with --policy-param costs=NAME)"
         ),
     )
     g.add_argument("--placer", default="min-migration", choices=("min-migration", "consolidated"))

@@ -60,6 +60,9 @@ Choices where the paper or the interface leave room:
   the quantum's start, so churn never charges a quantum twice; profiling, new
   trades and migrations happen only at quantum starts (undoing trades does not
   wait).
+- In the simulator a gang's suspend, resume and move cost what §4 measures for
+  Gandiva_fair's own mechanism (:data:`SUSPEND_RESUME`, 0.25 s), not shoal's
+  checkpoint-restart, unless the policy is given other ``costs``.
 - A homogeneous cluster is one generation named ``""`` and ``gpu_types`` stays
   empty. ``gpus_per_node == 0`` makes each generation one node.
 - Large-cluster cost: placing *n* new jobs is O(n × nodes).
@@ -81,7 +84,6 @@ carries what happened in this decision for the caller to publish: ``node_hints``
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -101,8 +103,31 @@ from shoal.fairness.stride import STRIDE1
 from shoal.fairness.trader import Trade, holdings, homogeneous_user, trading_round, undo_trades
 from shoal.placement.hinted import NODE_HINTS, NODE_SLOTS
 from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
+from shoal.sim.costs import ReconfigCosts, get_costs
 
 MEMORY_VERSION = 1
+
+SUSPEND_RESUME = ReconfigCosts(
+    name="suspend-resume",
+    start_s=0.25,
+    scale_out_s=0.05,
+    scale_in_s=0.05,
+    migrate_s=0.25,
+    restart_s=0.25,
+)
+"""Gandiva_fair's own mechanism (§4, "Implementation"): a gang is suspended at a
+mini-batch boundary (about 100 ms) and resumed in place (about 100 ms), 100-250 ms in
+all, so a (re)start costs 0.25 s, the top of that range. A move to other servers is a
+CRIU checkpoint whose GPU-context set-up (about 5 s) the *preload* phase hides while
+other jobs use the GPUs, so it too costs the job its suspend and resume, 0.25 s
+(``migrate_s`` and ``restart_s``, the latter the kind of a move to disjoint GPUs).
+Gandiva_fair never resizes a gang; the resize kinds keep CoDDL's milliseconds (§4.3).
+
+The simulator charges these by default when it runs Gandiva_fair (the policy names them
+through ``planning_costs``). shoal's own trainer has no in-place suspend: a preempted job
+stops, and its resume is a checkpoint-restart (``measured``: 1.4 s + 3.6 s per GPU),
+which at a 60 s quantum leaves a gang of 16 GPUs under 3 s of training per quantum and
+one of 17 or more none at all. Give ``costs="measured"`` to simulate that."""
 
 
 def gang_size(job: JobView) -> int:
@@ -157,6 +182,7 @@ class GandivaFairPolicy:
         spill: bool = False,
         homogeneous_only: bool = True,
         homogeneity_tolerance: float = 0.1,
+        costs: ReconfigCosts | str | None = None,
     ) -> None:
         """Configure the policy.
 
@@ -182,6 +208,13 @@ class GandivaFairPolicy:
                 False relaxes the paper's condition (see the module docstring).
             homogeneity_tolerance: Spread of measured per-GPU rates among a user's
                 jobs still taken as one job type.
+            costs: The reconfiguration costs of the mechanism the schedule runs on, which
+                the simulator charges (a preset name or :class:`~shoal.sim.costs.ReconfigCosts`;
+                ``None``: :data:`SUSPEND_RESUME`, the paper's). The policy does not plan
+                with them.
+
+        Raises:
+            ValueError: ``costs`` names no preset.
         """
         self.quantum_s = quantum_s
         self.stride1 = stride1
@@ -198,6 +231,15 @@ class GandivaFairPolicy:
         self.spill = spill
         self.homogeneous_only = homogeneous_only
         self.homogeneity_tolerance = homogeneity_tolerance
+        self.costs = get_costs(costs) if isinstance(costs, str) else (costs or SUSPEND_RESUME)
+
+    def planning_costs(self) -> ReconfigCosts:
+        """The costs the simulator charges this schedule: :attr:`costs` (see :data:`SUSPEND_RESUME`).
+
+        A simulator configured with other costs refuses the policy; name them here instead
+        (``--policy-param costs=measured``).
+        """
+        return self.costs
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Decide which jobs run this quantum, on which generation.
@@ -209,7 +251,11 @@ class GandivaFairPolicy:
         Returns:
             Shares (each job's gang size or nothing), generations, and the new memory.
         """
-        mem: dict[str, Any] = copy.deepcopy(dict(memory)) if memory.get("v") == MEMORY_VERSION else {}
+        # The previous memory is never modified (a replay or the caller may hold it): the
+        # top level is copied here, and every nested value this call changes is replaced
+        # by a new one (``profiles`` and ``job_rates`` copy the per-user and per-job
+        # dicts they update; the rest is rebuilt below), so no deep copy is needed.
+        mem: dict[str, Any] = dict(memory) if memory.get("v") == MEMORY_VERSION else {}
         now = view.now_s
         new_quantum = "quantum_start" not in mem or now >= mem["quantum_start"] + self.quantum_s
         if new_quantum:
@@ -224,17 +270,17 @@ class GandivaFairPolicy:
             else {"": view.total_gpus}
         )
         order = generation_order(gens, self.generation_rank)
-        jobs = {j.job_id: j for j in view.jobs if gang_size(j) > 0}
-        size = {jid: gang_size(j) for jid, j in jobs.items()}
+        size = {j.job_id: n for j in view.jobs if (n := gang_size(j)) > 0}
+        jobs = {j.job_id: j for j in view.jobs if j.job_id in size}
         by_user: dict[str, list[str]] = {}
         for jid in sorted(jobs, key=lambda k: (-jobs[k].priority, jobs[k].arrival_s, k)):
             by_user.setdefault(jobs[jid].user, []).append(jid)
 
         # 1. Opportunistic profiling (§3.5).
         profiles: dict[str, dict[str, list[float]]] = mem.get("profiles", {})
-        profiles = {u: p for u, p in profiles.items() if u in by_user}
+        profiles = {u: dict(p) for u, p in profiles.items() if u in by_user}
         job_rates: dict[str, dict[str, float]] = {
-            j: r for j, r in mem.get("job_rates", {}).items() if j in jobs
+            j: dict(r) for j, r in mem.get("job_rates", {}).items() if j in jobs
         }
         if new_quantum:
             t0 = float(mem.get("ran_at", now))
@@ -248,12 +294,13 @@ class GandivaFairPolicy:
                 per_user = profiles.setdefault(job.user, {})
                 per_user[gen] = record_sample(per_user.get(gen, []), sample, window=self.profile_window)
                 job_rates.setdefault(jid, {})[gen] = sample
-        rates = {u: self._rates(u, by_user[u], jobs, size, profiles, gens) for u in by_user}
-        # Trading reads measured profiles only (§3.5 "Profiling"), never declared curves.
-        measured = {
-            u: {g: r for g in gens if (r := profiled_rate(profiles.get(u, {}).get(g, []))) is not None}
-            for u in by_user
-        }
+        rates_of: dict[str, dict[str, float]] = {}
+
+        def rates(user: str) -> dict[str, float]:
+            # The generation choice's rates, per user, computed when first needed.
+            if user not in rates_of:
+                rates_of[user] = self._rates(user, by_user[user], jobs, size, profiles, gens)
+            return rates_of[user]
 
         # 2. Entitlements: newest generation first, pinned demand on its generation.
         cap = dict(gens)
@@ -271,8 +318,10 @@ class GandivaFairPolicy:
         entitled = fair_shares_newest_first(tickets, flexible, gens, order, pinned)
         # Gangs cannot use fractions spread over generations: hand out what
         # newest-first filling left idle (§3.2 bonus share, per generation).
-        usable = {u: {g: flexible.get(u, 0.0) + pinned.get(u, {}).get(g, 0.0) for g in gens} for u in by_user}
         if self.spill:
+            usable = {
+                u: {g: flexible.get(u, 0.0) + pinned.get(u, {}).get(g, 0.0) for g in gens} for u in by_user
+            }
             entitled = spill_leftover(entitled, tickets, usable, gens)
 
         # 3. Trading on heterogeneous clusters (§3.4-3.5).
@@ -280,6 +329,11 @@ class GandivaFairPolicy:
         executed: list[Trade] = []
         undone_out: list[dict[str, str]] = []
         if len(gens) > 1 and self.trading:
+            # Trading reads measured profiles only (§3.5 "Profiling"), never declared curves.
+            measured = {
+                u: {g: r for g in gens if (r := profiled_rate(profiles.get(u, {}).get(g, []))) is not None}
+                for u in by_user
+            }
             traders = {
                 u: r
                 for u, r in measured.items()
@@ -345,7 +399,7 @@ class GandivaFairPolicy:
                     order,
                     held[user],
                     load[user],
-                    rates[user] or None,
+                    rates(user) or None,
                     capacity=cap,
                     previous=old_gen.get(jid),
                 )
@@ -358,7 +412,7 @@ class GandivaFairPolicy:
                 if jobs[jid].pinned_gpu_type is None:
                     movable.setdefault(jobs[jid].user, {}).setdefault(g, []).append(size[jid])
             move = best_generation_move(
-                {u: (held[u], load[u], rates[u] or None) for u in by_user},
+                {u: (held[u], load[u], rates(u) or None) for u in by_user},
                 movable,
                 order,
                 threshold=self.generation_move_threshold,
