@@ -355,3 +355,28 @@ def test_gang_that_fits_no_generation_share_whole_runs_on_spilled_capacity() -> 
     assert a_spilled == pytest.approx(4.0)  # every quantum, on the K80s
     assert all(d.gpu_types.get("a-0") == "k80" for d in spilled)
     assert a_plain < 3.0  # time-sliced on the V100s
+
+
+def test_decide_never_modifies_the_memory_it_is_given() -> None:
+    """The policy copies only what it changes (no deep copy): the memory it was given,
+    held by the log and by a replay, stays as it was, through profiling, trading and
+    migrations, and passing it directly decides as a msgpack round trip does."""
+    view = table3_view()
+    done = {j.job_id: 0.0 for j in view.jobs}
+    policy = GandivaFairPolicy()
+    memory: dict[str, Any] = {}
+    decoded: dict[str, Any] = {}
+    traded = profiled = 0
+    for q in range(8):
+        jobs = tuple(msgspec.structs.replace(j, iterations_done=done[j.job_id]) for j in view.jobs)
+        v = msgspec.structs.replace(view, now_s=q * 60.0 + (30.0 if q == 5 else 0.0), jobs=jobs)
+        before = msgspec.msgpack.encode(memory)
+        d = policy.decide(v, memory)
+        assert msgspec.msgpack.encode(memory) == before, q
+        assert d.shares == policy.decide(v, decoded).shares
+        memory, decoded = d.memory, msgspec.msgpack.decode(msgspec.msgpack.encode(d.memory))
+        traded += len(d.memory["trades_executed"])
+        profiled += sum(len(p) for p in d.memory["profiles"].values())
+        for j, n in d.shares.items():
+            done[j] += TABLE3_SPEED[j[0]][d.gpu_types[j]] * n * 60.0
+    assert traded and profiled

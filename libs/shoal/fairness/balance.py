@@ -295,10 +295,10 @@ def packing_migrations(
     moves: list[Migration] = []
     tried: set[str] = set()
     while len(moves) < max_migrations:
-        needy = sorted((n for n in node_gpus if n not in tried and risk(n) > 0), key=lambda n: (-risk(n), n))
-        if not needy:
+        risks = {n: r for n in node_gpus if n not in tried and (r := risk(n)) > 0}
+        if not risks:
             break
-        target = needy[0]
+        target = min(risks, key=lambda n: (-risks[n], n))
         tried.add(target)
         before = {target: risk(target)}
         batch: list[tuple[str, str]] = []

@@ -139,10 +139,13 @@ def split_stride_quantum(
     new_local: dict[str, float] = {}
     idle = 0
     for server, small in small_by_server.items():
+        if not small:  # nothing to run or to carry over: its GPUs are idle unless a large job took them
+            idle += capacity_left[server] if not free[server] else server_gpus[server]
+            continue
         cap = capacity_left[server] if not free[server] else 0
         if server in run_local:
             cap = server_gpus[server]
-        if small and cap > 0:
+        if cap > 0:
             res = gang_aware_stride(small, cap, local_passes, stride1)
             scheduled.extend(res.scheduled)
             new_local.update(res.passes)
