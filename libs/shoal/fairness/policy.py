@@ -126,7 +126,7 @@ Gandiva_fair never resizes a gang; the resize kinds keep CoDDL's milliseconds (Â
 The simulator charges these by default when it runs Gandiva_fair (the policy names them
 through ``planning_costs``). shoal's own trainer has no in-place suspend: a preempted job
 stops, and its resume is a checkpoint-restart (``measured``: 1.4 s + 3.6 s per GPU),
-which at a 60 s quantum leaves a gang of 16 GPUs under 3 s of training per quantum and
+which at a 60 s quantum leaves a gang of 16 GPUs under 1 s of training per quantum and
 one of 17 or more none at all. Give ``costs="measured"`` to simulate that."""
 
 
