@@ -73,6 +73,8 @@ def test_simulate_heterogeneous_with_tickets(tmp_path: Path) -> None:
         (["--policy", "fifo", *TINY, "--policy-param", "oops"], "K=V"),
         (["--policy", "fifo", *TINY, "--tickets", "alice=lots"], "--tickets"),
         (["--policy", "fifo", *TINY, "--policy-param", "bogus=1"], "--policy fifo"),
+        (["--policy", "gandiva-fair", *TINY, "--costs", "measured"], "--policy-param costs=measured"),
+        (["--policy", "gandiva-fair", *TINY, "--policy-param", "costs=cheap"], "--policy gandiva-fair"),
     ],
 )
 def test_simulate_bad_input(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -149,6 +151,7 @@ def test_compare_writes_report_and_plots(tmp_path: Path, capsys: pytest.CaptureF
         (["--policies", "fifo,nope"], "unknown policies nope"),
         (["--policies", "fifo", "--baseline", "afs-p"], "--baseline afs-p is not one of"),
         (["--policies", "fifo", "--seeds", "a,b"], "--seeds"),
+        (["--policies", "fifo,gandiva-fair", "--costs", "coddl"], "--policy-param costs=coddl"),
     ],
 )
 def test_compare_bad_input(

@@ -20,6 +20,7 @@ from pathlib import Path
 from shoal.cli import CommandError
 from shoal.commands.simulate import (
     add_cluster_args,
+    check_costs,
     config_from_args,
     parse_params,
     positive_float,
@@ -98,6 +99,15 @@ def run(args: argparse.Namespace) -> int:
             raise CommandError(f"--traces: {exc}") from None
     config = config_from_args(args)
     params = parse_params(args.policy_param)
+    if config.costs is not None:  # fail fast on a policy that names its own costs, too
+        from shoal.sim.engine import make_policy
+
+        for name in policies:
+            try:
+                policy = make_policy(name, params)
+            except Exception:  # the run itself reports a policy it cannot build
+                continue
+            check_costs(name, policy, config, args.costs)
     specs = [
         RunSpec(
             trace=t,

@@ -175,6 +175,21 @@ def config_from_args(args: argparse.Namespace) -> Any:
     )
 
 
+def check_costs(name: str, policy: Any, config: Any, costs_flag: str | None) -> None:
+    """Refuse ``--costs`` for a policy that names its own costs (Gandiva_fair's suspend/resume).
+
+    Raises:
+        CommandError: the policy's costs and ``--costs`` differ.
+    """
+    planned = getattr(policy, "planning_costs", None)
+    own = planned() if callable(planned) else None
+    if own is not None and config.costs is not None and own != config.costs:
+        raise CommandError(
+            f"--policy {name} is charged its own reconfiguration costs ({own.name!r}); give other costs "
+            f"to the policy (--policy-param costs={costs_flag}) instead of --costs"
+        )
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "simulate",
@@ -246,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from None
     except (TypeError, ValueError, ImportError) as exc:
         raise CommandError(f"--policy {args.policy}: {exc}") from None
+    check_costs(args.policy, policy, config, args.costs)
     bar = None if args.quiet else ProgressBar()
     try:
         sim = Simulator(jobs, policy, config, trace=args.trace, on_progress=bar)
