@@ -17,7 +17,8 @@ the targets checked here (CPU seconds of one process):
 
 It also reports jobs/s and events/s for every registered policy on the 956-job VC
 (2869ce) and the 51k-job VC (6214e9), in the default setting of ``shoal simulate``
-(64 GPUs as 16 servers x 4, packing, min-migration placement, ``coddl`` costs), and
+(64 GPUs as 16 servers x 4, packing, min-migration placement, the tree's default
+reconfiguration costs), and
 how the cost of a decision grows with the queue length (``engine-only`` on 6214e9;
 a plot saved next to the report).
 
@@ -448,7 +449,9 @@ def render(results: dict[str, Any], cmd: str, pending: list[Any], plot_name: str
         + ". CPU s = `time.process_time` around `Simulator.run` (loading the workload excluded), seed 0, "
         "log not retained. `flat` = `shoal simulate --flat` (one 64-GPU pool, no packing or placement, "
         "free reconfigurations: the AFS simulator's setting); `topology` = the default (16 servers x 4, "
-        "network packing, min-migration placement, `coddl` costs). A run past its CPU limit is stopped "
+        "network packing, min-migration placement, each tree's default reconfiguration costs: since cfb6380 "
+        "`measured`, shoal's trainer, and since 8170212 Gandiva_fair's own suspend/resume for `gandiva-fair`). "
+        "A run past its CPU limit is stopped "
         "(`CPU limit`) and reports how far it got.",
         "",
         "Prototype reference (`prototype CPU s`): the AFS authors' simulator on the same inputs, flat, "

@@ -62,6 +62,11 @@ rule by rule, as the reference does it:
   wait as all the pending time since the job last entered ``Q0``; here it is the wait
   since the last preemption.
 
+A second implementation, written apart as a list-per-queue event loop
+(``benchmarks/tiresias_reference.py``), ends every job of ten Philly VCs at the same second
+as this policy in shoal's flat simulator, and every job of 0e4a51 with the whole count
+(``service_since_restart=False``) too (``benchmarks/reports/tiresias_reference.md``).
+
 Defaults: **two queues split at 50 GPU-hours** (``queue_thresholds_gpu_s=(180000.0,)``,
 AFS §5.1). Pass more thresholds for more queues (EDL's evaluation uses ``(500.0,
 10000.0)``, see :mod:`shoal.policies.elastic_tiresias`).
