@@ -985,9 +985,14 @@ def _causes(cells: dict[tuple[str, str, str], Cell], settings: list[str], order:
     out.append(
         "- Baselines are reimplementations (Themis, Optimus, Tiresias-L in `shoal.policies`), following "
         "REPRODUCTION.md where it is specific (Tiresias-L: two queues at 50 GPU-hours, no starvation rule; "
-        "Optimus: perfect estimates, held to the request). Where a ratio against one of them disagrees and "
-        "the points above do not explain it, the baseline's details (Themis' lease and fairness knob, "
-        "Optimus' marginal-gain loop) are the likeliest cause; the paper does not give them."
+        "Optimus: perfect estimates, held to the request). Tiresias-L is also checked job by job against a "
+        "second implementation written apart from it (`python benchmarks/tiresias_reference.py`, "
+        "`benchmarks/reports/tiresias_reference.md`), so an afs-p vs tiresias-l ratio outside the paper's "
+        "range is not a slip in implementing those rules; it is open whether the paper's Tiresias-L applies "
+        "them where REPRODUCTION.md leaves the details to the Tiresias authors' code (the order inside a "
+        "queue, the demotion instant). Where a ratio against Themis or Optimus disagrees and the points "
+        "above do not explain it, the baseline's details (Themis' lease and fairness knob, Optimus' "
+        "marginal-gain loop) are the likeliest cause; the paper does not give them."
     )
     return out
 
