@@ -277,7 +277,7 @@ def _row(label: str, r: dict[str, Any], cell: str = "") -> str:
 
 
 HEADER = (
-    "| {what} | jobs | avg JCT here (h) | avg JCT shoal (h) | difference | jobs ending at the same second "
+    "| {what} | jobs | avg JCT here (h) | avg JCT shoal (h) | shoal vs here | jobs ending at the same second "
     "| first job that differs |{extra}\n|---|---:|---:|---:|---:|---:|---|{extra_rule}"
 )
 
