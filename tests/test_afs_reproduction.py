@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.scripts import load_script
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "afs_reproduction.py"
 ARGS = [
     "--workers",
@@ -91,12 +93,7 @@ def test_a_cell_stopped_at_its_limit_says_which_limit(tmp_path: Path) -> None:
 def test_a_cells_fingerprint_follows_the_policy_modules_it_imports() -> None:
     """Themis uses Tiresias' gang size and themis-unaware wraps Themis: editing either
     module must make their stored cells stale, so both are in the fingerprint."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("afs_reproduction_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script(SCRIPT, "afs_reproduction_under_test")
     themis = script._policy_modules("shoal.policies.themis")
     assert themis[0] == "libs/shoal/policies/themis.py"
     assert "libs/shoal/policies/tiresias.py" in themis

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests.scripts import load_script
 
 pytestmark = pytest.mark.integration
 
@@ -15,12 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_services.py
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_services", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_services", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "bench_services", register=True)
 
 
 bench = _load()

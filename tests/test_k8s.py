@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
-import importlib.util
 import json
 import os
 import shutil
@@ -42,16 +41,14 @@ from shoal.k8s import (
 )
 from shoal.nats_server import find_nats_server
 
+from tests.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 SHOAL_CLI = [sys.executable, "-c", "import sys; from shoal.cli import main; sys.exit(main())"]
 
 
 def _check_module() -> Any:
-    spec = importlib.util.spec_from_file_location("shoal_k8s_check", ROOT / "deploy" / "k8s" / "check.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "deploy" / "k8s" / "check.py", "shoal_k8s_check")
 
 
 check = _check_module()

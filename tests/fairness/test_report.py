@@ -6,12 +6,13 @@ seed: about 25 s of CPU); the ``--quick`` report is marked ``slow``.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests.scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fairness_heterogeneity.py"
 POLICIES = {
@@ -26,11 +27,7 @@ FIGURES = ("s55_rate.png", "s55_share.png", "philly_fairness_vs_jct.png", "phill
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fairness_heterogeneity", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "fairness_heterogeneity")
 
 
 def _generate(tmp_path: Path, options: list[str]) -> tuple[str, dict, Path]:

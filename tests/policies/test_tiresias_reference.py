@@ -4,23 +4,20 @@ one-rule change on either side is noticed."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 from shoal.workloads import load_workload
 
+from tests.scripts import load_script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tiresias_reference.py"
 
 
 @pytest.fixture(scope="module")
 def reference() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("tiresias_reference_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "tiresias_reference_under_test")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ measures, the allocator probes). ``python benchmarks/conformance.py`` writes the
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 from types import ModuleType
@@ -26,6 +25,8 @@ from shoal_services.conformance import (
     sequence_agreement,
     share_sequence,
 )
+
+from tests.scripts import load_script
 
 pytestmark = pytest.mark.integration
 
@@ -104,11 +105,7 @@ def test_contended_slices_agree_one_for_one(nats_url: str, trace: str, policy: s
 
 def _bench() -> ModuleType:
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "conformance.py"
-    spec = importlib.util.spec_from_file_location("bench_conformance", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(path, "bench_conformance")
 
 
 def test_overestimate_cases_and_their_counts() -> None:

@@ -17,11 +17,9 @@ user runs it.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +37,7 @@ from shoal.commands.run import CLI_ARGV
 from shoal.nats_server import EmbeddedNats
 
 from tests.conftest import add_identity
+from tests.scripts import load_script
 
 pytestmark = pytest.mark.integration
 
@@ -47,12 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def bench_services() -> ModuleType:
     path = ROOT / "benchmarks" / "bench_services.py"
-    spec = importlib.util.spec_from_file_location("bench_services_for_query", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(path, "bench_services_for_query", register=True)
 
 
 def small_history() -> list[ev.Envelope]:

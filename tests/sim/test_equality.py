@@ -3,23 +3,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import msgspec
 from shoal.sim.engine import SimConfig, Simulator, make_policy
 from shoal.workloads import load_workload
 
+from tests.scripts import load_script
+
 
 def _harness():  # type: ignore[no-untyped-def]
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "sim_equality.py"
-    spec = importlib.util.spec_from_file_location("sim_equality", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("sim_equality", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(path, "sim_equality", register=True)
 
 
 def test_not_retaining_the_log_changes_nothing_but_the_envelopes() -> None:

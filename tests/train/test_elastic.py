@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import itertools
 import os
 import signal
@@ -22,6 +21,7 @@ import pytest
 from shoal import events as ev
 from shoal.train.config import TrainConfig
 
+from tests.scripts import load_script
 from tests.train.conftest import CNN, Recorder, gpus, order, processes_of, read_trace, wait_steps
 
 pytestmark = pytest.mark.integration
@@ -30,11 +30,7 @@ DIGITS = 1797
 
 
 def _load_example():
-    spec = importlib.util.spec_from_file_location("cnn_digits", CNN)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(CNN, "cnn_digits")
 
 
 def _steps(rows: list[dict]) -> dict[int, list[dict]]:
