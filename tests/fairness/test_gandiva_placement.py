@@ -120,7 +120,7 @@ def _two_time_sliced_gangs(policy: GandivaFairPolicy, max_time_s: float | None =
 
 def test_time_sliced_gangs_pay_gandiva_fairs_suspend_resume_by_default() -> None:
     # Two 20-GPU gangs on 24 GPUs take turns, one quantum each. Before, the simulator
-    # charged each resume as shoal's checkpoint-restart (1.4 + 3.6 x 20 = 73.4 s, more
+    # charged each resume as shoal's checkpoint-restart (1.4 + 3.6 x 20 = about 73.7 s, more
     # than the 60 s quantum), so after its first quantum neither job made progress and
     # the run never ended. Gandiva_fair's suspend/resume costs 0.25 s (§4).
     assert GandivaFairPolicy().planning_costs() == SUSPEND_RESUME

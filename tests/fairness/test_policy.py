@@ -359,8 +359,8 @@ def test_gang_that_fits_no_generation_share_whole_runs_on_spilled_capacity() -> 
 
 def test_decide_never_modifies_the_memory_it_is_given() -> None:
     """The policy copies only what it changes (no deep copy): the memory it was given,
-    held by the log and by a replay, stays as it was, through profiling, trading and
-    migrations, and passing it directly decides as a msgpack round trip does."""
+    held by the log and by a replay, stays as it was through profiling and trading, and
+    passing it directly decides as a msgpack round trip does."""
     view = table3_view()
     done = {j.job_id: 0.0 for j in view.jobs}
     policy = GandivaFairPolicy()
