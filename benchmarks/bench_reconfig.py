@@ -296,15 +296,14 @@ def _gpu_status() -> str:
     if not torch.cuda.is_available():
         return (
             "Not run: this machine has no CUDA device (`torch.cuda.is_available()` is false), so every "
-            "number above is CPU/gloo. The NCCL path (in-place 1 → 2 → 1 resize on GPUs) is the `gpu` test "
-            "`tests/train/test_gpu.py`, run with `python -m pytest -m gpu tests/train/test_gpu.py` on a GPU "
-            "machine; the restart on NCCL and the overlap of CUDA-context warm-up with training have not "
-            "been measured yet."
+            "number above is CPU/gloo. The NCCL path is `benchmarks/bench_gpu.py` (report: "
+            "`benchmarks/reports/gpu_nccl.md`) and the `gpu` test `tests/train/test_gpu.py` "
+            "(`python -m pytest -m gpu tests/train/test_gpu.py`), run on a GPU machine."
         )
     return (
         f"{torch.cuda.device_count()} CUDA device(s) present ({torch.cuda.get_device_name(0)}), but this "
-        "benchmark measures CPU/gloo workers only; run `python -m pytest -m gpu tests/train/test_gpu.py` "
-        "for the NCCL path."
+        "benchmark measures CPU/gloo workers only; `benchmarks/bench_gpu.py` and "
+        "`python -m pytest -m gpu tests/train/test_gpu.py` run the NCCL path."
     )
 
 

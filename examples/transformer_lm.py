@@ -9,6 +9,9 @@ something to learn: the loss falls from ln(vocab) towards the chain's entropy.
 
 ``--plain-ddp`` runs the same model, data and global batches with
 ``torch.nn.parallel.DistributedDataParallel`` and no shoal, as the overhead baseline.
+The model and the tokens live on ``job.device``: a GPU when shoal (or
+``SHOAL_TRAIN_DEVICE=cuda`` under torchrun) says so. The baseline uses the same
+variable: ``cuda`` runs it on NCCL with one GPU per rank (``LOCAL_RANK``), else gloo on CPU.
 """
 
 from __future__ import annotations
@@ -78,36 +81,46 @@ def main(argv: list[str] | None = None) -> None:
     data = markov_tokens(args.seqs, 32, 64, args.seed)
     torch.manual_seed(args.seed)
     model = TinyLM()
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     if args.plain_ddp:
-        return _plain_ddp(args, data, model, opt)
+        return _plain_ddp(args, data, model)
 
     job = st.init()  # shoal
+    model, data = model.to(job.device), data.to(job.device)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     job.register(model, opt)  # shoal
     job.elastic_sampler(len(data), global_batch_size=args.batch, seed=args.seed)  # shoal
     t0, first = 0.0, 0
     for step in job.train(max_steps=args.max_steps):  # shoal
         if job.iteration == args.time_after:
             t0, first = time.perf_counter(), job.iteration
-        loss = lm_loss(model, data[torch.as_tensor(step.indices, dtype=torch.long)])
+        loss = lm_loss(model, data[torch.as_tensor(step.indices, dtype=torch.long, device=job.device)])
         loss.backward()
         job.step(loss)  # shoal
         if job.rank == 0 and job.iteration % 50 == 0:
             print(f"step {job.iteration} world {job.world} loss {job.loss:.4f}", flush=True)
+    if job.device.type == "cuda":
+        torch.cuda.synchronize()  # the rate counts the queued GPU work too
     if job.rank == 0 and t0:
         rate = (job.iteration - first) / (time.perf_counter() - t0)
         print(f"done step {job.iteration} loss {job.loss:.4f} steps_per_s {rate:.3f}", flush=True)
 
 
-def _plain_ddp(
-    args: argparse.Namespace, data: torch.Tensor, model: nn.Module, opt: torch.optim.Optimizer
-) -> None:
+def _plain_ddp(args: argparse.Namespace, data: torch.Tensor, model: nn.Module) -> None:
     import torch.distributed as dist
     from shoal.train.data import ElasticSampler, Scaling
 
-    dist.init_process_group("gloo")
+    if os.environ.get("SHOAL_TRAIN_DEVICE") == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+        model, data = model.to(device), data.to(device)
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+        ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     rank, world = dist.get_rank(), dist.get_world_size()
-    ddp = nn.parallel.DistributedDataParallel(model)
     sampler = ElasticSampler(len(data), Scaling(global_batch_size=args.batch), seed=args.seed)
     t0 = 0.0
     for it in range(args.max_steps):
@@ -115,11 +128,13 @@ def _plain_ddp(
             t0 = time.perf_counter()
         glob = sampler.global_indices(world)
         idx = sampler.local_indices(world, rank)
-        loss = lm_loss(ddp, data[torch.as_tensor(idx, dtype=torch.long)])
+        loss = lm_loss(ddp, data[torch.as_tensor(idx, dtype=torch.long, device=device)])
         opt.zero_grad()
         loss.backward()
         opt.step()
         sampler.advance(len(glob))
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the rate counts the queued GPU work too
     if rank == 0:
         rate = (args.max_steps - args.time_after) / (time.perf_counter() - t0)
         print(f"done step {args.max_steps} loss {loss.item():.4f} steps_per_s {rate:.3f}", flush=True)
