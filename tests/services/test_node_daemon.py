@@ -159,3 +159,15 @@ async def test_an_idle_node_appends_nothing_to_the_log(bus: Bus, nats_url: str) 
     assert sorted(h.index for h in health) == [0, 1, 2, 3], "one reading per GPU: nothing changed after"
     info = await bus.js.stream_info(bus.names.beats_stream)
     assert info.state.messages == 1
+
+
+def test_a_lightly_used_gpu_is_not_reported_idle() -> None:
+    """A GPU a job keeps 8 % busy makes a new GpuHealth after an idle reading (on an H100,
+    plain quarter steps left ``shoal nodes`` at 0 %); small changes within a step do not."""
+    from shoal_services.node_daemon.service import utilisation_step
+
+    assert utilisation_step(0.08) != utilisation_step(0.0)
+    assert utilisation_step(0.01) == utilisation_step(0.08) == utilisation_step(0.12)
+    assert utilisation_step(0.2) == utilisation_step(0.3) == 0.25
+    assert utilisation_step(0.13) != utilisation_step(0.08)
+    assert utilisation_step(1.0) == 1.0 and utilisation_step(0.0) == 0.0
