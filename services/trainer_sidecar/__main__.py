@@ -9,7 +9,8 @@ An order line may carry the W3C ``traceparent``/``tracestate`` of the node daemo
 span as extra fields: the sidecar's span for that order continues the trace.
 
 Spare sidecars: ``--job -`` starts a sidecar for no job yet. It does the slow part
-of starting (the interpreter, imports, catalog, the NATS connection) and then waits
+of starting (the interpreter, imports, catalog, the NATS connection; in real mode also
+``torch.distributed``, which the controller's rendezvous store needs) and then waits
 for its job on the first stdin line, ``{"job_id": "<id>"}`` (:data:`SPARE_JOB`,
 :func:`adopt_job`). The node daemon keeps one spare ready so that a job placed on
 its node starts at once instead of half a second later (a process start that, at
@@ -162,6 +163,12 @@ async def main_async(args: argparse.Namespace) -> int:
     catalog = get_catalog(args.catalog) if args.catalog and args.mode == "emulated" else None
     if args.mode == "real":
         import shoal_services.trainer_sidecar.real  # noqa: F401  (loaded before "ready")
+
+        # The controller's rendezvous store needs torch.distributed, about 2 s of imports:
+        # a spare takes them before "ready", not after its job was placed. Without torch,
+        # the job's start reports the ImportError, as it would without a spare.
+        with contextlib.suppress(ImportError):
+            import torch.distributed  # noqa: F401
     stdin = await open_stdin()
     signal_ready(args.ready_fd)
     if args.job == SPARE_JOB:
