@@ -41,3 +41,20 @@ def test_transformer_example_learns_the_markov_chain(tmp_path) -> None:
     out = _run([sys.executable, str(lm), "--max-steps", "60", "--time-after", "5"], tmp_path)
     loss = float(re.findall(r"done step 60 loss ([0-9.]+)", out)[0])
     assert loss < 3.0, f"loss {loss} should fall well below ln(64) = 4.16"
+
+
+def test_the_plain_ddp_baseline_trains_the_same_model(tmp_path) -> None:
+    """``--plain-ddp`` (the overhead baseline of bench_reconfig.py and bench_gpu.py) and
+    ``shoal.train`` under torchrun take the same steps: same model, data, batches and
+    optimizer, so their speeds compare like for like (one rank: its loss is the global one)."""
+    lm = CNN.parent / "transformer_lm.py"
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(lm)]
+    args = ["--max-steps", "40", "--time-after", "5"]
+    plain = _run([*run, *args, "--plain-ddp"], tmp_path)
+    shoal = _run([*run, *args], tmp_path)
+    loss = {
+        name: float(re.findall(r"done step 40 loss ([0-9.]+)", out)[0])
+        for name, out in (("plain", plain), ("shoal", shoal))
+    }
+    assert loss["plain"] < 3.5, loss  # it learned: ln(64) = 4.16 at the start
+    assert abs(loss["plain"] - loss["shoal"]) < 1e-3, loss
