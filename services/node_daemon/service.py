@@ -136,7 +136,7 @@ def utilisation_step(util: float) -> float:
     Quarter steps, except that idle (0) and lightly used (above 0, under 1/8) are steps
     of their own: with plain quarters a GPU that a job keeps 8 % busy rounds to the idle
     step, and ``shoal nodes`` showed 0 % all along (seen on an H100 running
-    ``examples/cnn_digits.py`` at 7–10 % by nvidia-smi).
+    ``examples/cnn_digits.py`` at 7–11 % by nvidia-smi).
     """
     step = round(util * 4) / 4
     return 0.125 if step == 0 and util > 0 else step

@@ -11,7 +11,7 @@ from shoal.clock import ScaledClock
 from shoal.gpus import fake_gpus
 from shoal_services.node_daemon import service as nd
 
-from tests.services.test_allocator_placer import events_of
+from tests.services.test_allocator_placer import events_of, wait_until
 from tests.services.test_node_daemon import sidecar_argv
 
 pytestmark = pytest.mark.integration
@@ -36,12 +36,15 @@ async def test_a_gpu_a_job_keeps_lightly_busy_shows_its_utilisation(
         emulated=False,
     )
     task = asyncio.create_task(daemon.run(stop))
+
+    def folded() -> tuple[float, int] | None:
+        node = daemon.projection.state.nodes.get("n0")
+        return (node.gpus[0].utilization, node.gpus[0].memory_used_mb) if node else None
+
     try:
-        await asyncio.sleep(1.0)
-        readings["now"] = (0.09, 1388, 41.0)
-        await asyncio.sleep(1.0)
-        node = daemon.projection.state.nodes["n0"]
-        assert node.gpus[0].utilization == pytest.approx(0.09)
+        await wait_until(lambda: folded() == (0.0, 480))  # the idle reading is in the log
+        readings["now"] = (0.09, 1388, 41.0)  # a job keeps it 9 % busy (an H100 running the CNN)
+        await wait_until(lambda: folded() == (0.09, 1388))
     finally:
         stop.set()
         await asyncio.wait_for(task, 20)
