@@ -155,13 +155,17 @@ def callout_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedde
 
 
 @contextlib.asynccontextmanager
-async def authorizer(server: EmbeddedNats) -> AsyncIterator[tuple[AuthorizerService, Bus, CredentialStore]]:
+async def authorizer(
+    server: EmbeddedNats, expires_s: float | None = None
+) -> AsyncIterator[tuple[AuthorizerService, Bus, CredentialStore]]:
     """The log (jA placed on n1, jB on n2, as the admin writes it) and the authorizer."""
     assert server.creds_dir is not None
     store = CredentialStore(server.creds_dir)
     admin = await Bus.connect(server.url, PREFIX, creds=str(store.path("admin")))
     bus = await Bus.connect(server.url, PREFIX, creds=str(store.path("authorizer")), declare=False)
-    service = AuthorizerService(bus, issuer=_kp(store, auth.ISSUER), node_keys=store.sidecar_keys)
+    service = AuthorizerService(
+        bus, issuer=_kp(store, auth.ISSUER), node_keys=store.sidecar_keys, expires_s=expires_s
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(service.run(stop))
     try:
@@ -386,3 +390,30 @@ async def test_an_identity_added_later_is_admitted(tmp_path: Path) -> None:
         assert server.proc is not None and server.proc.pid != pid
         async with await Bus.connect(server.url, PREFIX, creds=late, declare=False) as bus:
             assert bus.identity == "user-late"
+
+
+@pytest.mark.integration
+async def test_an_expired_sidecar_identity_is_disconnected_for_good(callout_server: EmbeddedNats) -> None:
+    """Why the authorizer's JWTs have no expiry by default: at expiry the server ends the
+    connection, and nats-py (2.16) closes the client for good on that error instead of
+    reconnecting, so the sidecar would not be judged again but cut off. The Bus logs why
+    its connection closed (nats-py calls no error callback for it)."""
+    import structlog
+
+    async with authorizer(callout_server, expires_s=1.0) as (_service, admin, store):
+        token = callout.mint_sidecar_token(
+            _kp(store, "sidecar-n1"), callout.SidecarGrant("jA", "n1", await admin.last_seq())
+        )
+        with structlog.testing.capture_logs() as logs:
+            side = await _sidecar(callout_server, token)
+            try:
+                await side.publish(ev.ProgressReported(job_id="jA", iteration=1), timeout_s=5.0)
+                deadline = asyncio.get_running_loop().time() + 15
+                while not side.nc.is_closed:
+                    assert asyncio.get_running_loop().time() < deadline, "not disconnected at expiry"
+                    await asyncio.sleep(0.05)
+                assert side.nc.stats["reconnects"] == 0
+            finally:
+                await side.close()
+    closed = [e for e in logs if e["event"] == "nats_connection_closed"]
+    assert closed and "expired" in closed[0]["error"].lower(), logs

@@ -340,6 +340,8 @@ class Bus:
         self._ack_sub: Any = None
         self._pending: dict[int, asyncio.Future[bytes]] = {}
         self._pending_subject: dict[int, str] = {}
+        self._closing = False
+        """Set by :meth:`close`: the connection is ending on purpose."""
         self._tokens = itertools.count(1)
         self._dlq_paused_until = -math.inf
         self.identity: str | None = None
@@ -410,6 +412,13 @@ class Bus:
                     holder[0].on_permission_violation(match.group(1))
             log.warning("nats_error", error=text)
 
+        async def _closed_cb() -> None:
+            # nats-py ends a connection for good on most of the server's -ERR messages
+            # (without calling error_cb) and when it gives up reconnecting: say so, and why.
+            if holder and not holder[0]._closing:
+                err = holder[0].nc.last_error
+                log.warning("nats_connection_closed", error=str(err or "") or type(err).__name__)
+
         from shoal.auth import inbox_prefix, name_of_creds
 
         auth: dict[str, Any] = {}
@@ -448,6 +457,7 @@ class Bus:
                     max_reconnect_attempts=max_reconnect_attempts,
                     reconnect_time_wait=0.5,
                     error_cb=_error_cb,
+                    closed_cb=_closed_cb,
                     **auth,
                 )
             )
@@ -485,6 +495,7 @@ class Bus:
 
     async def close(self) -> None:
         """Drain subscriptions and close the connection."""
+        self._closing = True
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(BusError("bus closed"))

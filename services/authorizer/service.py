@@ -53,7 +53,9 @@ class AuthorizerService:
         wait_s: how long a request waits for the fold to reach its placement sequence
             (under the 2 s a shoal client waits for the server's answer to its connect).
         expires_s: lifetime of the user JWTs it issues (None: no expiry; the server ends
-            a connection whose JWT expires).
+            a connection whose JWT expires, and nats-py 2.16 then closes the client for
+            good instead of reconnecting, so the shipped authorizer leaves it None:
+            ``tests/test_callout.py::test_an_expired_sidecar_identity_is_disconnected_for_good``).
     """
 
     def __init__(
