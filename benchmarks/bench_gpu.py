@@ -29,7 +29,6 @@ import asyncio
 import datetime as dt
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ import time
 from pathlib import Path
 
 import torch
+from bench_reconfig import _rate  # steps/s from an example's output
+from edl_reproduction import _steps  # until the job made n more steps
 from shoal import events as ev
 from shoal.events import GpuRef
 from shoal.train.config import TrainConfig
@@ -76,16 +77,6 @@ def _controller(workdir: Path, argv: list[str], device: str, slots: int, **kw: o
         report_every_s=0.2,
         **kw,  # type: ignore[arg-type]
     )
-
-
-async def _steps(ctl: Controller, n: int, timeout: float = 180) -> int:
-    start = ctl.progress.step if ctl.progress else 0
-    deadline = time.monotonic() + timeout
-    while ctl.progress is None or ctl.progress.step < start + n:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no progress past step {start}")
-        await asyncio.sleep(0.01)
-    return ctl.progress.step
 
 
 async def stop_and_resume(workdir: Path, device: str, slots: int) -> dict[str, float]:
@@ -145,13 +136,6 @@ async def resize_sequence(
         return list(ctl.history)
     finally:
         await ctl.close(checkpoint=False)
-
-
-def _rate(text: str) -> float:
-    found = re.findall(r"steps_per_s ([0-9.]+)", text)
-    if not found:
-        raise RuntimeError(f"no steps_per_s in output:\n{text[-2000:]}")
-    return float(found[-1])
 
 
 def _torchrun(args: list[str], device: str, nproc: int) -> float:
