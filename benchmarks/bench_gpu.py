@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_reconfig import _rate  # steps/s from an example's output
+from bench_reconfig import _gpus, _noop, _rate  # GPUs n0/0.., no-op emit, steps/s of an output
 from edl_reproduction import _steps  # until the job made n more steps
 from shoal import events as ev
 from shoal.events import GpuRef
@@ -48,14 +48,6 @@ REPO = Path(__file__).resolve().parents[1]
 CNN = REPO / "examples" / "cnn_digits.py"
 LM = REPO / "examples" / "transformer_lm.py"
 REPORT = REPO / "benchmarks" / "reports" / "gpu_nccl.md"
-
-
-def _gpus(n: int) -> tuple[GpuRef, ...]:
-    return tuple(GpuRef("n0", i) for i in range(n))
-
-
-async def _noop(_: ev.Event) -> None:
-    return None
 
 
 def _controller(workdir: Path, argv: list[str], device: str, slots: int, **kw: object) -> Controller:
