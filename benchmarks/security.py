@@ -6,7 +6,9 @@ victim) with ``shoal creds add``, then runs :func:`shoal.audit.run_audit`: every
 attack on a connection of its own with plain nats-py (or an MQTT client), judged by
 whether the log changed, then the legitimate path. The sidecar attacks play a
 compromised sidecar of job ``audit-sidecar-job`` holding what its node daemon gave it
-(a token for that job, :mod:`shoal.callout`). Writes the table.
+(a token for that job, :mod:`shoal.callout`), and one of ``audit-ended-job`` that stays
+connected after that job is cancelled (the installation's default revocation grace,
+30 s, so the audit takes about 40 s longer). Writes the table.
 
 Usage::
 
@@ -43,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         "authentication on), from its own connection with plain nats-py or an MQTT client. "
         "The attacker holds the credentials of user `mallory` (made with `shoal creds add user "
         "mallory`) or of node `node0`, or is the sidecar of mallory's job `audit-sidecar-job` "
-        "with the token its node daemon gave it (or a node's sidecar key signing tokens); the "
+        "with the token its node daemon gave it (or a node's sidecar key signing tokens, or the "
+        "sidecar of `audit-ended-job` staying connected after that job is cancelled); the "
         "victim is user `alice`, whose job `victim-job` runs. An attack counts as **accepted** when the log changed as the attacker wanted "
         "(an event landed on the forged subject, the log shrank, a command's event was written) "
         "or the server answered a destructive request without error; the *how* column gives the "

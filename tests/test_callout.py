@@ -3,7 +3,8 @@
 The pure side (tokens, JWTs, the server configuration), then a real nats-server with the
 callout on and the authorizer service answering it from a real log: a sidecar of job A
 is refused job B's events and lease, a token for a job not placed on its node is refused
-at connect, and nobody but the authorizer reaches the callout subject. The same path
+at connect, nobody but the authorizer reaches the callout subject, and a sidecar whose job
+left its node is disconnected (revocation, by the ``revoker`` of the system account). The same path
 under ``shoal up`` is in ``tests/test_security.py`` (the audit's sidecar attacks, a token
 sidecar's progress, no seed in any sidecar's environment); ``tests/services/test_up.py``
 and ``tests/test_demo.py`` run jobs to completion with the callout on (the default)."""
@@ -135,6 +136,74 @@ def test_callout_configuration_lets_every_static_identity_bypass(tmp_path: Path)
     assert keys["sidecar-n1"] in {u.get("nkey") for u in plain["users"]}
 
 
+def test_the_revoker_is_the_system_accounts_only_user_and_bypasses_the_callout(tmp_path: Path) -> None:
+    store = CredentialStore(tmp_path)
+    store.ensure("admin")
+    store.ensure_callout()
+    keys = {i.name: i.public_key for i in store.identities()}
+    assert set(keys) == {"admin", "authorizer", "revoker"}
+    text = auth.authorization_block(store.identities(), "shoal", callout_issuer="AISSUER")
+    accounts_text, _, block_text = text.partition("authorization: ")
+    accounts = json.loads(accounts_text.removeprefix("accounts: "))
+    block = json.loads(block_text)
+    assert [u["nkey"] for u in accounts[auth.SYSTEM_ACCOUNT]["users"]] == [keys["revoker"]]
+    assert keys["revoker"] not in {u.get("nkey") for u in block["users"]}, "not in the global account"
+    assert keys["revoker"] in block["auth_callout"]["auth_users"]
+    perms = auth.permissions(auth.Identity(name="revoker", role="revoker"))
+    assert perms["publish"] == {"allow": list(auth.REVOKER_SUBJECTS)}
+    assert perms["subscribe"] == {"allow": ["_INBOX.revoker.>"]}
+
+
+def _connz(server_id: str, users: list[tuple[int, str]], total: int | None = None) -> dict[str, Any]:
+    conns = [{"cid": cid, "authorized_user": user} for cid, user in users]
+    return {
+        "server": {"id": server_id},
+        "data": {"connections": conns, "total": len(conns) if total is None else total, "offset": 0},
+    }
+
+
+def test_sidecar_connections_are_found_by_their_jwt_name() -> None:
+    reply = _connz(
+        "S1",
+        [
+            (5, "UBWF6KBWCP467POCMQRISOT6ZAEQPCJ3YVM56SMWYQEUCKE5Z5XIT3C4"),  # a static nkey
+            (6, "alice"),  # an MQTT user
+            (7, callout.sidecar_user("n1", "jA")),
+            (8, "sidecar.n1"),  # not a callout name
+            (9, "sidecar.n1.j A"),  # not subject tokens
+        ],
+        total=1500,
+    )
+    conns, total = callout.sidecar_connections(reply)
+    assert conns == [callout.SidecarConnection(server_id="S1", cid=7, node_id="n1", job_id="jA")]
+    assert total == 1500
+    for bad in ({"error": {"code": 503}}, {"server": {}, "data": []}, {}):
+        with pytest.raises(callout.CalloutError):
+            callout.sidecar_connections(bad)
+
+
+def test_a_connection_is_revoked_after_its_job_is_not_placed_for_the_grace() -> None:
+    a1 = callout.SidecarConnection(server_id="S", cid=1, node_id="n1", job_id="jA")
+    b2 = callout.SidecarConnection(server_id="S", cid=2, node_id="n2", job_id="jB")
+    placed = {("jA", "n1"), ("jB", "n2")}
+    rev = callout.Revocations(grace_s=10.0)
+
+    def due(now: float, conns: list[callout.SidecarConnection] | None = None) -> list[int]:
+        found = rev.due([a1, b2] if conns is None else conns, lambda j, n: (j, n) in placed, now)
+        return [c.cid for c in found]
+
+    assert due(0.0) == []
+    placed.discard(("jA", "n1"))  # jA left n1
+    assert due(1.0) == []  # its grace starts
+    assert due(10.9) == []
+    placed.add(("jA", "n1"))  # placed back before the grace ended: kept, and forgotten
+    assert due(11.0) == [] and rev.unplaced_since == {}
+    placed.discard(("jA", "n1"))
+    assert due(12.0) == []
+    assert due(22.0) == [1]  # 10 s unplaced
+    assert due(23.0, [b2]) == [] and rev.unplaced_since == {}  # gone: forgotten
+
+
 # ---------------------------------------------------------------------------
 # A real server with the callout on, the authorizer answering from a real log
 # ---------------------------------------------------------------------------
@@ -143,7 +212,7 @@ def test_callout_configuration_lets_every_static_identity_bypass(tmp_path: Path)
 @pytest.fixture(scope="module")
 def callout_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
     store = CredentialStore(tmp_path_factory.mktemp("creds"))
-    for role, subject in [("admin", ""), ("authorizer", ""), ("client", "mallory")]:
+    for role, subject in [("admin", ""), ("authorizer", ""), ("revoker", ""), ("client", "mallory")]:
         store.ensure(role, subject)  # type: ignore[arg-type]
     for node in ("n1", "n2"):
         store.ensure("node", node)
@@ -156,15 +225,25 @@ def callout_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedde
 
 @contextlib.asynccontextmanager
 async def authorizer(
-    server: EmbeddedNats, expires_s: float | None = None
+    server: EmbeddedNats, expires_s: float | None = None, revoke_after_s: float | None = None
 ) -> AsyncIterator[tuple[AuthorizerService, Bus, CredentialStore]]:
-    """The log (jA placed on n1, jB on n2, as the admin writes it) and the authorizer."""
+    """The log (jA placed on n1, jB on n2, as the admin writes it) and the authorizer
+    (with ``revoke_after_s``, revoking as the ``revoker`` identity, sweeping every 0.2 s)."""
     assert server.creds_dir is not None
     store = CredentialStore(server.creds_dir)
     admin = await Bus.connect(server.url, PREFIX, creds=str(store.path("admin")))
     bus = await Bus.connect(server.url, PREFIX, creds=str(store.path("authorizer")), declare=False)
+    revoker = None
+    if revoke_after_s is not None:
+        revoker = await Bus.connect(server.url, PREFIX, creds=str(store.path("revoker")), declare=False)
     service = AuthorizerService(
-        bus, issuer=_kp(store, auth.ISSUER), node_keys=store.sidecar_keys, expires_s=expires_s
+        bus,
+        issuer=_kp(store, auth.ISSUER),
+        node_keys=store.sidecar_keys,
+        expires_s=expires_s,
+        revoker=revoker,
+        grace_s=revoke_after_s or 0.0,
+        sweep_s=0.2,
     )
     stop = asyncio.Event()
     task = asyncio.create_task(service.run(stop))
@@ -189,6 +268,8 @@ async def authorizer(
         await asyncio.gather(task, return_exceptions=True)
         await bus.close()
         await admin.close()
+        if revoker is not None:
+            await revoker.close()
 
 
 async def _sidecar(server: EmbeddedNats, token: str) -> Bus:
@@ -417,3 +498,177 @@ async def test_an_expired_sidecar_identity_is_disconnected_for_good(callout_serv
                 await side.close()
     closed = [e for e in logs if e["event"] == "nats_connection_closed"]
     assert closed and "expired" in closed[0]["error"].lower(), logs
+
+
+@pytest.mark.integration
+async def test_a_sidecar_whose_job_left_its_node_is_disconnected_and_not_readmitted(
+    callout_server: EmbeddedNats,
+) -> None:
+    """The callout judges a sidecar when it connects; revocation ends the connection of
+    one whose job has left its node for the grace, and the callout then refuses it. The
+    sidecar of a job still placed keeps its connection."""
+    async with authorizer(callout_server, revoke_after_s=0.5) as (service, admin, store):
+        assert service.revoker is not None
+        seq = await admin.last_seq()
+        a_on_n1 = await _sidecar(
+            callout_server,
+            callout.mint_sidecar_token(_kp(store, "sidecar-n1"), callout.SidecarGrant("jA", "n1", seq)),
+        )
+        b_on_n2 = await _sidecar(
+            callout_server,
+            callout.mint_sidecar_token(_kp(store, "sidecar-n2"), callout.SidecarGrant("jB", "n2", seq)),
+        )
+        try:
+            await asyncio.sleep(1.0)  # sweeps while both are placed: nothing ended
+            assert service.revoker.revoked == []
+            refused_before = service.decisions.get("refused", 0)
+            # The scheduler moves jA to n2: its sidecar on n1 has no business any more.
+            await admin.publish(
+                ev.PlacementDecided(
+                    epoch=await admin.last_seq() + 1,
+                    placements={
+                        "jA": (ev.GpuRef(node_id="n2", index=1),),
+                        "jB": (ev.GpuRef(node_id="n2", index=0),),
+                    },
+                )
+            )
+            deadline = asyncio.get_running_loop().time() + 15
+            while not service.revoker.revoked:
+                assert asyncio.get_running_loop().time() < deadline, "not revoked"
+                await asyncio.sleep(0.05)
+            assert [(c.job_id, c.node_id) for c in service.revoker.revoked] == [("jA", "n1")]
+            # It tries to come back and the callout refuses it: it stays disconnected.
+            while service.decisions.get("refused", 0) <= refused_before:
+                assert asyncio.get_running_loop().time() < deadline, "no reconnection refused"
+                await asyncio.sleep(0.05)
+            assert not a_on_n1.nc.is_connected
+            with pytest.raises(Exception):  # noqa: B017 - no connection: whatever nats-py raises
+                await a_on_n1.publish(ev.ProgressReported(job_id="jA", iteration=99), timeout_s=1.0)
+            # jB's sidecar was never touched.
+            assert b_on_n2.nc.is_connected and b_on_n2.nc.stats["reconnects"] == 0
+            await b_on_n2.publish(ev.ProgressReported(job_id="jB", iteration=2), timeout_s=5.0)
+        finally:
+            await a_on_n1.close()
+            await b_on_n2.close()
+
+
+@pytest.mark.integration
+async def test_only_the_revoker_ends_connections(callout_server: EmbeddedNats) -> None:
+    """The revoker lives in the system account: it reaches none of shoal's subjects, and
+    no identity of the global account (a client, a node) may ask the server to end a
+    connection."""
+    assert callout_server.creds_dir is not None
+    store = CredentialStore(callout_server.creds_dir)
+    async with await Bus.connect(
+        callout_server.url, PREFIX, creds=str(store.path("admin")), declare=True
+    ) as admin:
+        victim_cid = admin.nc.client_id
+        server_id = admin.nc._server_info["server_id"]
+        for name in ("user-mallory", "node-n1"):
+            errors: list[str] = []
+
+            async def on_error(exc: Exception, errors: list[str] = errors) -> None:
+                errors.append(str(exc).lower())
+
+            nc = await nats.connect(
+                callout_server.url,
+                nkeys_seed=str(store.path(name)),
+                inbox_prefix=auth.inbox_prefix(name),
+                error_cb=on_error,
+                allow_reconnect=False,
+            )
+            try:
+                await nc.publish(
+                    f"$SYS.REQ.SERVER.{server_id}.KICK", json.dumps({"cid": victim_cid}).encode()
+                )
+                await nc.flush()
+                for _ in range(60):
+                    if errors:
+                        break
+                    await asyncio.sleep(0.05)
+                assert any("permissions violation" in e for e in errors), (name, errors)
+            finally:
+                await nc.close()
+        # The revoker's publish on an event subject reaches nothing: refused by its
+        # permissions (and in another account than the log anyway).
+        revoker = await Bus.connect(
+            callout_server.url, PREFIX, creds=str(store.path("revoker")), declare=False
+        )
+        try:
+            before = await admin.last_seq()
+            with pytest.raises(PermissionDenied):
+                await _raw_publish_refused(revoker, f"{PREFIX}.job.jA.completed")
+            assert await admin.last_seq() == before
+        finally:
+            await revoker.close()
+        assert admin.nc.is_connected and admin.nc.stats["reconnects"] == 0
+
+
+@pytest.mark.integration
+async def test_revocation_reaches_a_sidecar_on_another_server_of_a_cluster(tmp_path: Path) -> None:
+    """A 3-server cluster with the callout (as compose and Kubernetes run it): the
+    authorizer and its revoker talk to server 1, the sidecar to server 3; the revoker
+    lists every server's connections and ends the sidecar's where it is."""
+    from shoal.nats_server import LocalCluster
+
+    store = CredentialStore(tmp_path / "creds")
+    store.ensure("admin")
+    store.ensure_callout()
+    store.ensure("sidecar", "n1")
+    with LocalCluster(
+        tmp_path / "cluster", creds_dir=store.directory, prefix=PREFIX, callout=True
+    ) as cluster:
+        first, last = cluster.urls[0], cluster.urls[-1]
+        admin = None
+        for _ in range(120):  # JetStream elects its meta leader
+            with contextlib.suppress(Exception):
+                admin = await Bus.connect(first, PREFIX, creds=str(store.path("admin")), replicas=1)
+                break
+            await asyncio.sleep(0.25)
+        assert admin is not None, "the cluster's JetStream did not come up"
+        bus = await Bus.connect(first, PREFIX, creds=str(store.path("authorizer")), declare=False)
+        revoker = await Bus.connect(first, PREFIX, creds=str(store.path("revoker")), declare=False)
+        service = AuthorizerService(
+            bus,
+            issuer=_kp(store, auth.ISSUER),
+            node_keys=store.sidecar_keys,
+            revoker=revoker,
+            grace_s=0.5,
+            sweep_s=0.2,
+        )
+        stop = asyncio.Event()
+        task = asyncio.create_task(service.run(stop))
+        side = None
+        try:
+            spec = ev.JobSpec(user="u", model="resnet50", max_gpus=1, total_iterations=10)
+            await admin.publish(ev.JobSubmitted(job_id="jA", spec=spec))
+            await admin.publish(
+                ev.PlacementDecided(epoch=1, placements={"jA": (ev.GpuRef(node_id="n1", index=0),)})
+            )
+            await asyncio.wait_for(service.serving.wait(), 30)
+            seq = await admin.last_seq()
+            await service.projection.wait_for(seq)
+            token = callout.mint_sidecar_token(
+                _kp(store, "sidecar-n1"), callout.SidecarGrant("jA", "n1", seq)
+            )
+            side = await Bus.connect(last, PREFIX, token=token, declare=False, initial_connect_timeout_s=8.0)
+            assert side.nc.connected_url is not None and side.nc.connected_url.port == int(
+                last.rsplit(":", 1)[1]
+            )
+            await admin.publish(ev.JobCancelled(job_id="jA", reason="done with it"))
+            deadline = asyncio.get_running_loop().time() + 20
+            while not service.revoker or not service.revoker.revoked:
+                assert asyncio.get_running_loop().time() < deadline, "not revoked"
+                await asyncio.sleep(0.05)
+            revoked = service.revoker.revoked[0]
+            assert (revoked.job_id, revoked.node_id) == ("jA", "n1")
+            assert revoked.server_id != admin.nc._server_info["server_id"], "revoked on the sidecar's server"
+            while side.nc.is_connected:
+                assert asyncio.get_running_loop().time() < deadline, "still connected"
+                await asyncio.sleep(0.05)
+        finally:
+            stop.set()
+            await asyncio.gather(task, return_exceptions=True)
+            for b in (side, revoker, bus, admin):
+                if b is not None:
+                    await b.close()

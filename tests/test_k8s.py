@@ -129,10 +129,11 @@ def test_secret_manifests_with_the_callout_give_the_authorizer_its_keys(tmp_path
     """Per-job sidecar identities: auth.conf has the callout block (the sidecar key is no
     user), and only the authorizer's Secret holds the issuer's seed."""
     store = CredentialStore(tmp_path)
-    for role in ("admin", "admission", "allocator", "placer", "profiler", "trader", "authorizer"):
+    for role in ("admin", "admission", "allocator", "placer", "profiler", "trader"):
         store.ensure(role)  # type: ignore[arg-type]
     store.ensure("node", "gpu-1")
     store.ensure("sidecar", "gpu-1")
+    store.ensure_callout()
     issuer_seed = store.ensure_issuer().read_bytes()
     idents = store.identities()
     seeds = {i.name: store.path(i.name).read_bytes() for i in idents}
@@ -143,15 +144,22 @@ def test_secret_manifests_with_the_callout_give_the_authorizer_its_keys(tmp_path
     data = {name: {k: base64.b64decode(v) for k, v in d["data"].items()} for name, d in docs.items()}
     files = data[AUTHORIZER_SECRET]
     assert files["authorizer.nk"] == seeds["authorizer"] and files["callout-issuer.nk"] == issuer_seed
+    assert files["revoker.nk"] == seeds["revoker"]
+    assert [n for n, d in data.items() if seeds["revoker"] in b"".join(d.values())] == [AUTHORIZER_SECRET]
     assert [n for n, d in data.items() if issuer_seed in b"".join(d.values())] == [AUTHORIZER_SECRET]
     (tmp_path / "authorizer").mkdir()
     (tmp_path / "authorizer" / "identities.json").write_bytes(files["identities.json"])
     assert CredentialStore(tmp_path / "authorizer").sidecar_keys() == store.sidecar_keys()
-    auth = json.loads(data[AUTH_SECRET]["auth.conf"].decode().removeprefix("authorization: "))
+    accounts_text, _, auth_text = data[AUTH_SECRET]["auth.conf"].decode().partition("authorization: ")
+    auth = json.loads(auth_text)
     assert auth["auth_callout"]["issuer"] == store.issuer_public_key()
     users = [u["nkey"] for u in auth["users"]]
-    assert sorted(auth["auth_callout"]["auth_users"]) == sorted(users)
-    assert store.sidecar_keys()["gpu-1"] not in users and len(users) == len(idents) - 1
+    revoker = next(i.public_key for i in idents if i.role == "revoker")
+    # The revoker is the system account's user, outside the global one; it bypasses the callout.
+    system = json.loads(accounts_text.removeprefix("accounts: "))["$SYS"]["users"]
+    assert [u["nkey"] for u in system] == [revoker]
+    assert sorted(auth["auth_callout"]["auth_users"]) == sorted([*users, revoker])
+    assert store.sidecar_keys()["gpu-1"] not in users and len(users) == len(idents) - 2
 
 
 def check_roles() -> tuple[str, ...]:
@@ -174,6 +182,7 @@ def test_shoal_creds_k8s_keeps_seeds_and_adds_nodes(tmp_path: Path) -> None:
         "admin.nk",
         "allocator.nk",
         "authorizer.nk",
+        "revoker.nk",
         "callout-issuer.nk",
         "node-gpu-1-example.nk",
         "sidecar-gpu-1-example.nk",
@@ -197,8 +206,13 @@ def test_shoal_creds_k8s_keeps_seeds_and_adds_nodes(tmp_path: Path) -> None:
         "node-gpu-2.nk",
         "sidecar-gpu-2.nk",
     }
-    # The authorizer's Secret: its seed, the issuer's, and every node's sidecar key.
-    assert set(docs[AUTHORIZER_SECRET]["data"]) == {"authorizer.nk", "callout-issuer.nk", "identities.json"}
+    # The authorizer's Secret: its seeds, the issuer's, and every node's sidecar key.
+    assert set(docs[AUTHORIZER_SECRET]["data"]) == {
+        "authorizer.nk",
+        "revoker.nk",
+        "callout-issuer.nk",
+        "identities.json",
+    }
     manifest = base64.b64decode(docs[AUTHORIZER_SECRET]["data"]["identities.json"])
     assert all(k in manifest.decode() for k in CredentialStore(out).sidecar_keys().values())
     assert "auth_callout" in (out / "auth.conf").read_text()

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
-    with local_installation(str(tmp_path_factory.mktemp("sec") / "state")) as t:
+    # A short revocation grace (30 s by default) so that the attack "sidecar stays
+    # connected after its job ended" does not hold the default run up.
+    with local_installation(str(tmp_path_factory.mktemp("sec") / "state"), revoke_after_s=2.0) as t:
         yield t
 
 

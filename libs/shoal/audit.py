@@ -63,6 +63,10 @@ class Target(msgspec.Struct, frozen=True, kw_only=True):
     with what its node daemon would give it (a token signed with ``sidecar-<node>.nk``
     when the server runs the auth callout, else that seed itself). Empty: no sidecar
     attacks."""
+    revoke_wait_s: float = 45.0
+    """How long a sidecar whose job ended may stay connected before the audit counts it
+    as accepted: the installation's ``SHOAL_SIDECAR_REVOKE_AFTER_S`` (30 s by default)
+    and the authorizer's sweeps (every 5 s), with room to spare."""
 
 
 class _Conn:
@@ -304,6 +308,10 @@ Attack = tuple[str, str, Callable[[Target], Awaitable[tuple[bool, str]]]]
 SIDECAR_JOB = "audit-sidecar-job"
 """The job whose sidecar the audit plays (submitted by :func:`run_audit`)."""
 
+ENDED_JOB = "audit-ended-job"
+"""The job whose sidecar stays connected after the job ended (submitted by
+:func:`run_audit`, cancelled by :func:`_sidecar_outlives_its_job`)."""
+
 
 def _callout_on(t: Target) -> bool:
     from pathlib import Path
@@ -386,6 +394,38 @@ async def _sidecar_connect(
         return True, f"connection refused: {exc or type(exc).__name__}"
     await conn.close()
     return False, f"connected as the sidecar of {job_id} on {node_id}"
+
+
+async def _sidecar_outlives_its_job(t: Target) -> tuple[bool, str]:
+    """The sidecar of :data:`ENDED_JOB`, admitted while the job runs, stays connected
+    after the job is cancelled; refused when the server ends its connection within
+    ``t.revoke_wait_s`` and does not let it back in."""
+    import time
+
+    from shoal.client import Client
+
+    if not _callout_on(t):
+        return False, "no auth callout: a node's sidecar identity serves every job"
+    node = sorted(await _placed_nodes(t, ENDED_JOB))[0]
+    creds = _sidecar_creds(t, ENDED_JOB, node)
+    conn = await _Conn.open(t.url, creds)
+    try:
+        async with await Client.connect(t.url, t.prefix, creds=t.admin, timeout_s=2.0) as admin:
+            await admin.cancel(ENDED_JOB, reason="audit: the sidecar outlives its job")
+        start = time.monotonic()
+        while conn.nc.is_connected:
+            if time.monotonic() - start > t.revoke_wait_s:
+                return False, f"still connected {t.revoke_wait_s:.0f}s after its job was cancelled"
+            await asyncio.sleep(0.25)
+        ended = time.monotonic() - start
+    finally:
+        await conn.close()
+    try:
+        again = await _Conn.open(t.url, creds)
+    except Exception:
+        return True, f"connection ended {ended:.0f}s after its job was cancelled; reconnecting refused"
+    await again.close()
+    return False, f"connection ended after {ended:.0f}s, but the same token connected again"
 
 
 async def _token_for_unplaced(t: Target) -> tuple[bool, str]:
@@ -575,6 +615,11 @@ def attacks(t: Target) -> list[Attack]:
                 user,
                 lambda t: _subscribe(t, t.user, CALLOUT_SUBJECT),
             ),
+            (
+                "sidecar stays connected after its job ended",
+                f"sidecar of {ENDED_JOB}",
+                _sidecar_outlives_its_job,
+            ),
         ]
     return out
 
@@ -624,6 +669,7 @@ async def run_audit(t: Target) -> tuple[list[Outcome], tuple[bool, str]]:
                 if t.creds_dir:
                     own = {**victim, "user": name_of_creds(t.user).removeprefix("user-")}
                     await admin.submit(own, job_id=SIDECAR_JOB)
+                    await admin.submit(own, job_id=ENDED_JOB)
                 break
             except NoAdmissionError:
                 if attempt == 59:
@@ -660,10 +706,14 @@ def _wait_admitted(url: str, creds: str, timeout_s: float = 20.0) -> None:
 
 
 @contextlib.contextmanager
-def local_installation(state_dir: str, *, nodes: int = 2, mqtt: bool = True) -> Any:
+def local_installation(
+    state_dir: str, *, nodes: int = 2, mqtt: bool = True, revoke_after_s: float | None = None
+) -> Any:
     """Start ``shoal up`` (the command a user runs) on ``state_dir``, add the audit's
     identities with ``shoal creds add`` (a user ``mallory`` with an MQTT password, a
-    user ``alice``), yield the :class:`Target`, then stop it (SIGTERM)."""
+    user ``alice``), yield the :class:`Target`, then stop it (SIGTERM).
+    ``revoke_after_s``: the installation's ``SHOAL_SIDECAR_REVOKE_AFTER_S`` (None: its
+    default)."""
     import os
     import signal
     import subprocess
@@ -674,6 +724,8 @@ def local_installation(state_dir: str, *, nodes: int = 2, mqtt: bool = True) -> 
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
     env["SHOAL_STATE_DIR"] = state_dir
+    if revoke_after_s is not None:
+        env["SHOAL_SIDECAR_REVOKE_AFTER_S"] = str(revoke_after_s)
     argv = [*CLI_ARGV, "up", "--nodes", str(nodes), "--time-scale", "10", *(["--mqtt"] if mqtt else [])]
     err = open(Path(state_dir).parent / f"{Path(state_dir).name}-up.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
@@ -705,6 +757,7 @@ def local_installation(state_dir: str, *, nodes: int = 2, mqtt: bool = True) -> 
             mqtt_user="mallory",
             mqtt_password="mallory-pw",
             creds_dir=str(creds),
+            **({"revoke_wait_s": revoke_after_s + 15.0} if revoke_after_s is not None else {}),
         )
     finally:
         if proc.poll() is None:

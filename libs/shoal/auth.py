@@ -44,6 +44,12 @@ Roles (``docs/security.md`` has the threat model)
 ``authorizer`` (the callout service, ``shoal run authorizer``)
     Alone may subscribe to :data:`CALLOUT_SUBJECT` and answer its requests; reads the log
     (which job is placed where).
+``revoker`` (the authorizer's second connection)
+    The one user of the server's system account (``$SYS``, :data:`SYSTEM_ACCOUNT`), so
+    it reaches none of shoal's subjects. It may only list connections
+    (:data:`REVOKER_SUBJECTS`: the server's ``CONNZ``) and end one (``KICK``): the
+    authorizer ends the connection of a sidecar whose job has left its node, which the
+    callout alone judges only when it connects (:mod:`shoal.callout`).
 
 Every identity reads replies only on its own inbox prefix (``_INBOX.<name>.``), so
 no one can read, or answer, another identity's requests.
@@ -76,9 +82,23 @@ Role = Literal[
     "node",
     "sidecar",
     "authorizer",
+    "revoker",
 ]
 SERVICE_ROLES: tuple[Role, ...] = ("admission", "allocator", "placer", "profiler", "trader")
-ROLES: tuple[Role, ...] = ("admin", "client", *SERVICE_ROLES, "node", "sidecar", "authorizer")
+ROLES: tuple[Role, ...] = ("admin", "client", *SERVICE_ROLES, "node", "sidecar", "authorizer", "revoker")
+CALLOUT_ROLES: tuple[Role, ...] = ("authorizer", "revoker")
+"""The identities of the auth callout's service (:meth:`CredentialStore.ensure_callout`)."""
+
+SYSTEM_ACCOUNT = "$SYS"
+"""nats-server's system account (its default name): where the ``revoker`` is a user."""
+
+REVOKER_SUBJECTS = (
+    "$SYS.REQ.SERVER.PING.CONNZ",
+    "$SYS.REQ.SERVER.*.CONNZ",
+    "$SYS.REQ.SERVER.*.KICK",
+)
+"""The system requests the ``revoker`` may make: list every server's connections, one
+server's (a further page), end one connection (nats-server 2.10+)."""
 
 CALLOUT_SUBJECT = "$SYS.REQ.USER.AUTH"
 """Where the server sends its authorization requests (auth callout, :mod:`shoal.callout`):
@@ -248,6 +268,9 @@ def permissions(identity: Identity, prefix: str = "shoal") -> dict[str, Any]:
     elif role == "authorizer":
         sub.append(CALLOUT_SUBJECT)
         out["allow_responses"] = {"max": 1}
+    elif role == "revoker":
+        # A user of the system account: none of the JetStream API, only these requests.
+        return {"publish": {"allow": list(REVOKER_SUBJECTS)}, "subscribe": {"allow": sub}}
     elif role == "node":
         node = identity.subject
         pub += [event_subject(cls, p, node) for cls in EVENT_OWNERS["node"] if cls not in OFF_LOG]
@@ -327,7 +350,9 @@ def authorization_block(
     timeout_s: float = 5.0,
 ) -> str:
     """The ``authorization { users: [...] }`` section of a nats-server configuration
-    (JSON, which the server's configuration format accepts).
+    (JSON, which the server's configuration format accepts), after an ``accounts``
+    section with the system account's users when ``identities`` has a ``revoker``
+    (every other identity is in the global account).
 
     With ``callout_issuer`` (the public account nkey that signs the callout's answers)
     the section also enables the auth callout: every connection that is not one of
@@ -337,13 +362,16 @@ def authorization_block(
     users: their keys only sign sidecar tokens. ``timeout_s`` bounds a connection's
     authentication, the callout's answer included."""
     users: list[dict[str, Any]] = []
+    system: list[dict[str, Any]] = []
     bypass: list[str] = []
     for ident in identities:
         if callout_issuer is not None and ident.role == "sidecar":
             continue
         perms = permissions(ident, prefix)
         if ident.public_key:
-            users.append({"nkey": ident.public_key, "permissions": perms})
+            (system if ident.role == "revoker" else users).append(
+                {"nkey": ident.public_key, "permissions": perms}
+            )
             bypass.append(ident.public_key)
         if ident.mqtt_password_hash:
             users.append({"user": ident.subject, "password": ident.mqtt_password_hash, "permissions": perms})
@@ -352,7 +380,10 @@ def authorization_block(
     if callout_issuer is not None:
         block["timeout"] = timeout_s
         block["auth_callout"] = {"issuer": callout_issuer, "auth_users": bypass}
-    return "authorization: " + json.dumps(block, indent=2) + "\n"
+    accounts = ""
+    if system:
+        accounts = "accounts: " + json.dumps({SYSTEM_ACCOUNT: {"users": system}}, indent=2) + "\n"
+    return accounts + "authorization: " + json.dumps(block, indent=2) + "\n"
 
 
 # ---------------------------------------------------------------------------
@@ -433,6 +464,13 @@ class CredentialStore:
         if not path.exists():
             _write_private(path, nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_ACCOUNT) + b"\n")
         return path
+
+    def ensure_callout(self) -> None:
+        """Everything the auth callout's service needs, made if missing: the issuer's
+        key (:meth:`ensure_issuer`) and the ``authorizer`` and ``revoker`` identities."""
+        self.ensure_issuer()
+        for role in CALLOUT_ROLES:
+            self.ensure(role)
 
     def issuer_public_key(self) -> str | None:
         """The public key of :meth:`ensure_issuer`'s seed; None when there is none."""

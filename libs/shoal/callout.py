@@ -21,6 +21,15 @@ Callouts"):
    user JWT whose permissions are :func:`shoal.auth.sidecar_job_permissions` of that
    job, both signed with the callout's issuer account key (:func:`response`).
 
+The callout judges a sidecar only when it connects (and reconnects); a job that leaves
+the node later does not end the connection. So the authorizer also **revokes**: as the
+``revoker`` identity (a user of the server's system account, :mod:`shoal.auth`) it
+lists the servers' connections (``CONNZ``), finds the sidecars among them by the name
+its own user JWTs gave them (:func:`user_claims`: ``sidecar.<node>.<job>``, which the
+server reports as the connection's ``authorized_user``) and ends (``KICK``) each whose
+job has not been placed on its node for a grace period (:class:`Revocations`). The
+sidecar then reconnects, and the callout refuses it.
+
 JWTs here are the nats-io/jwt v2 format: ``base64url(header).base64url(claims).
 base64url(ed25519 signature)``, header ``{"typ":"JWT","alg":"ed25519-nkey"}``, the
 signer's public nkey in ``iss`` and the type and version under ``nats``.
@@ -287,7 +296,7 @@ def user_claims(
     claims: dict[str, Any] = {
         "sub": req.user_nkey,
         "aud": GLOBAL_ACCOUNT,
-        "name": f"sidecar.{grant.node_id}.{grant.job_id}",
+        "name": sidecar_user(grant.node_id, grant.job_id),
         "nats": nats,
     }
     if expires_s is not None:
@@ -329,3 +338,88 @@ def authorize(req: Request, *, node_keys: Mapping[str, str], placed: Placed) -> 
     if not placed(grant.job_id, grant.node_id):
         raise CalloutError(f"job {grant.job_id!r} is not placed on node {grant.node_id!r}")
     return grant
+
+
+# ---------------------------------------------------------------------------
+# Revocation: ending the connections of sidecars whose job left their node
+# ---------------------------------------------------------------------------
+
+
+def sidecar_user(node_id: str, job_id: str) -> str:
+    """The name of the user JWT of ``job_id``'s sidecar on ``node_id``, which the server
+    reports as the connection's ``authorized_user`` (ids are subject tokens: no dots)."""
+    return f"sidecar.{node_id}.{job_id}"
+
+
+class SidecarConnection(msgspec.Struct, frozen=True):
+    """A connection the callout admitted as the sidecar of ``job_id`` on ``node_id``."""
+
+    server_id: str
+    cid: int
+    """The connection's id on that server (what ``KICK`` takes)."""
+    node_id: str
+    job_id: str
+
+
+def sidecar_connections(reply: Mapping[str, Any]) -> tuple[list[SidecarConnection], int]:
+    """The sidecar connections in one server's ``CONNZ`` answer (asked with
+    ``"auth": true``) and how many connections that server has in all (more pages when
+    it exceeds what came back).
+
+    Raises:
+        CalloutError: an answer that is an error or not a ``CONNZ`` answer.
+    """
+    server, data, error = reply.get("server"), reply.get("data"), reply.get("error")
+    if error or not isinstance(server, dict) or not isinstance(data, dict):
+        raise CalloutError(f"not a connection list: {error or reply!r}"[:300])
+    server_id, conns, total = server.get("id"), data.get("connections") or [], data.get("total")
+    if not isinstance(server_id, str) or not isinstance(conns, list) or not isinstance(total, int):
+        raise CalloutError("malformed connection list")
+    out: list[SidecarConnection] = []
+    for conn in conns:
+        if not isinstance(conn, dict):
+            continue
+        user, cid = conn.get("authorized_user"), conn.get("cid")
+        if not isinstance(user, str) or not isinstance(cid, int):
+            continue
+        kind, _, rest = user.partition(".")
+        node_id, _, job_id = rest.partition(".")
+        if kind == "sidecar" and is_subject_token(node_id) and is_subject_token(job_id):
+            out.append(SidecarConnection(server_id=server_id, cid=cid, node_id=node_id, job_id=job_id))
+    return out, total
+
+
+class Revocations:
+    """Which sidecar connections to end: those whose job has not been placed on their
+    node (finished, moved, preempted) in any sweep for ``grace_s`` seconds.
+
+    The grace lets a sidecar whose job just left hand the job's progress over and exit
+    on its own: its node daemon closes its orders at once and kills it after 7 s
+    (``services/node_daemon``); a connection still there after ``grace_s`` is not one
+    a node daemon controls. Time is the caller's (``now``, monotonic seconds); a
+    connection is judged again at each sweep, so a job placed back on the node before
+    the grace ends keeps its sidecar. Several authorizers may each revoke: ending a
+    connection twice is harmless (the second ``KICK`` finds none).
+    """
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.unplaced_since: dict[tuple[str, int], float] = {}
+        """(server id, connection id) -> when a sweep first found its job not placed."""
+
+    def due(self, conns: list[SidecarConnection], placed: Placed, now: float) -> list[SidecarConnection]:
+        """The connections of ``conns`` (every sidecar connection there is now) to end."""
+        seen: set[tuple[str, int]] = set()
+        out: list[SidecarConnection] = []
+        for conn in conns:
+            key = (conn.server_id, conn.cid)
+            seen.add(key)
+            if placed(conn.job_id, conn.node_id):
+                self.unplaced_since.pop(key, None)
+                continue
+            since = self.unplaced_since.setdefault(key, now)
+            if now - since >= self.grace_s:
+                out.append(conn)
+        for key in self.unplaced_since.keys() - seen:  # gone on their own
+            del self.unplaced_since[key]
+        return out

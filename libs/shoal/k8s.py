@@ -13,8 +13,9 @@ objects the manifests in ``deploy/k8s`` mount (``docs/deploy.md``):
 ``shoal-creds-<service>`` (admission, allocator, placer, profiler, trader)
     ``<service>.nk``: that service's seed alone, so each Deployment mounts only its own.
 ``shoal-creds-authorizer`` (with the callout)
-    ``authorizer.nk``, ``callout-issuer.nk`` (the account key the authorizer signs its
-    answers with) and ``identities.json`` (the public keys of the ``sidecar-<id>``
+    ``authorizer.nk``, ``revoker.nk`` (its system-account identity, which ends the
+    connections of sidecars whose job left their node), ``callout-issuer.nk`` (the
+    account key the authorizer signs its answers with) and ``identities.json`` (the public keys of the ``sidecar-<id>``
     identities, which verify the sidecar tokens): ``shoal run authorizer``'s alone.
 ``shoal-creds-nodes``
     ``node-<id>.nk`` and ``sidecar-<id>.nk`` of every node: a DaemonSet cannot mount a
@@ -131,5 +132,7 @@ def secret_manifests(
             f"{ISSUER}.nk": callout_issuer_seed,
             MANIFEST: msgspec.json.format(msgspec.json.encode(keys)),
         }
+        if any(i.role == "revoker" for i in idents):  # it ends revoked sidecars' connections
+            files["revoker.nk"] = seeds["revoker"]
         out.append(_secret(AUTHORIZER_SECRET, namespace, files))
     return out

@@ -421,7 +421,8 @@ class LocalCluster:
     port to another process raises :class:`NatsServerError`). Each node keeps its store
     in ``base_dir/<name>``, so :meth:`kill` then :meth:`restart` brings a node back with
     its data, on the same client and route ports. All nodes share ``creds_dir``'s
-    identities, so a seed works on every node.
+    identities, so a seed works on every node, and ``callout`` (as for
+    :class:`EmbeddedNats`) turns the auth callout on on every node.
     """
 
     def __init__(
@@ -434,6 +435,7 @@ class LocalCluster:
         prefix: str = "shoal",
         sync_interval: str | None = None,
         host: str = "127.0.0.1",
+        callout: bool = False,
     ) -> None:
         self.base_dir = Path(base_dir)
         self.name = name
@@ -443,6 +445,7 @@ class LocalCluster:
             "prefix": prefix,
             "sync_interval": sync_interval,
             "host": host,
+            "callout": callout,
         }
         self.route_ports = [_free_port(host) for _ in range(size)]
         self.client_ports: list[int] = [-1] * size

@@ -117,6 +117,9 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     authorizer``, and the node daemons with ``sidecar_tokens``): each sidecar is an
     identity of its own job only (``docs/security.md``). Off: every sidecar of a node
     shares the static ``sidecar-<node>`` identity, allowed any job's reports."""
+    sidecar_revoke_after_s: PositiveFloat = 30.0
+    """The authorizer's: how long a sidecar may stay connected after its job left its node
+    (moved, preempted, finished) before its connection is ended (:mod:`shoal.callout`)."""
     prefix: Prefix = "shoal"
     """Subject/stream prefix of one installation (several can share a NATS server)."""
     state_dir: str = ""

@@ -15,12 +15,21 @@ job's permissions (:func:`shoal.auth.sidecar_job_permissions`) or an error, both
 with the callout issuer's account key (a request that is not a well-formed server
 request gets none). Every request is counted by outcome (``allowed``, ``refused``,
 ``malformed``: ``shoal_authorizer_decisions_total``).
+
+Revokes (with a :class:`Revoker`, a second connection as the ``revoker`` identity in
+the system account): every ``sweep_s`` it lists the servers' sidecar connections and
+ends each whose job has not been placed on its node for ``grace_s``
+(:class:`shoal.callout.Revocations`); the sidecar's reconnection is then refused by the
+callout. Counted in ``shoal_authorizer_revocations_total``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import nkeys
 import structlog
@@ -40,6 +49,128 @@ QUEUE = "authorizer"
 DECISIONS = Counter(
     "shoal_authorizer_decisions", "Auth callout answers of the authorizer, by outcome", ["outcome"]
 )
+REVOCATIONS = Counter(
+    "shoal_authorizer_revocations", "Sidecar connections the authorizer ended (job no longer placed)"
+)
+
+CONNZ_ALL = "$SYS.REQ.SERVER.PING.CONNZ"
+"""Every server of the cluster answers with its connections (system account only)."""
+
+CONNZ_PAGE = 1024
+"""Connections per ``CONNZ`` answer (the server's default limit); more come in pages."""
+
+
+class Revoker:
+    """Ends the connections of sidecars whose job left their node (:mod:`shoal.callout`).
+
+    Args:
+        bus: a bus connected as the ``revoker`` identity (the system account); only its
+            ``nc`` is used.
+        placed: ``placed(job_id, node_id)`` from the authorizer's fold.
+        grace_s: how long a sidecar may stay connected after its job left its node
+            (:class:`shoal.callout.Revocations`).
+        sweep_s: how often the connections are listed.
+        wait_s: how long the answers of all servers to one listing are awaited (a
+            cluster's servers answer independently; those later are judged next sweep).
+    """
+
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        placed: co.Placed,
+        grace_s: float = 30.0,
+        sweep_s: float = 5.0,
+        wait_s: float = 0.5,
+    ) -> None:
+        self.bus = bus
+        self.placed = placed
+        self.sweep_s = sweep_s
+        self.wait_s = wait_s
+        self.revocations = co.Revocations(grace_s)
+        self.revoked: list[co.SidecarConnection] = []
+        """Every connection ended, in order."""
+
+    async def _ask(self, subject: str, offset: int, inbox: str) -> None:
+        body = {"auth": True, "offset": offset, "limit": CONNZ_PAGE}
+        await self.bus.nc.publish(subject, json.dumps(body).encode(), reply=inbox)
+
+    async def connections(self) -> list[co.SidecarConnection]:
+        """Every sidecar connection on the servers that answered within ``wait_s``."""
+        nc = self.bus.nc
+        inbox = nc.new_inbox()
+        replies: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on_reply(msg: Msg) -> None:
+            replies.put_nowait(msg.data)
+
+        sub = await nc.subscribe(inbox, cb=on_reply)
+        out: list[co.SidecarConnection] = []
+        try:
+            await self._ask(CONNZ_ALL, 0, inbox)
+            deadline = time.monotonic() + self.wait_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    data = await asyncio.wait_for(replies.get(), left)
+                except TimeoutError:
+                    break
+                try:
+                    reply: Any = json.loads(data)
+                    conns, total = co.sidecar_connections(reply)
+                except (ValueError, co.CalloutError) as exc:
+                    log.warning("revoker_bad_connz", error=str(exc)[:300])
+                    continue
+                out += conns
+                offset = int(reply["data"].get("offset") or 0) + len(reply["data"].get("connections") or [])
+                if offset < total:  # that server has more: its next page, same inbox
+                    await self._ask(f"$SYS.REQ.SERVER.{reply['server']['id']}.CONNZ", offset, inbox)
+                    deadline = max(deadline, time.monotonic() + self.wait_s)
+        finally:
+            await sub.unsubscribe()
+        return out
+
+    async def kick(self, conn: co.SidecarConnection) -> bool:
+        """End ``conn``; whether its server says it did."""
+        msg = await self.bus.nc.request(
+            f"$SYS.REQ.SERVER.{conn.server_id}.KICK", json.dumps({"cid": conn.cid}).encode(), timeout=2.0
+        )
+        reply = json.loads(msg.data)
+        if reply.get("error"):
+            log.info("revoke_missed", job_id=conn.job_id, node_id=conn.node_id, error=reply["error"])
+            return False
+        return True
+
+    async def sweep(self) -> list[co.SidecarConnection]:
+        """One listing and the connections it ended."""
+        due = self.revocations.due(await self.connections(), self.placed, time.monotonic())
+        done: list[co.SidecarConnection] = []
+        for conn in due:
+            if await self.kick(conn):
+                done.append(conn)
+                self.revoked.append(conn)
+                REVOCATIONS.inc()
+                log.warning(
+                    "sidecar_revoked",
+                    job_id=conn.job_id,
+                    node_id=conn.node_id,
+                    server_id=conn.server_id,
+                    cid=conn.cid,
+                    grace_s=self.revocations.grace_s,
+                )
+        return done
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Sweep every ``sweep_s`` until ``stop`` is set; a failed sweep (no server, a
+        timeout) is logged and the next one tried."""
+        while not stop.is_set():
+            try:
+                await self.sweep()
+            except Exception as exc:  # the callout must go on answering
+                log.warning("revoker_sweep_failed", error=str(exc) or type(exc).__name__)
+            try:
+                await asyncio.wait_for(stop.wait(), self.sweep_s)
+            except TimeoutError:
+                pass
 
 
 class AuthorizerService:
@@ -55,7 +186,11 @@ class AuthorizerService:
         expires_s: lifetime of the user JWTs it issues (None: no expiry; the server ends
             a connection whose JWT expires, and nats-py 2.16 then closes the client for
             good instead of reconnecting, so the shipped authorizer leaves it None:
-            ``tests/test_callout.py::test_an_expired_sidecar_identity_is_disconnected_for_good``).
+            ``tests/test_callout.py::test_an_expired_sidecar_identity_is_disconnected_for_good``);
+            revocation (``revoker``) ends a sidecar that outlives its placement instead.
+        revoker: a bus connected as the ``revoker`` identity: with it, sidecars whose
+            job left their node ``grace_s`` ago are disconnected (:class:`Revoker`,
+            every ``sweep_s``); without it, a sidecar is judged only when it connects.
     """
 
     def __init__(
@@ -67,6 +202,9 @@ class AuthorizerService:
         wait_s: float = 1.5,
         expires_s: float | None = None,
         projection: Projection | None = None,
+        revoker: Bus | None = None,
+        grace_s: float = 30.0,
+        sweep_s: float = 5.0,
     ) -> None:
         self.bus = bus
         self.issuer = issuer
@@ -78,6 +216,9 @@ class AuthorizerService:
         """Answers given, by outcome (``allowed``, ``refused``, ``malformed``)."""
         self.serving = asyncio.Event()
         """Set once the fold has caught up and the callout subject is subscribed."""
+        self.revoker = (
+            Revoker(revoker, placed=self.placed, grace_s=grace_s, sweep_s=sweep_s) if revoker else None
+        )
 
     def node_keys(self) -> Mapping[str, str]:
         keys = self._node_keys
@@ -140,11 +281,14 @@ class AuthorizerService:
             sub = await self.bus.nc.subscribe(co.CALLOUT_SUBJECT, queue=QUEUE, cb=on_request)
             await self.bus.nc.flush()
             self.serving.set()
-            log.info("authorizer_ready", last_seq=self.projection.last_seq)
+            log.info("authorizer_ready", last_seq=self.projection.last_seq, revokes=self.revoker is not None)
+            sweeping = asyncio.create_task(self.revoker.run(stop)) if self.revoker else None
             try:
                 await stop.wait()
             finally:
                 await sub.unsubscribe()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                if sweeping is not None:
+                    await asyncio.gather(sweeping, return_exceptions=True)
         finally:
             await self.projection.stop()

@@ -331,13 +331,13 @@ def test_outsiders_are_refused(stack: Stack, tmp_path: Path) -> None:
 def test_each_container_holds_only_its_own_seeds(stack: Stack) -> None:
     """nats-config --split: a service's container mounts its own identity's seed and no
     other (a node daemon's: its own and the one that signs its sidecars' tokens; the
-    authorizer's: its own, the callout issuer's and the sidecar keys' manifest)."""
+    authorizer's: its own two, the callout issuer's and the sidecar keys' manifest)."""
     expected = {
         "admission": ["admission.nk"],
         "allocator-2": ["allocator.nk"],
         "placer": ["placer.nk"],
         "node-a": ["node-node-a.nk", "sidecar-node-a.nk"],
-        "authorizer": ["authorizer.nk", "callout-issuer.nk", "identities.json"],
+        "authorizer": ["authorizer.nk", "callout-issuer.nk", "identities.json", "revoker.nk"],
     }
     for service, files in expected.items():
         out = subprocess.run(

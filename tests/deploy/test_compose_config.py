@@ -172,6 +172,7 @@ def test_nats_config_writes_valid_server_configs_and_keeps_seeds(tmp_path: Path)
         "node-n1.nk",
         "sidecar-n1.nk",
         "authorizer.nk",
+        "revoker.nk",
         "callout-issuer.nk",
         "admin.nk",
         "user-alice.nk",
@@ -188,6 +189,7 @@ def test_nats_config_writes_valid_server_configs_and_keeps_seeds(tmp_path: Path)
         "node-n1/node-n1.nk",
         "node-n1/sidecar-n1.nk",
         "authorizer/authorizer.nk",
+        "authorizer/revoker.nk",
         "authorizer/callout-issuer.nk",
     }
     assert all(seeds[name.split("/")[1]] == data for name, data in split.items())
@@ -201,6 +203,7 @@ def test_nats_config_writes_valid_server_configs_and_keeps_seeds(tmp_path: Path)
         "authorizer.nk",
         "callout-issuer.nk",
         "identities.json",
+        "revoker.nk",
     ]
     for path in out.rglob("*"):
         assert path.stat().st_mode & 0o077 == 0, f"{path} is readable by others"
@@ -223,10 +226,12 @@ def test_nats_config_writes_valid_server_configs_and_keeps_seeds(tmp_path: Path)
     issuer = services.issuer_public_key()
     assert issuer and block["auth_callout"]["issuer"] == issuer
     users = {u.get("nkey") or u["user"] for u in block["users"]}
-    assert set(block["auth_callout"]["auth_users"]) == users
+    # The revoker is the system account's user (not the log's account); it bypasses too.
+    revoker = next(i.public_key for i in services.identities() if i.role == "revoker")
+    assert set(block["auth_callout"]["auth_users"]) == users | {revoker}
     static = {i.public_key for i in [*services.identities(), *CredentialStore(out / "operator").identities()]}
     sidecar = services.sidecar_keys()["n1"]
-    assert users == (static - {sidecar}) | {"alice", "bob"} and sidecar not in text
+    assert users == (static - {sidecar, revoker}) | {"alice", "bob"} and sidecar not in text
     authorizer_key = next(i.public_key for i in services.identities() if i.role == "authorizer")
     assert authorizer_key in users
 

@@ -115,8 +115,7 @@ def _k8s(args: argparse.Namespace) -> int:
         for role in SERVICE_ROLES:
             store.ensure(role)
         if args.callout:
-            store.ensure("authorizer")
-            store.ensure_issuer()
+            store.ensure_callout()
         for node in args.node:
             store.ensure("node", node_id_of(node))
             store.ensure("sidecar", node_id_of(node))

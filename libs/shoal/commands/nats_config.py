@@ -23,7 +23,7 @@ It writes three directories, each readable by its owner only:
     The same seeds again, one directory per container that needs them: each service's
     own (``admission/admission.nk``, ...) and, for each node, its daemon's and its
     sidecars' (``node-<n>/node-<n>.nk`` and ``sidecar-<n>.nk``) and the authorizer's
-    (``authorizer/authorizer.nk``, ``callout-issuer.nk`` and ``identities.json`` with the
+    (``authorizer/authorizer.nk``, ``revoker.nk``, ``callout-issuer.nk`` and ``identities.json`` with the
     public keys of the ``sidecar-<n>`` identities, which verify the sidecar tokens). The
     compose stack gives each container a volume with its directory only, so a service
     that is broken into holds its own identity and no other (``DIR/creds`` is then
@@ -129,8 +129,7 @@ def _run(args: argparse.Namespace) -> int:
         for role in SERVICE_ROLES:
             services.ensure(role)
         if args.callout:
-            services.ensure("authorizer")
-            services.ensure_issuer()
+            services.ensure_callout()
         for node in _names(args.nodes):
             services.ensure("node", node)
             services.ensure("sidecar", node)
@@ -147,7 +146,7 @@ def _run(args: argparse.Namespace) -> int:
         for node in _names(args.nodes):
             groups[f"node-{node}"] = [f"node-{node}", f"sidecar-{node}"]
         if args.callout:
-            groups["authorizer"] = ["authorizer", ISSUER]
+            groups["authorizer"] = ["authorizer", "revoker", ISSUER]
         for group, names in groups.items():
             target = out / "creds.d" / group
             target.mkdir(parents=True, exist_ok=True)

@@ -179,14 +179,13 @@ def ensure_credentials(creds_dir: Path, *, nodes: int, callout: bool = False) ->
     """Make (if missing) the identities of a local installation (:mod:`shoal.auth`):
     the admin, every control-plane service, and a node and a sidecar identity for each
     of the ``nodes`` emulated nodes ``node0`` …; with ``callout`` also the authorizer's
-    identity and the callout issuer's key (:mod:`shoal.callout`)."""
+    identities and the callout issuer's key (:meth:`shoal.auth.CredentialStore.ensure_callout`)."""
     from shoal.auth import SERVICE_ROLES, CredentialStore
 
     store = CredentialStore(creds_dir)
     store.ensure("admin")
     if callout:
-        store.ensure("authorizer")
-        store.ensure_issuer()
+        store.ensure_callout()
     for role in SERVICE_ROLES:
         store.ensure(role)
     for i in range(nodes):
