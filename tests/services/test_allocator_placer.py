@@ -286,13 +286,23 @@ async def test_periodic_decisions_on_a_synchronized_clock_come_at_their_exact_in
     from shoal.clock import SharedClock, submit_key
 
     clock = SharedClock.create(tmp_path / "clock", 1000.0)
-    t0 = float(int(clock.now()) + 1)
-    clock.hold("setup", t0, ttl_s=None)  # time waits at t0 while the test sets up
+    # Time waits at a whole second t0 while the test sets up (whole: the offsets below
+    # compare exactly). Stop it first, then move the hold to t0: at 1000x the next whole
+    # second is under 1 ms of wall time away, and a hold at t0 placed while time runs
+    # lands after t0 when the host is slow to place it (6 % of tries with 2 cores busy;
+    # every decision then came 0.034 virtual s late, as in CI on a7e37cc). Holds owned by
+    # this process (no 10 s hand-over TTL): under a loaded host the allocator's election
+    # can take longer than that, and a lapsed hold lets time run.
+    clock.hold("setup", ttl_s=None)
+    t0 = float(int(clock.barriers()["setup"]) + 1)
+    clock.hold("setup", t0, ttl_s=None)
+    for j in ("a", "b"):
+        clock.hold(submit_key(j), t0, ttl_s=None)
+    while clock.now() < t0:  # time runs the rest of the way to t0 and waits there
+        await asyncio.sleep(0.001)
+    assert clock.now() == t0
     await bus.publish(codec.wrap(node("n0", 1), at=t0))
     for j in ("a", "b"):
-        # Owned by this process (no 10 s hand-over TTL): under a loaded host the
-        # allocator's election can take longer than that, and a lapsed hold lets time run.
-        clock.hold(submit_key(j), ttl_s=None)
         await bus.publish(codec.wrap(job(j, 1), at=t0))
     stop = asyncio.Event()
     allocator = AllocatorService(bus, Rotator(), holder="a", clock=clock, node_timeout_s=None)
