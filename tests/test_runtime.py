@@ -76,6 +76,15 @@ SERVICE = textwrap.dedent(
     async def fail(settings, stop):
         raise RuntimeError("boom")
 
+    async def cut(settings, stop):
+        bus = await connect_bus(settings, "test-cut", declare=False)
+        say("ready")
+        # A protocol error: the server answers -ERR and ends the connection, and nats-py
+        # closes its client for good, as it does on most -ERR messages.
+        bus.nc._transport.write(b"BOGUS\\r\\n")
+        await stop.wait()
+        say("stopped")
+
     sys.exit(run_service(globals()[MODE], Settings.load(), service_name=MODE))
     """
 )
@@ -180,6 +189,25 @@ def test_failures_and_startup_errors_have_distinct_exit_codes(script: Path, tmp_
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 2
     assert "no NATS server: set NATS_URL or run `shoal up`" in err
+
+
+@pytest.mark.integration
+def test_a_connection_closed_for_good_fails_the_service(nats_url: str, prefix: str, script: Path) -> None:
+    """nats-py does not reconnect after most of the server's -ERR messages: the service
+    would wait for ever on a dead connection. The bus fails the process instead, so it
+    drains and exits 1 and its supervisor starts it again with a new connection."""
+    proc = spawn(script, "cut", {"SHOAL_NATS_URL": nats_url, "SHOAL_PREFIX": prefix})
+    try:
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    assert out.split() == ["ready", "stopped"]
+    events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    closed = [e for e in events if e.get("event") == "nats_connection_closed"]
+    assert closed and "unknown protocol operation" in closed[0]["error"].lower(), err
+    assert any(e.get("event") == "stopped_after_task_died" for e in events), err
 
 
 # -- logging --------------------------------------------------------------------------

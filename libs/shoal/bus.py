@@ -92,7 +92,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from opentelemetry import propagate
 
-from shoal import codec
+from shoal import codec, tasks
 from shoal.events import MAX_MESSAGE_BYTES, Envelope, Event, NodeHeartbeat, subject_for
 
 log = structlog.get_logger("shoal.bus")
@@ -414,10 +414,16 @@ class Bus:
 
         async def _closed_cb() -> None:
             # nats-py ends a connection for good on most of the server's -ERR messages
-            # (without calling error_cb) and when it gives up reconnecting: say so, and why.
+            # (without calling error_cb) and when it gives up reconnecting: say so, and why,
+            # and fail the process (shoal.tasks.fail: a service drains and exits 1, so its
+            # supervisor starts it again with a new connection; elsewhere nothing).
             if holder and not holder[0]._closing:
                 err = holder[0].nc.last_error
-                log.warning("nats_connection_closed", error=str(err or "") or type(err).__name__)
+                reason = str(err or "") or type(err).__name__
+                log.warning("nats_connection_closed", error=reason)
+                tasks.fail(
+                    f"nats-connection-{holder[0].identity or name}", BusError(f"connection closed: {reason}")
+                )
 
         from shoal.auth import inbox_prefix, name_of_creds
 
@@ -488,6 +494,7 @@ class Bus:
                 await bus.declare()
             except BaseException:
                 # Not half-connected: a caller that retries must not leak a connection.
+                bus._closing = True
                 with contextlib.suppress(Exception):
                     await nc.close()
                 raise

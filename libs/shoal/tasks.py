@@ -11,6 +11,10 @@ helpers here:
   failed: :func:`shoal.runtime.run_service` stops the service (drain) and exits 1,
   so that its supervisor restarts it. Outside ``run_service`` (tests, the in-process
   stack) the death is logged and the registered fail hooks, if any, run.
+* :func:`fail` fails the process the same way for what is no task: a bus whose
+  connection nats-py closed for good (:class:`shoal.bus.Bus`; nats-py ends a
+  connection on most of the server's ``-ERR`` messages instead of reconnecting), on
+  which the service would otherwise wait for ever.
 * :func:`keep_running` runs a loop that must outlive transient failures (a node
   daemon's heartbeats): when the loop raises it is started again after a backoff
   (0.5 s doubling to 5 s, back to 0.5 s once a run lasted 30 s), with one warning per
@@ -54,6 +58,14 @@ def _on_done(task: asyncio.Task[Any]) -> None:
     name = task.get_name()
     died.append(name)
     log.error("task_died", task=name, error=repr(exc), exc_info=exc)
+    for hook in list(_fail_hooks):
+        hook(name, exc)
+
+
+def fail(name: str, exc: BaseException) -> None:
+    """Fail the process as a :func:`critical` task's death does, for a loss that is no
+    task's (a NATS connection that nats-py closed for good, :class:`shoal.bus.Bus`)."""
+    died.append(name)
     for hook in list(_fail_hooks):
         hook(name, exc)
 
