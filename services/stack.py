@@ -257,8 +257,15 @@ async def replay_trace(
 
     client = Client(stack.bus)
     # A whole virtual second, so that arrivals, completions (rounded up to whole
-    # seconds) and periodic decisions fall on the same grid as in the simulator.
-    origin = float(math.ceil(stack.clock.now()))
+    # seconds) and periodic decisions fall on the same grid as in the simulator. A
+    # synchronized clock is stopped first and then held there: at 1000x the next whole
+    # second is under 1 ms of wall time away, and a hold placed at it while time runs
+    # lands after it when the host is slow (tests/services/test_allocator_placer.py).
+    if isinstance(stack.clock, SharedClock):
+        stack.clock.hold("arrival", ttl_s=None)
+        origin = float(math.ceil(stack.clock.barriers()["arrival"]))
+    else:
+        origin = float(math.ceil(stack.clock.now()))
     pending = sorted(jobs, key=lambda j: (j.submit_time_s, j.job_id))
     t0 = pending[0].submit_time_s if pending else 0.0
     if stack.allocator is not None:
@@ -270,6 +277,8 @@ async def replay_trace(
     # A synchronized clock does not pass the next arrival before it is submitted.
     if pending:
         hold(stack.clock, "arrival", origin + pending[0].submit_time_s - t0, ttl_s=None)
+    else:
+        release(stack.clock, "arrival")
     stood_at, stood_since = -math.inf, loop.time()
     while True:
         now = stack.clock.now()
