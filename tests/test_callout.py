@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats
 import nkeys
 import pytest
@@ -455,22 +456,86 @@ async def test_only_the_authorizer_reaches_the_callout_subject(callout_server: E
 
 
 @pytest.mark.integration
-async def test_an_identity_added_later_is_admitted(tmp_path: Path) -> None:
+async def test_an_identity_added_later_is_admitted_by_the_callout_without_a_restart(
+    tmp_path: Path,
+) -> None:
     """nats-server cannot reload a changed ``auth_callout`` (its ``auth_users`` list every
-    static identity), so :meth:`EmbeddedNats.reload` restarts the server on its port."""
+    static identity). An nkey identity added later is admitted by the authorizer through
+    the callout instead, with its role's permissions, and the server keeps running; an
+    MQTT password (which the callout does not judge) still restarts the server."""
     store = CredentialStore(tmp_path / "creds")
     store.ensure("admin")
-    store.ensure("authorizer")
+    store.ensure_callout()
     with EmbeddedNats(
         store_dir=tmp_path / "js", creds_dir=store.directory, prefix=PREFIX, callout=True
     ) as server:
         url, pid = server.url, server.proc.pid if server.proc else None
-        late = str(store.ensure("client", "late"))
+        admin = await Bus.connect(server.url, PREFIX, creds=str(store.path("admin")))
+        bus = await Bus.connect(server.url, PREFIX, creds=str(store.path("authorizer")), declare=False)
+        service = AuthorizerService(
+            bus,
+            issuer=_kp(store, auth.ISSUER),
+            node_keys=store.sidecar_keys,
+            identities=store.identities,
+        )
+        stop = asyncio.Event()
+        task = asyncio.create_task(service.run(stop))
+        try:
+            await asyncio.wait_for(service.serving.wait(), 30)
+            late = str(store.ensure("client", "late"))
+            node = str(store.ensure("node", "n9"))
+            server.reload()
+            assert server.proc is not None and server.proc.pid == pid, "restarted"
+            assert admin.nc.stats["reconnects"] == 0
+            async with await Bus.connect(server.url, PREFIX, creds=late, declare=False) as client:
+                assert client.identity == "user-late"
+                # A client's permissions: its own commands, never an event.
+                with pytest.raises(PermissionDenied):
+                    await client.publish(ev.JobCompleted(job_id="x"), timeout_s=3.0)
+            async with await Bus.connect(server.url, PREFIX, creds=node, declare=False) as n9:
+                await n9.publish(ev.NodeRegistered(node_id="n9", gpus=()), timeout_s=5.0)
+                with pytest.raises(PermissionDenied):  # another node's registration
+                    await n9.publish(ev.NodeRegistered(node_id="n1", gpus=()), timeout_s=3.0)
+            assert service.decisions.get("allowed", 0) == 2
+            # A key the installation does not have is refused.
+            stranger = tmp_path / "stranger"
+            stranger_store = CredentialStore(stranger)
+            with pytest.raises(AuthFailed):
+                await Bus.connect(
+                    server.url, PREFIX, creds=str(stranger_store.ensure("client", "late")), declare=False
+                )
+        finally:
+            stop.set()
+            await asyncio.gather(task, return_exceptions=True)
+            await bus.close()
+            await admin.close()
+        # An MQTT password is the server's to check: a restart, on the same port.
+        store.ensure("client", "late", mqtt_password="pw")
         server.reload()
         assert server.url == url
         assert server.proc is not None and server.proc.pid != pid
-        async with await Bus.connect(server.url, PREFIX, creds=late, declare=False) as bus:
-            assert bus.identity == "user-late"
+        async with await Bus.connect(server.url, PREFIX, creds=late, declare=False) as listed:
+            assert listed.identity == "user-late"  # now a user of the configuration itself
+
+
+def test_the_callout_checks_the_nonce_signature_of_an_nkey() -> None:
+    import base64
+
+    kp = nkeys.from_seed(bytearray(nkeys.encode_seed(bytes(range(32)), nkeys.PREFIX_BYTE_USER)))
+    key = kp.public_key.decode()
+    sig = base64.b64encode(kp.sign(b"nonce-1")).decode()
+    good = callout.Request(server_id="N", user_nkey="U", token="", nkey=key, sig=sig, nonce="nonce-1")
+    assert callout.verify_nkey(good) == key
+    url_safe = base64.urlsafe_b64encode(kp.sign(b"nonce-1")).decode().rstrip("=")
+    assert callout.verify_nkey(msgspec.structs.replace(good, sig=url_safe)) == key
+    for bad in (
+        msgspec.structs.replace(good, nonce="nonce-2"),  # a signature of another nonce
+        msgspec.structs.replace(good, sig="not base64 !!"),
+        msgspec.structs.replace(good, sig=""),
+        msgspec.structs.replace(good, nkey="UNOTAKEY"),
+    ):
+        with pytest.raises(callout.CalloutError):
+            callout.verify_nkey(bad)
 
 
 @pytest.mark.integration

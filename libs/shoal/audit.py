@@ -686,8 +686,9 @@ async def run_audit(t: Target) -> tuple[list[Outcome], tuple[bool, str]]:
 
 
 def _wait_admitted(url: str, creds: str, timeout_s: float = 20.0) -> None:
-    """Until the server admits ``creds`` (it reloads its configuration on the SIGHUP that
-    `shoal creds add` sends to `shoal up`, a moment later)."""
+    """Until the server admits ``creds`` (`shoal up` acts on the SIGHUP that `shoal creds
+    add` sends it a moment later: a restart for an MQTT password, else nothing to do
+    under the auth callout, a reload without it)."""
     import time
 
     async def admitted() -> bool:

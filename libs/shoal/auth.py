@@ -315,6 +315,15 @@ def permissions(identity: Identity, prefix: str = "shoal") -> dict[str, Any]:
     return out
 
 
+def callout_admits(identity: Identity) -> bool:
+    """Whether the auth callout may admit ``identity`` by its nkey, when the server's
+    running configuration does not list it yet (one ``shoal creds add`` made under
+    ``shoal up``, :mod:`shoal.callout`): any identity of the global account but the
+    ``sidecar`` keys (under the callout they only sign tokens) and the ``authorizer``
+    (it answers the callout), and not the ``revoker`` (the system account's)."""
+    return identity.role not in ("sidecar", "authorizer", "revoker") and bool(identity.public_key)
+
+
 def sidecar_job_permissions(job_id: str, node_id: str, prefix: str = "shoal") -> dict[str, Any]:
     """The permissions of the sidecar of job ``job_id`` on node ``node_id`` (the auth
     callout's identity, :mod:`shoal.callout`): the ``sidecar`` role narrowed to that one

@@ -237,6 +237,12 @@ class Request(msgspec.Struct, frozen=True):
     user_nkey: str
     token: str
     client_name: str = ""
+    nkey: str = ""
+    """The public nkey the client authenticated with (``connect_opts.nkey``), if any."""
+    sig: str = ""
+    """Its signature of ``nonce`` (``connect_opts.sig``, base64)."""
+    nonce: str = ""
+    """The nonce the server sent that client (``client_info.nonce``)."""
 
 
 def parse_request(jwt: str, *, now: float | None = None) -> Request:
@@ -263,12 +269,46 @@ def parse_request(jwt: str, *, now: float | None = None) -> Request:
         raise CalloutError("malformed authorization request")
     token = opts.get("auth_token") or ""
     name = opts.get("name") or ""
+
+    def text(value: Any) -> str:
+        return value if isinstance(value, str) else ""
+
     return Request(
         server_id=server_id,
         user_nkey=user_nkey,
-        token=token if isinstance(token, str) else "",
-        client_name=name if isinstance(name, str) else "",
+        token=text(token),
+        client_name=text(name),
+        nkey=text(opts.get("nkey")),
+        sig=text(opts.get("sig")),
+        nonce=text(info.get("nonce")),
     )
+
+
+def verify_nkey(req: Request) -> str:
+    """The public nkey of a client that authenticated with one, after checking its
+    signature of the server's nonce (the server leaves that to the callout for a key
+    its configuration does not list).
+
+    Raises:
+        CalloutError: no nkey, no nonce, or a signature the key did not make.
+    """
+    import nacl.exceptions
+
+    if not req.nkey or not req.sig or not req.nonce:
+        raise CalloutError("no nkey, signature or nonce in the request")
+    raw = req.sig.encode()
+    try:  # nats clients send URL-safe base64 without padding; some the standard alphabet
+        sig = base64.urlsafe_b64decode(raw + b"=" * (-len(raw) % 4))
+    except (binascii.Error, ValueError):
+        try:
+            sig = base64.b64decode(raw + b"=" * (-len(raw) % 4))
+        except (binascii.Error, ValueError):
+            raise CalloutError("the nkey signature is not base64") from None
+    try:
+        _verify_key(req.nkey).verify(req.nonce.encode(), sig)
+    except (nacl.exceptions.BadSignatureError, ValueError):
+        raise CalloutError(f"bad signature of the nonce by {req.nkey}") from None
+    return req.nkey
 
 
 def sidecar_inbox(grant: SidecarGrant) -> str:
@@ -278,10 +318,11 @@ def sidecar_inbox(grant: SidecarGrant) -> str:
 
 
 def user_claims(
-    req: Request, grant: SidecarGrant, permissions: dict[str, Any], *, expires_s: float | None
+    req: Request, name: str, permissions: dict[str, Any], *, expires_s: float | None
 ) -> dict[str, Any]:
-    """The user JWT claims for ``grant``: subject the request's user nkey, in the
-    global account, with ``permissions`` (a :func:`shoal.auth.permissions`-style block)."""
+    """The user JWT claims of a user called ``name`` (a sidecar's :func:`sidecar_user`,
+    or a static identity's name): subject the request's user nkey, in the global
+    account, with ``permissions`` (a :func:`shoal.auth.permissions`-style block)."""
     nats: dict[str, Any] = {
         "pub": permissions.get("publish", {}),
         "sub": permissions.get("subscribe", {}),
@@ -296,7 +337,7 @@ def user_claims(
     claims: dict[str, Any] = {
         "sub": req.user_nkey,
         "aud": GLOBAL_ACCOUNT,
-        "name": sidecar_user(grant.node_id, grant.job_id),
+        "name": name,
         "nats": nats,
     }
     if expires_s is not None:

@@ -209,8 +209,12 @@ class EmbeddedNats:
         so that a client connecting next is judged by the new configuration.
 
         With ``callout``, a new identity changes the callout's ``auth_users``, which
-        nats-server cannot reload ("config reload not supported for AuthCallout"): the
-        server is then restarted instead (:meth:`restart`: same store, ports and
+        nats-server cannot reload ("config reload not supported for AuthCallout"). When
+        the change only adds nkey identities, the running configuration is left as it
+        is: the authorizer admits them through the callout (it reads the identities at
+        each request, :func:`shoal.auth.callout_admits`), and the next start of the
+        server lists them. Any other change (an MQTT password, which the callout does
+        not judge) restarts the server instead (:meth:`restart`: same store, ports and
         credentials; clients reconnect), and a new ``proc`` runs when this returns.
 
         Raises:
@@ -223,7 +227,10 @@ class EmbeddedNats:
         before = self._reloads(log_path)
         conf = self._workdir / "nats.conf"
         text = self._config()
-        if self.callout and _callout_section(text) != _callout_section(conf.read_text()):
+        running = conf.read_text()
+        if self.callout and _callout_section(text) != _callout_section(running):
+            if _only_nkeys_added(running, text):
+                return  # admitted by the callout until the next start
             _terminate(self.proc, timeout_s)
             self.restart(timeout_s)
             return
@@ -403,6 +410,37 @@ def _callout_section(config: str) -> object:
         return json.loads(block).get("auth_callout")
     except ValueError:
         return None
+
+
+def _only_nkeys_added(running: str, new: str) -> bool:
+    """Whether configuration ``new`` differs from ``running`` only by nkey users added
+    to the global account (each also an ``auth_users`` entry): nothing removed or
+    changed, no password user added, the same system account."""
+    head_a, _, block_a = running.partition("authorization: ")
+    head_b, _, block_b = new.partition("authorization: ")
+    try:
+        a, b = json.loads(block_a), json.loads(block_b)
+    except ValueError:
+        return False
+
+    def rest(block: dict[str, object]) -> dict[str, object]:
+        return {k: v for k, v in block.items() if k not in ("users", "auth_callout")}
+
+    if head_a != head_b or rest(a) != rest(b):
+        return False
+    old = {u.get("nkey") or u.get("user"): u for u in a.get("users", [])}
+    now = {u.get("nkey") or u.get("user"): u for u in b.get("users", [])}
+    added = now.keys() - old.keys()
+    if old.keys() - now.keys() or any(now[k] != u for k, u in old.items() if k in now):
+        return False
+    if not all("nkey" in now[k] for k in added):
+        return False
+    ca, cb = a.get("auth_callout") or {}, b.get("auth_callout") or {}
+    if {k: v for k, v in ca.items() if k != "auth_users"} != {
+        k: v for k, v in cb.items() if k != "auth_users"
+    }:
+        return False
+    return set(cb.get("auth_users", [])) == set(ca.get("auth_users", [])) | added
 
 
 def _free_port(host: str) -> int:

@@ -4,7 +4,9 @@ Started by ``shoal up`` when its embedded server runs with the auth callout
 (:mod:`shoal.callout`, ``docs/security.md``). It needs the credentials directory of
 the installation: its own seed (``SHOAL_NATS_CREDS``), the callout issuer's seed
 (``callout-issuer.nk`` next to it) and the manifest, whose ``sidecar-<node>`` public
-keys verify the sidecar tokens. It is not leader-elected: answers depend only on the
+keys verify the sidecar tokens (under ``shoal up`` the manifest is the whole store's:
+an identity ``shoal creds add`` made is admitted by the callout until the server next
+starts, so adding one restarts nothing). It is not leader-elected: answers depend only on the
 log, so any number may run; they share the requests (one queue group), each request
 answered by one of them.
 
@@ -64,6 +66,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             node_keys=store.sidecar_keys,
             revoker=revoker,
             grace_s=settings.sidecar_revoke_after_s,
+            identities=store.identities,
         )
         probes.watch(bus=bus, projection=service.projection)
         await service.run(stop)

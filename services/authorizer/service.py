@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import nkeys
@@ -36,7 +36,7 @@ import structlog
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 from shoal import callout as co
-from shoal.auth import AuthError, sidecar_job_permissions
+from shoal.auth import AuthError, Identity, callout_admits, permissions, sidecar_job_permissions
 from shoal.bus import Bus
 from shoal.projection import CLUSTER_SNAPSHOT, Projection
 from shoal.state import FINISHED_STATUSES
@@ -191,6 +191,12 @@ class AuthorizerService:
         revoker: a bus connected as the ``revoker`` identity: with it, sidecars whose
             job left their node ``grace_s`` ago are disconnected (:class:`Revoker`,
             every ``sweep_s``); without it, a sidecar is judged only when it connects.
+        identities: the installation's identities, asked again at each request: a
+            client that authenticates with the nkey of one of them that the server's
+            running configuration does not list yet (``shoal creds add`` under ``shoal
+            up``, which then need not restart its server) is admitted with that
+            identity's permissions (:func:`shoal.auth.callout_admits`). None: only
+            sidecars are admitted.
     """
 
     def __init__(
@@ -205,10 +211,12 @@ class AuthorizerService:
         revoker: Bus | None = None,
         grace_s: float = 30.0,
         sweep_s: float = 5.0,
+        identities: Callable[[], Iterable[Identity]] | None = None,
     ) -> None:
         self.bus = bus
         self.issuer = issuer
         self._node_keys = node_keys
+        self._identities = identities
         self.wait_s = wait_s
         self.expires_s = expires_s
         self.projection = projection or Projection(bus, snapshot_name=CLUSTER_SNAPSHOT)
@@ -239,9 +247,12 @@ class AuthorizerService:
         except co.CalloutError as exc:
             return None, f"malformed: {exc}"
         try:
-            grant = co.verify_sidecar_token(req.token, self.node_keys()) if req.token else None
-            if grant is None:
-                raise co.CalloutError("no sidecar token")
+            if not req.token:
+                ident = self._static_identity(req)
+                perms = permissions(ident, self.bus.names.prefix)
+                user = co.user_claims(req, ident.name, perms, expires_s=None)
+                return co.response(req, self.issuer, user=user), f"allowed {ident.name}"
+            grant = co.verify_sidecar_token(req.token, self.node_keys())
             if grant.placement_seq > self.projection.last_seq:
                 try:
                     await self.projection.wait_for(grant.placement_seq, self.wait_s)
@@ -251,8 +262,27 @@ class AuthorizerService:
             perms = sidecar_job_permissions(grant.job_id, grant.node_id, self.bus.names.prefix)
         except (co.CalloutError, AuthError) as exc:
             return co.response(req, self.issuer, error=str(exc)), f"refused: {exc}"
-        user = co.user_claims(req, grant, perms, expires_s=self.expires_s)
+        user = co.user_claims(
+            req, co.sidecar_user(grant.node_id, grant.job_id), perms, expires_s=self.expires_s
+        )
         return co.response(req, self.issuer, user=user), f"allowed {grant.job_id}@{grant.node_id}"
+
+    def _static_identity(self, req: co.Request) -> Identity:
+        """The identity whose nkey the request's client proved it holds.
+
+        Raises:
+            CalloutError: no nkey (and no sidecar token), a bad signature, or a key
+                that is no identity the callout may admit.
+        """
+        if not req.nkey:
+            raise co.CalloutError("no sidecar token (static identities connect with their nkey)")
+        if self._identities is None:
+            raise co.CalloutError(f"{req.nkey} is not a user of this server")
+        key = co.verify_nkey(req)
+        ident = next((i for i in self._identities() if i.public_key == key), None)
+        if ident is None or not callout_admits(ident):
+            raise co.CalloutError(f"{key} is no identity of this installation the callout admits")
+        return ident
 
     async def _handle(self, msg: Msg) -> None:
         reply, outcome = await self.answer(msg.data)
