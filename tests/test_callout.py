@@ -424,23 +424,28 @@ async def test_a_token_for_a_job_not_placed_on_its_node_is_refused_at_connect(
         assert service.decisions.get("refused", 0) >= 4
 
 
+async def _plain(server: EmbeddedNats, name: str) -> tuple[Any, list[str]]:
+    """A plain nats-py connection as identity ``name`` and the errors the server sent it."""
+    assert server.creds_dir is not None
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc).lower())
+
+    nc = await nats.connect(
+        server.url,
+        nkeys_seed=str(CredentialStore(server.creds_dir).path(name)),
+        inbox_prefix=auth.inbox_prefix(name),
+        error_cb=on_error,
+        allow_reconnect=False,
+    )
+    return nc, errors
+
+
 @pytest.mark.integration
 async def test_only_the_authorizer_reaches_the_callout_subject(callout_server: EmbeddedNats) -> None:
-    assert callout_server.creds_dir is not None
-    store = CredentialStore(callout_server.creds_dir)
     for name in ("user-mallory", "node-n1", "admin"):
-        errors: list[str] = []
-
-        async def on_error(exc: Exception, errors: list[str] = errors) -> None:
-            errors.append(str(exc).lower())
-
-        nc = await nats.connect(
-            callout_server.url,
-            nkeys_seed=str(store.path(name)),
-            inbox_prefix=auth.inbox_prefix(name),
-            error_cb=on_error,
-            allow_reconnect=False,
-        )
+        nc, errors = await _plain(callout_server, name)
         try:
             await nc.subscribe(auth.CALLOUT_SUBJECT)
             await nc.publish(auth.CALLOUT_SUBJECT, b"forged request")
@@ -630,18 +635,7 @@ async def test_only_the_revoker_ends_connections(callout_server: EmbeddedNats) -
         victim_cid = admin.nc.client_id
         server_id = admin.nc._server_info["server_id"]
         for name in ("user-mallory", "node-n1"):
-            errors: list[str] = []
-
-            async def on_error(exc: Exception, errors: list[str] = errors) -> None:
-                errors.append(str(exc).lower())
-
-            nc = await nats.connect(
-                callout_server.url,
-                nkeys_seed=str(store.path(name)),
-                inbox_prefix=auth.inbox_prefix(name),
-                error_cb=on_error,
-                allow_reconnect=False,
-            )
+            nc, errors = await _plain(callout_server, name)
             try:
                 await nc.publish(
                     f"$SYS.REQ.SERVER.{server_id}.KICK", json.dumps({"cid": victim_cid}).encode()
