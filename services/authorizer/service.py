@@ -8,7 +8,11 @@ Decides: whether a connecting sidecar may be the sidecar of the job its token na
 the token must be signed by the ``sidecar-<node>`` key of the node it names, and the
 job must be placed (and not finished) on that node. The fold is first brought up to the
 placement sequence the token names (a node daemon acts on a placement this process may
-not have folded yet), waiting at most ``wait_s``.
+not have folded yet), waiting at most ``wait_s``. With ``identities``, also whether a
+client without a token is an identity of the installation the server's running
+configuration does not list yet: its signature of the server's nonce must verify with
+that identity's nkey (:func:`shoal.callout.verify_nkey`), and it gets that identity's
+permissions (:func:`shoal.auth.permissions`).
 
 Publishes: nothing on the log; each request gets one answer, the user JWT with the
 job's permissions (:func:`shoal.auth.sidecar_job_permissions`) or an error, both signed
