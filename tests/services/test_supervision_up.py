@@ -94,3 +94,42 @@ async def test_exhausted_budget_is_loud(tmp_path: Path) -> None:
         err = (tmp_path / "up.err").read_text()
         assert "shoal up: gave up restarting admission" in err, err[-2000:]
         assert "child_gave_up" in err
+
+
+async def test_an_identity_added_with_shoal_creds_is_admitted_without_restarting_nats(tmp_path: Path) -> None:
+    """`shoal creds add user bob` against a running `shoal up` (auth callout on, the
+    default): the server keeps its pid, the admin's connection never drops, and bob
+    connects at once, admitted by the shipped authorizer."""
+    import subprocess
+
+    from shoal.bus import Bus
+    from shoal.commands.run import CLI_ARGV
+
+    async with shoal_up(tmp_path, nodes=0) as up:
+        pid = int(up_info(tmp_path)["server_pid"])
+        admin = await Bus.connect(up.url, "shoal", declare=False, **up.admin())
+        try:
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
+            env["SHOAL_STATE_DIR"] = str(tmp_path / "state")
+            added = subprocess.run(
+                [*CLI_ARGV, "creds", "add", "user", "bob"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert added.returncode == 0, added.stderr
+            bob = None
+            deadline = time.monotonic() + 20
+            while bob is None:  # `shoal up` acts on the SIGHUP a moment later
+                try:
+                    bob = await Bus.connect(up.url, "shoal", creds=added.stdout.split()[0], declare=False)
+                except Exception:
+                    assert time.monotonic() < deadline, "bob was never admitted"
+                    await asyncio.sleep(0.2)
+            assert bob.identity == "user-bob"
+            await bob.close()
+            assert int(up_info(tmp_path)["server_pid"]) == pid
+            assert admin.nc.is_connected and admin.nc.stats["reconnects"] == 0
+        finally:
+            await admin.close()
