@@ -158,6 +158,13 @@ def test_probes_of_every_service(tmp_path: Path) -> None:
         assert value(alloc, "shoal_leader") == 1
         assert value(alloc, "shoal_allocator_decisions_total") > 0
         assert value(alloc, "shoal_allocator_decision_seconds_count") > 0
+        # The authorizer admitted the job's sidecars and, their job placed, revoked none.
+        auth = scraped["authorizer"]
+        allowed = [
+            v for labels, v in auth["shoal_authorizer_decisions_total"] if labels["outcome"] == "allowed"
+        ]
+        assert sum(allowed) >= 1, auth["shoal_authorizer_decisions_total"]
+        assert value(auth, "shoal_authorizer_revocations_total") == 0
         for name, m in scraped.items():
             assert value(m, "shoal_ready") == 1, name
             assert value(m, "shoal_epoch") >= 1, name
