@@ -124,6 +124,16 @@ def render(rows: Sequence[dict[str, Any]], command: str) -> str:
             f"| {r['wall_s']:.0f} | {'met' if r['jct_rel_diff'] < 0.05 else 'NOT met'} "
             f"| {'met' if r['decision_agreement'] == 1.0 else 'NOT met'} |"
         )
+    sync = [r for r in rows if r["synchronized"]]
+    agreeing = sum(r["decision_agreement"] == 1.0 for r in sync)
+    if agreeing == len(sync):
+        sync_note = "which is why its rows agree at any time scale and the scale only trades wall time"
+    else:
+        sync_note = (
+            f"and {agreeing} of its {len(sync)} rows agree one for one here; the others differ for a "
+            "cause not yet found (a synchronized case that passes when run alone fails now and then "
+            "in a full run, issue 21: their first differing decision is listed below)"
+        )
     lines += [
         "",
         "Targets (services issue): average JCT within 5 %, and the sequences of share decisions agree "
@@ -131,8 +141,8 @@ def render(rows: Sequence[dict[str, Any]], command: str) -> str:
         "clock a sequence that does not agree exactly comes from processes that run late by more than "
         "the gap between two events at that time scale (two completions a few virtual seconds apart "
         "reaching the allocator as one burst, a job completing under a share already changed); the "
-        "synchronized clock removes that cause, which is why its rows agree at any time scale and the "
-        "scale only trades wall time. What is left of the JCT difference there is rounding: progress "
+        f"synchronized clock removes that cause, {sync_note}. What is left of the JCT difference there "
+        "is rounding: progress "
         "handed from one leading sidecar to the next is reported in whole iterations, so a job that "
         "moves between nodes can finish a second later than in the simulator (completions are rounded "
         "up to whole seconds), and the decision its completion triggers, the same share map, a second later too.",
