@@ -321,7 +321,7 @@ def callout_admits(identity: Identity) -> bool:
     ``shoal up``, :mod:`shoal.callout`): any identity of the global account but the
     ``sidecar`` keys (under the callout they only sign tokens) and the ``authorizer``
     (it answers the callout), and not the ``revoker`` (the system account's)."""
-    return identity.role not in ("sidecar", "authorizer", "revoker") and bool(identity.public_key)
+    return identity.role != "sidecar" and identity.role not in CALLOUT_ROLES and bool(identity.public_key)
 
 
 def sidecar_job_permissions(job_id: str, node_id: str, prefix: str = "shoal") -> dict[str, Any]:
