@@ -83,16 +83,28 @@ SMALL, LARGE = "philly:2869ce", "philly:6214e9"
 class EngineOnlyFifo:
     """The engine's own cost: requested GPUs in arrival order; running jobs keep theirs.
 
-    It never reads curves, and it looks at the queue only while GPUs are free (a long
-    FIFO queue mostly waits), so its time is the engine's (fold, view, packing,
-    placement, metrics) rather than a walk of the queue."""
+    It never reads curves or progress (``reads_progress = False``), and it walks the
+    queue only while GPUs are free (a long FIFO queue mostly waits), so its time is the
+    engine's (fold, view, packing, placement, metrics) rather than a walk of the queue.
+    The jobs that run are found from its own previous decision (every running job got
+    its GPUs from one; the engine may regulate a share to 0, so ``current_gpus`` is
+    read back) through the view's index, not by a pass over every job of the view."""
 
     name = "engine-only"
+    reads_progress = False
+
+    def __init__(self) -> None:
+        self._decided: dict[str, int] = {}
 
     def decide(self, view: Any, memory: Mapping[str, Any]) -> Any:
-        from shoal.policies.base import Decision
+        from shoal.policies.base import Decision, jobs_by_id
 
-        shares = {j.job_id: j.current_gpus for j in view.jobs if j.current_gpus}
+        index = jobs_by_id(view)
+        shares = {}
+        for job_id in self._decided:
+            job = index.get(job_id)
+            if job is not None and job.current_gpus:
+                shares[job_id] = job.current_gpus
         free = view.total_gpus - sum(shares.values())
         if free > 0:
             for job in view.jobs:  # arrival order
@@ -101,6 +113,7 @@ class EngineOnlyFifo:
                     free -= job.requested_gpus
                     if not free:
                         break
+        self._decided = shares
         return Decision(shares=shares)
 
 
