@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from shoal.models import ThroughputCurve
 from shoal.policies.base import ClusterView, Decision
@@ -90,7 +91,8 @@ class _Recorder:
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         d = self.policy.decide(view, memory)
-        self.decisions.append((view, d))
+        # The simulator's view is valid for this decision only (LiveJobs): keep a copy.
+        self.decisions.append((msgspec.structs.replace(view, jobs=tuple(view.jobs)), d))
         return d
 
 

@@ -435,3 +435,57 @@ def test_a_policy_that_reads_progress_but_says_not_decides_otherwise() -> None:
     except SimulationStalled:
         b = b""
     assert a != b
+
+
+class _Keeper:
+    """Keeps every view it is given, and a copy of its jobs."""
+
+    name = "keeper"
+
+    def __init__(self) -> None:
+        self.inner = ToyFifo()
+        self.views: list[tuple[ClusterView, tuple[Any, ...]]] = []
+
+    def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        self.views.append((view, tuple(view.jobs)))
+        return self.inner.decide(view, memory)
+
+
+def test_a_simulator_view_is_read_for_its_decision_only() -> None:
+    """The engine's view reads its own table of job views (no copy of the queue at each
+    decision): kept past the decision, it refuses to be read instead of showing later
+    jobs; a copy made during the decision stays as it was."""
+    policy = _Keeper()
+    jobs = load_workload("philly:2869ce:30", seed=0)
+    Simulator(jobs, policy, SimConfig(total_gpus=8, flat=True)).run()
+    assert len(policy.views) > 3
+    for view, copy in policy.views[:-1]:
+        with pytest.raises(RuntimeError, match=r"copy view\.jobs"):
+            list(view.jobs)
+        with pytest.raises(RuntimeError):
+            len(view.jobs)
+        with pytest.raises(RuntimeError):
+            view.jobs[0]
+        assert copy and all(isinstance(j, type(copy[0])) for j in copy)
+    # The copies are the decisions' views: arrivals and completions changed them.
+    assert len({tuple(j.job_id for j in c) for _, c in policy.views}) > 1
+
+
+def test_live_jobs_is_a_read_only_sequence_equal_to_its_tuple() -> None:
+    from shoal.policies.base import JobView, LiveJobs
+
+    table = {j: JobView(job_id=j, arrival_s=float(i)) for i, j in enumerate("abc")}
+    live = LiveJobs(table)
+    as_tuple = tuple(table.values())
+    assert len(live) == 3
+    assert list(live) == list(as_tuple)
+    assert live[1] is table["b"] and live[-1] is table["c"] and live[:2] == as_tuple[:2]
+    assert [j.job_id for j in reversed(live)] == ["c", "b", "a"]
+    assert live == as_tuple and as_tuple == live and live != as_tuple[:2]
+    assert table["a"] in live
+    assert ClusterView(now_s=0.0, total_gpus=1, jobs=live) == ClusterView(
+        now_s=0.0, total_gpus=1, jobs=as_tuple
+    )
+    live.expire()
+    with pytest.raises(RuntimeError):
+        iter(live)

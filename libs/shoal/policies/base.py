@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Mapping
-from typing import Any, Protocol
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol, overload
 
 from msgspec import Struct
 
@@ -46,12 +46,80 @@ class JobView(Struct, frozen=True, kw_only=True):
     priority: int = 0
 
 
+class LiveJobs(Sequence[JobView]):
+    """The jobs of a simulator's :class:`ClusterView`: a read-only sequence over the
+    simulator's own table of job views (job id -> view, in the view's order) instead of
+    a tuple copied from it at every decision. In a long queue that copy, and freeing the
+    previous one, grew with the queue at every decision, and was most of the engine's
+    cost of a decision when the policy itself looks at few jobs.
+
+    It is valid while the table is unchanged: the simulator calls :meth:`expire` before
+    it next changes the table (its next event or decision), after which any use raises
+    ``RuntimeError`` rather than show later jobs. ``tuple(view.jobs)`` keeps a copy.
+    Iteration and ``len`` read the table directly; indexing builds a tuple once.
+    """
+
+    __slots__ = ("_live", "_table", "_tuple")
+
+    def __init__(self, table: Mapping[str, JobView]) -> None:
+        self._table = table
+        self._live = True
+        self._tuple: tuple[JobView, ...] | None = None
+
+    def expire(self) -> None:
+        """The table is about to change: this sequence may no longer be read."""
+        self._live = False
+        self._tuple = None
+
+    def _check(self) -> None:
+        if not self._live:
+            raise RuntimeError(
+                "a simulator's view was used after the simulator moved on; copy view.jobs to keep it"
+            )
+
+    def __iter__(self) -> Iterator[JobView]:
+        if not self._live:
+            self._check()
+        return iter(self._table.values())
+
+    def __reversed__(self) -> Iterator[JobView]:
+        self._check()
+        return reversed(self._table.values())  # type: ignore[call-overload]  # dict values are reversible
+
+    def __len__(self) -> int:
+        if not self._live:
+            self._check()
+        return len(self._table)
+
+    @overload
+    def __getitem__(self, i: int) -> JobView: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[JobView, ...]: ...
+    def __getitem__(self, i: int | slice) -> JobView | tuple[JobView, ...]:
+        self._check()
+        if self._tuple is None:
+            self._tuple = tuple(self._table.values())
+        return self._tuple[i]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LiveJobs | tuple):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable table: not hashable
+
+    def __repr__(self) -> str:
+        return f"LiveJobs({tuple(self)!r})" if self._live else "LiveJobs(<expired>)"
+
+
 class ClusterView(Struct, frozen=True, kw_only=True):
     """The cluster as a policy sees it."""
 
     now_s: float
     total_gpus: int
-    jobs: tuple[JobView, ...]
+    jobs: Sequence[JobView]
+    """The active jobs: a tuple, or in the simulator a :class:`LiveJobs` (valid for the
+    decision it was built for). Read it as a sequence; copy it to keep it."""
     gpus_by_type: dict[str, int] = {}
     """Free-of-placement GPU inventory per generation (empty on a homogeneous cluster)."""
     gpus_per_node: int = 0

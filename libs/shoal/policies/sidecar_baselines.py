@@ -32,7 +32,7 @@ does not.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
@@ -60,7 +60,7 @@ def _remaining(job: JobView) -> float:
     return max(1.0, job.iterations_done) if r is None else r
 
 
-def _keep_running(view: ClusterView, jobs: tuple[JobView, ...] | list[JobView]) -> tuple[dict[str, int], int]:
+def _keep_running(view: ClusterView, jobs: Sequence[JobView]) -> tuple[dict[str, int], int]:
     """Running jobs keep their counts, oldest first, while they fit (GPUs may have been lost)."""
     shares: dict[str, int] = {}
     free = view.total_gpus

@@ -113,7 +113,14 @@ from shoal import events as ev
 from shoal.allocation import decide_shares, place
 from shoal.events import GpuInfo
 from shoal.placement.hinted import NODE_HINTS
-from shoal.policies.base import ClusterView, JobView, Policy, policy_reads_progress, prime_jobs_by_id
+from shoal.policies.base import (
+    ClusterView,
+    JobView,
+    LiveJobs,
+    Policy,
+    policy_reads_progress,
+    prime_jobs_by_id,
+)
 from shoal.profiling.overestimate import decide_overestimate_first
 from shoal.profiling.ratelimit import MIN_INTERVAL_S
 from shoal.sim.costs import PRESETS, ReconfigCosts, charge, classify, measured
@@ -433,6 +440,8 @@ class Simulator:
         self._arrival_ordered = True
         self._last_arrival: tuple[float, str] | None = None
         self._stale: set[str] = set()
+        self._live_jobs: LiveJobs | None = None
+        """The jobs of the newest view, over ``_views`` (expired before _views changes)."""
         self._cluster: tuple[dict[str, int], dict[str, float]] | None = None
         """GPUs by generation (:func:`shoal.view.cluster_gpus`) and users' tickets of the
         state, kept until an event that can change them is folded (see _emit)."""
@@ -656,6 +665,7 @@ class Simulator:
         self._arrived += 1
         self.jobs[job.id] = job
         self.active[job.id] = job
+        self._expire_view()
         self._views[job.id] = None
         key = (now, job.id)
         if self._last_arrival is not None and key < self._last_arrival:
@@ -743,6 +753,7 @@ class Simulator:
         job.types = {}
         job.rate = 0.0
         del self.active[job.id]
+        self._expire_view()
         del self._views[job.id]
         self._pending_reconf.pop(job.id, None)
         self._emit(ev.JobCompleted(job_id=job.id, iterations=int(job.total)))
@@ -869,6 +880,7 @@ class Simulator:
         by_type_all = self.curves_by_type if self.hetero else None
         stale = self._stale
         active = self.active
+        self._expire_view()
         # A running job about which nothing was folded since its view was built has
         # only moved in time (job_view_at), which a policy that reads no progress does
         # not see; the others are built afresh.
@@ -902,7 +914,9 @@ class Simulator:
                 curves_by_type=by_type,
                 iterations_done=active[job_id].progress(now),
             )
-        jobs_view = tuple(views.values())
+        # The view's jobs read _views itself (no copy of a long queue at each decision),
+        # until the next change of _views expires them.
+        jobs_view = self._live_jobs = LiveJobs(views)  # type: ignore[arg-type]  # every entry was just built
         if self._cluster is None:
             self._cluster = (
                 cluster_gpus(state)[1],
@@ -912,7 +926,7 @@ class Simulator:
         view = ClusterView(
             now_s=now,
             total_gpus=self.total_gpus,
-            jobs=jobs_view,  # type: ignore[arg-type]  # every entry was just built
+            jobs=jobs_view,
             gpus_by_type=dict(by_gen) if len(by_gen) > 1 else {},
             gpus_per_node=0 if self.config.flat else self.config.gpus_per_node,
             user_tickets=dict(tickets),
@@ -922,6 +936,13 @@ class Simulator:
         # noticeable part of each decision): it does not change until the next decision.
         prime_jobs_by_id(view, views)  # type: ignore[arg-type]  # as above
         return view
+
+    def _expire_view(self) -> None:
+        """_views is about to change: the newest view's jobs may no longer be read."""
+        live = self._live_jobs
+        if live is not None:
+            live.expire()
+            self._live_jobs = None
 
     def _emit_trades(self, memory: Mapping[str, Any]) -> None:
         """Publish the trades a policy reports in its memory (Gandiva_fair §3.4)."""
