@@ -6,7 +6,8 @@ import pytest
 from shoal import codec
 from shoal import events as ev
 from shoal import state as st
-from shoal.view import build_view, carry_progress_forward
+from shoal.progress import carry_progress_forward
+from shoal.view import build_view
 
 # 10 iterations/s on 2 GPUs (a table model), 1,000,000 iterations in all.
 CURVE = ev.ThroughputModelUpdated(job_id="a", gpu_type="", model_kind="table", throughput={1: 6.0, 2: 10.0})
@@ -45,12 +46,17 @@ def test_progress_resumes_only_after_the_stop_of_the_newest_change() -> None:
     assert _view_at(history, 500.0, {"a": 20.0}) == pytest.approx(500 + 10.0 * 400)
 
 
-def test_waiting_jobs_and_jobs_without_a_report_are_left_as_they_are() -> None:
+def test_waiting_jobs_are_left_as_they_are_and_unreported_running_ones_run_from_their_start() -> None:
     spec = ev.JobSpec(user="u", max_gpus=2, total_iterations=1_000_000)
     history = [codec.wrap(ev.JobSubmitted(job_id="a", spec=spec), at=0.0), codec.wrap(CURVE, at=0.0)]
     assert _view_at(history, 500.0, {}) == 0.0
     history.append(codec.wrap(ev.SharesDecided(epoch=1, shares={"a": 2}), at=100.0))
-    assert _view_at(history, 500.0, {}) == 0.0  # running, never reported
+    # Running, never reported: from its start at t=100, or from the end of its stop once
+    # that is reported (the simulator's exact progress; a job left at 0 until its first
+    # report lost its GPUs to a tied arrival in the live stack only).
+    assert _view_at(history, 500.0, {}) == pytest.approx(10.0 * 400)
+    assert _view_at(history, 500.0, {"a": 130.0}) == pytest.approx(10.0 * 370)
+    assert _view_at(history, 100.0, {}) == 0.0
 
 
 def test_carried_progress_never_passes_the_total() -> None:

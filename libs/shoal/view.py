@@ -22,14 +22,12 @@ Choices:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 
 import msgspec
 
 from shoal.models import Catalog, interpolate
 from shoal.policies.base import ClusterView, JobView
-from shoal.policies.common import throughput_at
 from shoal.state import FINISHED_STATUSES, NODE_UP, ClusterState, JobState
 
 
@@ -174,37 +172,6 @@ def job_view_at(view: JobView, job: JobState, *, now: float, iterations_done: fl
         iterations_done=iterations_done,
         attained_service_gpu_s=service,
     )
-
-
-def carry_progress_forward(
-    view: ClusterView, state: ClusterState, now: float, resumed_at: Mapping[str, float]
-) -> ClusterView:
-    """The view with each running job's progress carried from its newest report to
-    ``now`` at its current share's throughput (the allocator service's view).
-
-    Reports are periodic (and in whole iterations), so the fold's ``iteration`` lags;
-    a length-aware policy (SRTF, SRSF, AFS-L) ranks jobs by what is left, and the
-    simulator's view has exact progress. Progress resumes after the newest change of
-    share (``since``) plus its stop time, once that reconfiguration is reported
-    complete (``resumed_at``: job id -> instant of its newest
-    ``ReconfigurationCompleted``; otherwise from ``since``); before that change the job
-    ran under the shape its last report was made under, which the trainer reports at
-    every change instant, so a report older than ``since`` means the job was waiting.
-    """
-    jobs = []
-    changed = False
-    for jv in view.jobs:
-        job = state.jobs[jv.job_id]
-        if not job.gpus or job.last_progress_at is None or jv.total_iterations is None:
-            jobs.append(jv)
-            continue
-        resumed = resumed_at.get(jv.job_id, -math.inf)
-        start = max(job.last_progress_at, resumed if resumed >= job.since - 1e-9 else job.since)
-        rate = throughput_at(jv, job.gpus)
-        done = min(jv.total_iterations, job.iteration + rate * max(0.0, now - start))
-        jobs.append(job_view_at(jv, job, now=now, iterations_done=done))
-        changed = True
-    return msgspec.structs.replace(view, jobs=tuple(jobs)) if changed else view
 
 
 def build_view(

@@ -85,10 +85,10 @@ from shoal.log import bound_job
 from shoal.models import Catalog
 from shoal.policies.base import Policy
 from shoal.profiling.overestimate import decide_overestimate_first
+from shoal.progress import carry_progress_forward
 from shoal.projection import CLUSTER_SNAPSHOT, Projection, snapshot_due
 from shoal.state import NODE_UP, ClusterState, apply, copy_state
 from shoal.telemetry import producer_span, stored_context, tracing_enabled
-from shoal.view import carry_progress_forward
 
 log = structlog.get_logger("shoal.allocator")
 
@@ -228,7 +228,7 @@ class AllocatorService:
             self._in_force = (e.shares, e.gpu_types, e.policy_memory)  # events are never mutated
             return
         if isinstance(env.event, ev.ReconfigurationCompleted):
-            # Progress resumes at this instant (see :func:`shoal.view.carry_progress_forward`).
+            # Progress resumes at this instant (see :func:`shoal.progress.carry_progress_forward`).
             self._resumed_at[env.event.job_id] = env.at
         trigger = _TRIGGERS.get(type(env.event))
         if trigger is not None:
