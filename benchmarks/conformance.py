@@ -130,9 +130,11 @@ def render(rows: Sequence[dict[str, Any]], command: str) -> str:
         sync_note = "which is why its rows agree at any time scale and the scale only trades wall time"
     else:
         sync_note = (
-            f"and {agreeing} of its {len(sync)} rows agree one for one here; the others differ for a "
-            "cause not yet found (a synchronized case that passes when run alone fails now and then "
-            "in a full run, issue 21: their first differing decision is listed below)"
+            f"and {agreeing} of its {len(sync)} rows agree one for one here; the others differ "
+            "(issue 21; their first differing decision is listed below). One such cause was found and "
+            "removed: the allocator left a running job that had not reported yet at no progress, so "
+            "whether its first report arrived before the next decision (wall timing) could flip a "
+            "tie under SRTF"
         )
     lines += [
         "",
