@@ -131,6 +131,7 @@ class _Limited:
         self.name = policy.name
         self._probe = probe
         self._last: tuple[float, int] | None = None
+        self._shares: Mapping[str, int] = {}
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._policy, attr)
@@ -146,10 +147,23 @@ class _Limited:
                 cell = self._probe.setdefault(_bucket(self._last[1]), [0.0, 0.0])
                 cell[0] += 1
                 cell[1] += now - self._last[0]
-            queue = sum(1 for j in view.jobs if not j.current_gpus)
+            # Waiting jobs: all but the running ones, which only the last decision can
+            # have given GPUs (counted through the view's index, not a walk of the queue:
+            # a walk at every decision took the run past its CPU limit).
+            from shoal.policies.base import jobs_by_id
+
+            index = jobs_by_id(view)
+            running = 0
+            for job_id in self._shares:
+                job = index.get(job_id)
+                if job is not None and job.current_gpus:
+                    running += 1
+            queue = len(view.jobs) - running
             # The probe's own count is not part of the next cycle.
             self._last = (time.process_time(), queue)
-        return self._policy.decide(view, memory)
+        decision = self._policy.decide(view, memory)
+        self._shares = decision.shares
+        return decision
 
 
 def _bucket(queue: int) -> int:
