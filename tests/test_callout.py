@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiomqtt
 import msgspec
 import nats
 import nkeys
@@ -466,13 +467,15 @@ async def test_an_identity_added_later_is_admitted_by_the_callout_without_a_rest
 ) -> None:
     """nats-server cannot reload a changed ``auth_callout`` (its ``auth_users`` list every
     static identity). An nkey identity added later is admitted by the authorizer through
-    the callout instead, with its role's permissions, and the server keeps running; an
-    MQTT password (which the callout does not judge) still restarts the server."""
+    the callout instead, with its role's permissions, and the server keeps running; so
+    is an MQTT device that logs in with a password added later. A change that is not an
+    addition (here a password changed) still restarts the server."""
     store = CredentialStore(tmp_path / "creds")
     store.ensure("admin")
     store.ensure_callout()
+    store.ensure("client", "old", mqtt_password="pw-old")
     with EmbeddedNats(
-        store_dir=tmp_path / "js", creds_dir=store.directory, prefix=PREFIX, callout=True
+        store_dir=tmp_path / "js", creds_dir=store.directory, prefix=PREFIX, callout=True, mqtt_port=-1
     ) as server:
         url, pid = server.url, server.proc.pid if server.proc else None
         admin = await Bus.connect(server.url, PREFIX, creds=str(store.path("admin")))
@@ -489,6 +492,7 @@ async def test_an_identity_added_later_is_admitted_by_the_callout_without_a_rest
             await asyncio.wait_for(service.serving.wait(), 30)
             late = str(store.ensure("client", "late"))
             node = str(store.ensure("node", "n9"))
+            store.ensure("client", "dev", mqtt_password="pw-dev")
             server.reload()
             assert server.proc is not None and server.proc.pid == pid, "restarted"
             assert admin.nc.stats["reconnects"] == 0
@@ -502,6 +506,28 @@ async def test_an_identity_added_later_is_admitted_by_the_callout_without_a_rest
                 with pytest.raises(PermissionDenied):  # another node's registration
                     await n9.publish(ev.NodeRegistered(node_id="n1", gpus=()), timeout_s=3.0)
             assert service.decisions.get("allowed", 0) == 2
+            # An MQTT device with the password added later: admitted, with its user's
+            # permissions (its own submit topic, not another user's).
+            port = server.mqtt_listen_port
+            assert port is not None
+            async with aiomqtt.Client(
+                "127.0.0.1", port, username="dev", password="pw-dev", identifier="dev-1", timeout=10
+            ) as device:
+                await device.publish(f"{PREFIX}/mqtt/submit/dev", b"{}", qos=1)
+            assert service.decisions.get("allowed", 0) == 3
+            for user, password in [("dev", "wrong"), ("nobody", "pw-dev"), ("late", "pw-dev")]:
+                with pytest.raises(aiomqtt.MqttError):
+                    async with aiomqtt.Client(
+                        "127.0.0.1", port, username=user, password=password, identifier="dev-2", timeout=5
+                    ):
+                        pass
+            assert service.decisions.get("allowed", 0) == 3
+            # A NATS client does not log in with an MQTT password.
+            with pytest.raises(nats.errors.Error, match=r"[Aa]uthorization"):
+                await nats.connect(
+                    server.url, user="dev", password="pw-dev", allow_reconnect=False, connect_timeout=5
+                )
+            assert server.proc is not None and server.proc.pid == pid, "restarted"
             # A key the installation does not have is refused.
             stranger = tmp_path / "stranger"
             stranger_store = CredentialStore(stranger)
@@ -514,8 +540,9 @@ async def test_an_identity_added_later_is_admitted_by_the_callout_without_a_rest
             await asyncio.gather(task, return_exceptions=True)
             await bus.close()
             await admin.close()
-        # An MQTT password is the server's to check: a restart, on the same port.
-        store.ensure("client", "late", mqtt_password="pw")
+        # A changed password of a login the running configuration lists is no addition:
+        # a restart, on the same port.
+        store.ensure("client", "old", mqtt_password="pw-new")
         server.reload()
         assert server.url == url
         assert server.proc is not None and server.proc.pid != pid

@@ -243,6 +243,13 @@ class Request(msgspec.Struct, frozen=True):
     """Its signature of ``nonce`` (``connect_opts.sig``, base64)."""
     nonce: str = ""
     """The nonce the server sent that client (``client_info.nonce``)."""
+    user: str = ""
+    """The user name the client connected with (``connect_opts.user``), if any."""
+    password: str = ""
+    """Its password (``connect_opts.pass``): an MQTT device's, the only clients that log
+    in with one (the server also copies it into ``auth_token`` for MQTT)."""
+    client_type: str = ""
+    """The client's protocol (``client_info.type``): ``nats``, ``mqtt``, ``websocket`` …"""
 
 
 def parse_request(jwt: str, *, now: float | None = None) -> Request:
@@ -281,6 +288,9 @@ def parse_request(jwt: str, *, now: float | None = None) -> Request:
         nkey=text(opts.get("nkey")),
         sig=text(opts.get("sig")),
         nonce=text(info.get("nonce")),
+        user=text(opts.get("user")),
+        password=text(opts.get("pass")),
+        client_type=text(info.get("type")),
     )
 
 

@@ -229,7 +229,7 @@ class EmbeddedNats:
         text = self._config()
         running = conf.read_text()
         if self.callout and _callout_section(text) != _callout_section(running):
-            if _only_nkeys_added(running, text):
+            if _only_users_added(running, text):
                 return  # admitted by the callout until the next start
             _terminate(self.proc, timeout_s)
             self.restart(timeout_s)
@@ -412,10 +412,12 @@ def _callout_section(config: str) -> object:
         return None
 
 
-def _only_nkeys_added(running: str, new: str) -> bool:
-    """Whether configuration ``new`` differs from ``running`` only by nkey users added
-    to the global account (each also an ``auth_users`` entry): nothing removed or
-    changed, no password user added, the same system account."""
+def _only_users_added(running: str, new: str) -> bool:
+    """Whether configuration ``new`` differs from ``running`` only by users added to the
+    global account (each also an ``auth_users`` entry): nkey users, and MQTT password
+    users (both of which the authorizer admits through the callout, checking the nkey's
+    signature or the password's bcrypt hash); nothing removed or changed, the same
+    system account."""
     head_a, _, block_a = running.partition("authorization: ")
     head_b, _, block_b = new.partition("authorization: ")
     try:
@@ -433,7 +435,7 @@ def _only_nkeys_added(running: str, new: str) -> bool:
     added = now.keys() - old.keys()
     if old.keys() - now.keys() or any(now[k] != u for k, u in old.items() if k in now):
         return False
-    if not all("nkey" in now[k] for k in added):
+    if not all("nkey" in now[k] or "password" in now[k] for k in added):
         return False
     ca, cb = a.get("auth_callout") or {}, b.get("auth_callout") or {}
     if {k: v for k, v in ca.items() if k != "auth_users"} != {

@@ -12,7 +12,9 @@ not have folded yet), waiting at most ``wait_s``. With ``identities``, also whet
 client without a token is an identity of the installation the server's running
 configuration does not list yet: its signature of the server's nonce must verify with
 that identity's nkey (:func:`shoal.callout.verify_nkey`), and it gets that identity's
-permissions (:func:`shoal.auth.permissions`).
+permissions (:func:`shoal.auth.permissions`); and whether an MQTT device
+(``client_info.type`` ``mqtt``) gave the user name and password of such an identity
+(:func:`shoal.auth.mqtt_identity`, bcrypt), with the same permissions.
 
 Publishes: nothing on the log; each request gets one answer, the user JWT with the
 job's permissions (:func:`shoal.auth.sidecar_job_permissions`) or an error, both signed
@@ -40,7 +42,14 @@ import structlog
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 from shoal import callout as co
-from shoal.auth import AuthError, Identity, callout_admits, permissions, sidecar_job_permissions
+from shoal.auth import (
+    AuthError,
+    Identity,
+    callout_admits,
+    mqtt_identity,
+    permissions,
+    sidecar_job_permissions,
+)
 from shoal.bus import Bus
 from shoal.projection import CLUSTER_SNAPSHOT, Projection
 from shoal.state import FINISHED_STATUSES
@@ -199,7 +208,8 @@ class AuthorizerService:
             client that authenticates with the nkey of one of them that the server's
             running configuration does not list yet (``shoal creds add`` under ``shoal
             up``, which then need not restart its server) is admitted with that
-            identity's permissions (:func:`shoal.auth.callout_admits`). None: only
+            identity's permissions (:func:`shoal.auth.callout_admits`), and so is an MQTT
+            device that logs in with the user name and password of one. None: only
             sidecars are admitted.
     """
 
@@ -251,6 +261,12 @@ class AuthorizerService:
         except co.CalloutError as exc:
             return None, f"malformed: {exc}"
         try:
+            if req.client_type == "mqtt":
+                # nats-server copies an MQTT password into auth_token too: never a sidecar.
+                ident = await self._mqtt_identity(req)
+                perms = permissions(ident, self.bus.names.prefix)
+                user = co.user_claims(req, ident.name, perms, expires_s=None)
+                return co.response(req, self.issuer, user=user), f"allowed {ident.name} (mqtt)"
             if not req.token:
                 ident = self._static_identity(req)
                 perms = permissions(ident, self.bus.names.prefix)
@@ -286,6 +302,24 @@ class AuthorizerService:
         ident = next((i for i in self._identities() if i.public_key == key), None)
         if ident is None or not callout_admits(ident):
             raise co.CalloutError(f"{key} is no identity of this installation the callout admits")
+        return ident
+
+    async def _mqtt_identity(self, req: co.Request) -> Identity:
+        """The identity whose MQTT user name and password an MQTT device gave (one that
+        ``shoal creds add ... --mqtt-password`` made after the server's configuration was
+        written; the bcrypt check runs off the event loop).
+
+        Raises:
+            CalloutError: no identities to check against, no user name or password, or
+                no identity the callout may admit with that login.
+        """
+        if self._identities is None:
+            raise co.CalloutError("MQTT devices log in as users of the server's configuration")
+        if not req.user or not req.password:
+            raise co.CalloutError("an MQTT device logs in with a user name and a password")
+        ident = await asyncio.to_thread(mqtt_identity, list(self._identities()), req.user, req.password)
+        if ident is None or not callout_admits(ident):
+            raise co.CalloutError(f"MQTT user {req.user!r}: no such device login, or a wrong password")
         return ident
 
     async def _handle(self, msg: Msg) -> None:

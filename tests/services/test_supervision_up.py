@@ -97,22 +97,28 @@ async def test_exhausted_budget_is_loud(tmp_path: Path) -> None:
 
 
 async def test_an_identity_added_with_shoal_creds_is_admitted_without_restarting_nats(tmp_path: Path) -> None:
-    """`shoal creds add user bob` against a running `shoal up` (auth callout on, the
-    default): the server keeps its pid, the admin's connection never drops, and bob
-    connects at once, admitted by the shipped authorizer."""
+    """`shoal creds add user bob --mqtt-password ...` against a running `shoal up` (auth
+    callout on, the default; MQTT on): the server keeps its pid, the admin's connection
+    never drops, and bob connects at once, and so does his MQTT device, both admitted
+    by the shipped authorizer."""
+    import socket
     import subprocess
 
+    import aiomqtt
     from shoal.bus import Bus
     from shoal.commands.run import CLI_ARGV
 
-    async with shoal_up(tmp_path, nodes=0) as up:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        mqtt_port = s.getsockname()[1]
+    async with shoal_up(tmp_path, nodes=0, SHOAL_MQTT_PORT=str(mqtt_port)) as up:
         pid = int(up_info(tmp_path)["server_pid"])
         admin = await Bus.connect(up.url, "shoal", declare=False, **up.admin())
         try:
             env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
             env["SHOAL_STATE_DIR"] = str(tmp_path / "state")
             added = subprocess.run(
-                [*CLI_ARGV, "creds", "add", "user", "bob"],
+                [*CLI_ARGV, "creds", "add", "user", "bob", "--mqtt-password", "bob-device-pw"],
                 env=env,
                 capture_output=True,
                 text=True,
@@ -129,6 +135,20 @@ async def test_an_identity_added_with_shoal_creds_is_admitted_without_restarting
                     await asyncio.sleep(0.2)
             assert bob.identity == "user-bob"
             await bob.close()
+            async with aiomqtt.Client(
+                "127.0.0.1",
+                mqtt_port,
+                username="bob",
+                password="bob-device-pw",
+                identifier="bob-1",
+                timeout=10,
+            ) as device:
+                await device.publish("shoal/mqtt/submit/bob", b"{}", qos=1)
+            with pytest.raises(aiomqtt.MqttError):
+                async with aiomqtt.Client(
+                    "127.0.0.1", mqtt_port, username="bob", password="guess", identifier="bob-2", timeout=5
+                ):
+                    pass
             assert int(up_info(tmp_path)["server_pid"]) == pid
             assert admin.nc.is_connected and admin.nc.stats["reconnects"] == 0
         finally:

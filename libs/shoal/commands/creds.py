@@ -4,7 +4,9 @@
 ``<state dir>/creds`` (mode 0600; hand it to alice, who sets ``NATS_CREDS`` to it)
 and tells the running ``shoal up`` (SIGHUP), which admits the identity at once: its
 server reloads its configuration or, under the auth callout, the authorizer admits it
-until the server next starts (:meth:`shoal.nats_server.EmbeddedNats.reload`). ``--mqtt-password`` also admits alice's MQTT devices with that password.
+until the server next starts (:meth:`shoal.nats_server.EmbeddedNats.reload`).
+``--mqtt-password`` also admits alice's MQTT devices with that password (under the
+callout, the authorizer checks it until the server next starts).
 ``shoal creds add node gpu-7`` makes the identities of a node daemon run elsewhere
 (``node-gpu-7.nk`` for the daemon, ``sidecar-gpu-7.nk`` for its sidecars).
 ``shoal creds list`` shows every identity and its role. Only whoever can read the
