@@ -80,15 +80,29 @@ SMALL, LARGE = "philly:2869ce", "philly:6214e9"
 # ---------------------------------------------------------------------------
 
 
+def _still_running(view: Any, decided: Mapping[str, int]) -> dict[str, int]:
+    """GPUs of the jobs of ``decided`` (the last decision's shares) that run in ``view``:
+    only a decision gives a job GPUs, and the engine may regulate a share to 0, so
+    ``current_gpus`` is read back, through the view's index (no walk of the queue)."""
+    from shoal.policies.base import jobs_by_id
+
+    index = jobs_by_id(view)
+    running = {}
+    for job_id in decided:
+        job = index.get(job_id)
+        if job is not None and job.current_gpus:
+            running[job_id] = job.current_gpus
+    return running
+
+
 class EngineOnlyFifo:
     """The engine's own cost: requested GPUs in arrival order; running jobs keep theirs.
 
     It never reads curves or progress (``reads_progress = False``), and it walks the
     queue only while GPUs are free (a long FIFO queue mostly waits), so its time is the
     engine's (fold, view, packing, placement, metrics) rather than a walk of the queue.
-    The jobs that run are found from its own previous decision (every running job got
-    its GPUs from one; the engine may regulate a share to 0, so ``current_gpus`` is
-    read back) through the view's index, not by a pass over every job of the view."""
+    The jobs that run are found from its own previous decision (:func:`_still_running`),
+    not by a pass over every job of the view."""
 
     name = "engine-only"
     reads_progress = False
@@ -97,14 +111,9 @@ class EngineOnlyFifo:
         self._decided: dict[str, int] = {}
 
     def decide(self, view: Any, memory: Mapping[str, Any]) -> Any:
-        from shoal.policies.base import Decision, jobs_by_id
+        from shoal.policies.base import Decision
 
-        index = jobs_by_id(view)
-        shares = {}
-        for job_id in self._decided:
-            job = index.get(job_id)
-            if job is not None and job.current_gpus:
-                shares[job_id] = job.current_gpus
+        shares = _still_running(view, self._decided)
         free = view.total_gpus - sum(shares.values())
         if free > 0:
             for job in view.jobs:  # arrival order
@@ -147,18 +156,9 @@ class _Limited:
                 cell = self._probe.setdefault(_bucket(self._last[1]), [0.0, 0.0])
                 cell[0] += 1
                 cell[1] += now - self._last[0]
-            # Waiting jobs: all but the running ones, which only the last decision can
-            # have given GPUs (counted through the view's index, not a walk of the queue:
-            # a walk at every decision took the run past its CPU limit).
-            from shoal.policies.base import jobs_by_id
-
-            index = jobs_by_id(view)
-            running = 0
-            for job_id in self._shares:
-                job = index.get(job_id)
-                if job is not None and job.current_gpus:
-                    running += 1
-            queue = len(view.jobs) - running
+            # Waiting jobs: all but the running ones (_still_running; a walk of the queue at
+            # every decision took the run past its CPU limit).
+            queue = len(view.jobs) - len(_still_running(view, self._shares))
             # The probe's own count is not part of the next cycle.
             self._last = (time.process_time(), queue)
         decision = self._policy.decide(view, memory)

@@ -261,17 +261,14 @@ class AuthorizerService:
         except co.CalloutError as exc:
             return None, f"malformed: {exc}"
         try:
-            if req.client_type == "mqtt":
-                # nats-server copies an MQTT password into auth_token too: never a sidecar.
-                ident = await self._mqtt_identity(req)
+            # nats-server copies an MQTT password into auth_token too: never a sidecar.
+            mqtt = req.client_type == "mqtt"
+            if mqtt or not req.token:
+                ident = await self._mqtt_identity(req) if mqtt else self._static_identity(req)
                 perms = permissions(ident, self.bus.names.prefix)
                 user = co.user_claims(req, ident.name, perms, expires_s=None)
-                return co.response(req, self.issuer, user=user), f"allowed {ident.name} (mqtt)"
-            if not req.token:
-                ident = self._static_identity(req)
-                perms = permissions(ident, self.bus.names.prefix)
-                user = co.user_claims(req, ident.name, perms, expires_s=None)
-                return co.response(req, self.issuer, user=user), f"allowed {ident.name}"
+                how = " (mqtt)" if mqtt else ""
+                return co.response(req, self.issuer, user=user), f"allowed {ident.name}{how}"
             grant = co.verify_sidecar_token(req.token, self.node_keys())
             if grant.placement_seq > self.projection.last_seq:
                 try:
