@@ -21,6 +21,7 @@ from shoal.policies.base import ClusterView, JobView, check_decision
 from shoal.policies.common import Ladder
 
 from tests.policies.test_policy_properties import later, views
+from tests.policies.test_themis import _advance
 
 
 def job(
@@ -185,6 +186,43 @@ def test_afs_l_fast_equals_naive_at_scale() -> None:
         jobs.append(job(f"j{i:03d}", tuple(curve), float(rng.choice((100, 1000, 5000))), arrival=i // 7))
     view = cluster(1024, *jobs)
     assert AFSL().decide(view, {}) == AFSLNaive().decide(view, {})
+
+
+@settings(max_examples=150, deadline=None)
+@given(views(max_jobs=16, max_gpus=40, sane=False), hs.data())
+def test_afs_l_kept_keys_decide_as_every_job_keyed(view: ClusterView, data: hs.DataObject) -> None:
+    """Keys kept between decisions (_WaitingByLength) decide exactly as keying every job
+    afresh, over rounds as the simulator makes them (a waiting job keeps its view object;
+    jobs leave, come back, arrive, are not placed), and when every view is rebuilt (as
+    the allocator service builds them)."""
+    kept = AFSL()
+    kept.keep_keys_from = 0  # the kept keys even for a few jobs
+    heap = AFSL()
+    heap.keep_keys_from = 1 << 30
+    gone: list[JobView] = []
+    for _ in range(6):
+        d = kept.decide(view, {})
+        assert d == heap.decide(view, {}) == AFSLNaive().decide(view, {})
+        assert list(d.shares) == list(heap.decide(view, {}).shares)  # same order too
+        view = _advance(view, d, data.draw(hs.sampled_from([0.0, 10.0, 100.0])), data, gone)
+        if data.draw(hs.booleans()):  # every view rebuilt: no key can be kept
+            view = msgspec.structs.replace(view, jobs=tuple(msgspec.structs.replace(j) for j in view.jobs))
+
+
+def test_afs_l_kept_keys_run_a_philly_prefix_as_keying_every_job() -> None:
+    """A simulation with kept keys (a queue of hundreds) is the one keying every job."""
+    from shoal.sim.engine import SimConfig, Simulator
+    from shoal.workloads import load_workload
+
+    workload = load_workload("philly:b436b2:600", seed=0)
+    results = []
+    for threshold in (0, 1 << 30):
+        policy = AFSL()
+        policy.keep_keys_from = threshold
+        results.append(Simulator(workload, policy, SimConfig(flat=True)).run())
+    kept, heap = results
+    assert kept.summary == heap.summary and kept.jobs == heap.jobs
+    assert kept.final_digest == heap.final_digest
 
 
 # -- AFS-P ------------------------------------------------------------------------------

@@ -84,6 +84,14 @@ Choices where the paper is silent or inexact (documented, deterministic):
   keys. Memory decoded from the log is another object, so the keys are then sorted
   afresh: the memo never changes a decision (a property test compares both).
   Ranks are ``(arrival_s, job_id)``, the arrival order itself, not positions in it.
+* **Cost of a decision in a long queue** (AFS-L). Stage one needs every job's length at
+  its smallest share, in order. A waiting job's does not change while its view does not,
+  so from :attr:`AFSL.keep_keys_from` active jobs on an AFS-L instance keeps the waiting
+  jobs' keys sorted between decisions (:class:`_WaitingByLength`), keys only the jobs
+  whose view changed and the running ones, and walks the merge of both only until the
+  GPUs run out. Views built afresh at each decision (the allocator service's) change
+  every job, and the keys are then sorted afresh: the walk, and the decision, are the
+  same as keying every job (a property test compares both, and the literal form).
 """
 
 from __future__ import annotations
@@ -104,6 +112,7 @@ DEFAULT_UNIT_S = 7200.0
 
 _LEASE_EPS = 1e-6
 _JOB_ID = operator.attrgetter("job_id")
+_ARRIVAL_OF_KEY = operator.itemgetter(1, 2)
 
 
 _LADDERS: dict[tuple[Any, ...], tuple[Ladder, int]] = {}
@@ -365,6 +374,109 @@ def _afs_l_chain_numpy(order: list[_Entry], free: int) -> int:
     return free
 
 
+_LengthKey = tuple[float, float, str, int]
+"""Stage one's key of an AFS-L job: ``(length at its smallest share, arrival_s, job_id,
+smallest share)``. The last three order ties as :func:`~shoal.policies.common.arrival_order`
+does, so sorting by it is sorting by (length, position in arrival order)."""
+
+_JOB_CURRENT = operator.attrgetter("current_gpus")
+
+
+def _length_key_at_first(job: JobView) -> _LengthKey:
+    """The job's :data:`_LengthKey`: :meth:`_Entry.length` at its smallest share, with
+    the same arithmetic."""
+    first = _ladder(job)[1]
+    remaining = job.remaining_iterations
+    p = throughput_at(job, first)
+    return (math.inf if remaining is None or p <= 0.0 else remaining / p, job.arrival_s, job.job_id, first)
+
+
+class _WaitingByLength:
+    """The waiting jobs' stage-one keys (:data:`_LengthKey`), sorted, kept by an
+    :class:`AFSL` from one decision to the next.
+
+    A waiting job's key depends only on its view (remaining work, curve, shape), and the
+    simulator keeps a waiting job's view object until something about it changes. So a
+    decision finds the jobs whose view is not the one their key was made from with
+    C-level passes over the queue, keys only those, and inserts them (``bisect``); the
+    running jobs, whose remaining work changes all the time, are keyed afresh at every
+    decision and never stored. A key is valid while it is the one recorded for its job,
+    and the job is in the view with that very view object; stale keys (a job that
+    changed or finished) stay in the list until it is compacted. Views built afresh at
+    every decision (the allocator service's) change every job, and the list is then
+    rebuilt and sorted; the walk, and so the decision, is the same either way.
+    """
+
+    __slots__ = ("key_of", "keys", "views")
+
+    def __init__(self) -> None:
+        self.keys: list[_LengthKey] = []
+        self.views: dict[str, JobView] = {}
+        """job id -> the view its recorded key was made from."""
+        self.key_of: dict[str, _LengthKey] = {}
+        """job id -> its recorded key (the valid one of its keys in :attr:`keys`)."""
+
+    def update(self, jobs: Sequence[JobView], waiting: int) -> bool:
+        """Key the waiting jobs whose view changed and drop the keys of the jobs that
+        changed or run now; False if a key is NaN (then the order is not total and the
+        caller decides without this list)."""
+        views, key_of = self.views, self.key_of
+        changed = list(
+            itertools.compress(jobs, map(operator.is_not, map(views.get, map(_JOB_ID, jobs)), jobs))
+        )
+        gone: list[_LengthKey] = []
+        fresh: list[_LengthKey] = []
+        for job in changed:
+            job_id = job.job_id
+            old = key_of.pop(job_id, None)
+            if old is not None:
+                del views[job_id]
+                gone.append(old)
+            if not job.current_gpus:
+                key = _length_key_at_first(job)
+                if key[0] != key[0]:  # NaN
+                    return False
+                views[job_id] = job
+                key_of[job_id] = key
+                fresh.append(key)
+        keys = self.keys
+        if (
+            8 * (len(fresh) + len(gone)) <= waiting + 64
+            and len(keys) - len(gone) + len(fresh) <= 2 * waiting + 64
+        ):
+            for old in gone:
+                i = bisect.bisect_left(keys, old)
+                if i == len(keys) or keys[i] is not old:
+                    break  # not where it should be: rebuild below
+                del keys[i]
+            else:
+                for key in fresh:
+                    bisect.insort(keys, key)
+                return True
+        self._rebuild(jobs)
+        return True
+
+    def forget(self, gone: Iterable[_LengthKey]) -> None:
+        """Drop these recorded keys (in increasing order) and their jobs' records."""
+        keys, views, key_of = self.keys, self.views, self.key_of
+        lo = 0
+        for old in gone:
+            i = bisect.bisect_left(keys, old, lo)
+            if i < len(keys) and keys[i] is old:
+                del keys[i]
+            lo = i
+            del views[old[2]], key_of[old[2]]
+
+    def _rebuild(self, jobs: Sequence[JobView]) -> None:
+        # Mostly new (the first decision, views built afresh) or many keys of jobs that
+        # left while waiting: rebuild.
+        views, key_of = self.views, self.key_of
+        live = {job.job_id for job in jobs if not job.current_gpus}
+        for job_id in views.keys() - live:
+            del views[job_id], key_of[job_id]
+        self.keys = sorted(key_of.values())
+
+
 class AFSL:
     """AFS-L: Algorithm 1 with eq. (3), knowing job lengths (AFS §3.3); fast form."""
 
@@ -372,17 +484,89 @@ class AFSL:
     elastic = True
     """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
     _naive = False
+    keep_keys_from = 256
+    """From this many active jobs on, a decision keeps the waiting jobs' keys for the next
+    (:class:`_WaitingByLength`); below it, every job is keyed at every decision (a heap),
+    which costs less than keeping keys on a short queue. Both take the same jobs in the
+    same order."""
+
+    def __init__(self) -> None:
+        self._waiting: _WaitingByLength | None = None
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Stage one by length at the smallest share, then stage two by eq. (3).
 
         Only the jobs stage one starts get a working record (:class:`_Entry`): stage
         two, and the shares, read no other (a job without a share cannot grow). The
-        waiting jobs are taken in (length, arrival) order from a heap, only until the
-        GPUs run out, as :func:`_fill_smallest_shares` over the sorted records would.
+        jobs are taken in (length, arrival) order, only until the GPUs run out, as
+        :func:`_fill_smallest_shares` over the sorted records would: the running jobs
+        keyed afresh, merged with the waiting jobs' keys kept from the decision before
+        (:class:`_WaitingByLength`).
         """
         if self._naive:
             return self._decide_literal(view)
+        jobs = view.jobs
+        if len(jobs) < self.keep_keys_from:
+            self._waiting = None
+            return self._decide_heap(view)
+        running = list(itertools.compress(jobs, map(_JOB_CURRENT, jobs)))
+        waiting = self._waiting
+        if waiting is None:
+            waiting = self._waiting = _WaitingByLength()
+        run_keys = sorted(map(_length_key_at_first, running))
+        if not waiting.update(jobs, len(jobs) - len(running)) or any(k[0] != k[0] for k in run_keys):
+            self._waiting = None  # a NaN length: the plain sort, without the kept keys
+            return self._decide_literal(view)
+        index = jobs_by_id(view)
+        views, key_of, keys = waiting.views, waiting.key_of, waiting.keys
+        free = view.total_gpus
+        started: list[_LengthKey] = []
+        # The merge of the two sorted lists: the running jobs' keys go where they sort
+        # among the kept ones. A kept key is taken only while it is its job's recorded
+        # key and the job is in the view with the same view (else it is stale: the job
+        # changed, runs now, or finished).
+        j = 0
+        starting: list[_LengthKey] = []  # kept keys of jobs started now
+        for r, end in enumerate([*(bisect.bisect_left(keys, k) for k in run_keys), len(keys)]):
+            while j < end and free > 0:
+                k = keys[j]
+                j += 1
+                job_id = k[2]
+                if (
+                    key_of.get(job_id) is k
+                    and (job := index.get(job_id)) is not None
+                    and views[job_id] is job
+                ):
+                    first = k[3]
+                    if first and first <= free:
+                        started.append(k)
+                        starting.append(k)
+                        free -= first
+            if free <= 0:
+                break
+            if r < len(run_keys):
+                k = run_keys[r]
+                first = k[3]
+                if first and first <= free:
+                    started.append(k)
+                    free -= first
+        # A job started now runs (or has finished) by the next decision: its key goes
+        # now, so that a short job that finishes before then leaves no stale key at the
+        # front. (Should it still wait with the same view, it is keyed again.)
+        waiting.forget(starting)
+        started.sort(key=_ARRIVAL_OF_KEY)
+        entries = []
+        for k in started:
+            e = _Entry(index[k[2]], (k[1], k[2]), length_aware=True)
+            e.count = k[3]
+            entries.append(e)
+        if free > 0:
+            _ready_for_stage_two(entries)
+            afs_l_stage_two_fast(entries, free)
+        return Decision(shares=_shares(entries))
+
+    def _decide_heap(self, view: ClusterView) -> Decision:
+        """:meth:`decide` with every job keyed afresh, taken from a heap."""
         jobs = view_arrival_order(view)
         keyed: list[tuple[float, int, int]] = []
         for rank, job in enumerate(jobs):
