@@ -97,6 +97,7 @@ Choices where the paper is silent or inexact (documented, deterministic):
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import itertools
 import math
@@ -387,8 +388,11 @@ def _length_key_at_first(job: JobView) -> _LengthKey:
     the same arithmetic."""
     first = _ladder(job)[1]
     remaining = job.remaining_iterations
-    p = throughput_at(job, first)
-    return (math.inf if remaining is None or p <= 0.0 else remaining / p, job.arrival_s, job.job_id, first)
+    if remaining is None or first <= 0:
+        return (math.inf, job.arrival_s, job.job_id, first)
+    curve = job.throughput  # throughput_at(job, first), inline
+    p = float(curve[first]) if first < len(curve) else float(curve[-1]) if len(curve) > 1 else 0.0
+    return (math.inf if p <= 0.0 else remaining / p, job.arrival_s, job.job_id, first)
 
 
 class _WaitingByLength:
@@ -514,7 +518,7 @@ class AFSL:
         if waiting is None:
             waiting = self._waiting = _WaitingByLength()
         run_keys = sorted(map(_length_key_at_first, running))
-        if not waiting.update(jobs, len(jobs) - len(running)) or any(k[0] != k[0] for k in run_keys):
+        if not waiting.update(jobs, len(jobs) - len(running)) or any(map(math.isnan, map(_FIRST, run_keys))):
             self._waiting = None  # a NaN length: the plain sort, without the kept keys
             return self._decide_literal(view)
         index = jobs_by_id(view)
@@ -527,7 +531,9 @@ class AFSL:
         # changed, runs now, or finished).
         j = 0
         starting: list[_LengthKey] = []  # kept keys of jobs started now
-        for r, end in enumerate([*(bisect.bisect_left(keys, k) for k in run_keys), len(keys)]):
+        ends = list(map(functools.partial(bisect.bisect_left, keys), run_keys))
+        ends.append(len(keys))
+        for r, end in enumerate(ends):
             while j < end and free > 0:
                 k = keys[j]
                 j += 1
@@ -555,14 +561,15 @@ class AFSL:
         # front. (Should it still wait with the same view, it is keyed again.)
         waiting.forget(starting)
         started.sort(key=_ARRIVAL_OF_KEY)
+        if free <= 0:  # no stage two: the smallest shares, in arrival order
+            return Decision(shares={k[2]: k[3] for k in started})
         entries = []
         for k in started:
             e = _Entry(index[k[2]], (k[1], k[2]), length_aware=True)
             e.count = k[3]
             entries.append(e)
-        if free > 0:
-            _ready_for_stage_two(entries)
-            afs_l_stage_two_fast(entries, free)
+        _ready_for_stage_two(entries)
+        afs_l_stage_two_fast(entries, free)
         return Decision(shares=_shares(entries))
 
     def _decide_heap(self, view: ClusterView) -> Decision:
