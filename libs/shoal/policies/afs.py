@@ -420,14 +420,17 @@ class _WaitingByLength:
         self.key_of: dict[str, _LengthKey] = {}
         """job id -> its recorded key (the valid one of its keys in :attr:`keys`)."""
 
-    def update(self, jobs: Sequence[JobView], waiting: int) -> bool:
-        """Key the waiting jobs whose view changed and drop the keys of the jobs that
-        changed or run now; False if a key is NaN (then the order is not total and the
-        caller decides without this list)."""
+    def changed(self, jobs: Sequence[JobView]) -> list[JobView]:
+        """The jobs whose view is not the one their key was made from (the running jobs
+        among them), found with C-level passes."""
+        views = self.views
+        return list(itertools.compress(jobs, map(operator.is_not, map(views.get, map(_JOB_ID, jobs)), jobs)))
+
+    def update(self, changed: Sequence[JobView], jobs: Sequence[JobView], waiting: int) -> bool:
+        """Key the waiting jobs among ``changed`` (:meth:`changed`) and drop the keys of
+        those that changed or run now; False if a key is NaN (then the order is not
+        total and the caller decides without this list)."""
         views, key_of = self.views, self.key_of
-        changed = list(
-            itertools.compress(jobs, map(operator.is_not, map(views.get, map(_JOB_ID, jobs)), jobs))
-        )
         gone: list[_LengthKey] = []
         fresh: list[_LengthKey] = []
         for job in changed:
@@ -494,8 +497,16 @@ class AFSL:
     which costs less than keeping keys on a short queue. Both take the same jobs in the
     same order."""
 
+    fresh_views_retry = 64
+    """While views come built afresh at every decision (the allocator service's), keeping
+    keys only adds work (every job is keyed and sorted anyway): after two such decisions
+    in a row, decisions take the heap and keep nothing, and every this many decisions
+    keeping is tried again."""
+
     def __init__(self) -> None:
         self._waiting: _WaitingByLength | None = None
+        self._afresh = 0
+        """Consecutive decisions whose views were mostly not the ones keys were made of."""
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Stage one by length at the smallest share, then stage two by eq. (3).
@@ -513,12 +524,19 @@ class AFSL:
         if len(jobs) < self.keep_keys_from:
             self._waiting = None
             return self._decide_heap(view)
-        running = list(itertools.compress(jobs, map(_JOB_CURRENT, jobs)))
         waiting = self._waiting
         if waiting is None:
             waiting = self._waiting = _WaitingByLength()
+        changed = waiting.changed(jobs)
+        self._afresh = self._afresh + 1 if 2 * len(changed) > len(jobs) else 0
+        if self._afresh >= 2 and self._afresh % self.fresh_views_retry:
+            self._waiting = None
+            return self._decide_heap(view)
+        running = list(itertools.compress(jobs, map(_JOB_CURRENT, jobs)))
         run_keys = sorted(map(_length_key_at_first, running))
-        if not waiting.update(jobs, len(jobs) - len(running)) or any(map(math.isnan, map(_FIRST, run_keys))):
+        if not waiting.update(changed, jobs, len(jobs) - len(running)) or any(
+            map(math.isnan, map(_FIRST, run_keys))
+        ):
             self._waiting = None  # a NaN length: the plain sort, without the kept keys
             return self._decide_literal(view)
         index = jobs_by_id(view)
