@@ -405,10 +405,13 @@ class _WaitingByLength:
     C-level passes over the queue, keys only those, and inserts them (``bisect``); the
     running jobs, whose remaining work changes all the time, are keyed afresh at every
     decision and never stored. A key is valid while it is the one recorded for its job,
-    and the job is in the view with that very view object; stale keys (a job that
-    changed or finished) stay in the list until it is compacted. Views built afresh at
-    every decision (the allocator service's) change every job, and the list is then
-    rebuilt and sorted; the walk, and so the decision, is the same either way.
+    and the job is in the view with that very view object. A job's key goes when its
+    view changes and when the policy starts it (:meth:`forget`); the key of a job that
+    left while waiting stays until the list is rebuilt (when stale keys would make it
+    more than twice the queue). Views built afresh at every decision (the allocator
+    service's) change every job, and the list is then rebuilt and sorted; the walk, and
+    so the decision, is the same either way (a NaN length, which has no order, takes
+    :meth:`AFSL._decide_literal` instead).
     """
 
     __slots__ = ("key_of", "keys", "views")
