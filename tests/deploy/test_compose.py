@@ -27,7 +27,9 @@ authorizer as identities of that job; an MQTT device submits with the user's
 MQTT password (and a wrong one is refused); one reconfiguration's trace reaches the trace
 receiver with spans of the allocator, the placer, the node daemon and
 the sidecar; Prometheus scrapes every service; killing the leading allocator's container
-makes the standby lead, and a job submitted after is scheduled and completes.
+makes the standby lead, and a job submitted after is scheduled and completes. Last, it
+adds the real-mode node of profile ``real`` (node-r, the shoal-train image, two CPU gloo
+slots) to the running stack and trains the shipped example on it to completion.
 """
 
 from __future__ import annotations
@@ -495,6 +497,84 @@ def test_killing_the_leading_allocator_makes_the_standby_lead(stack: Stack) -> N
     wait_for(f"{standby} to lead", lambda: leader() == standby, 90, 1.0)
     seen = _run_job_sync(stack, "compose-after-failover")
     assert seen[-1] == "job.completed", seen
+
+
+def test_a_real_job_trains_on_the_real_mode_node(stack: Stack) -> None:
+    """Profile ``real``: node-r, in the shoal-train image, joins the running stack as an
+    operator adds it (``--profile real up -d --no-deps node-r``). Its daemon runs in real
+    mode (``SHOAL_SIDECAR_MODE=real``) with two CPU (gloo) worker slots of type ``cpu``
+    (``SHOAL_REAL_FAKE_GPUS``: this host has no GPU). A job pinned to ``cpu`` whose
+    entrypoint is the shipped example (mounted at /opt/jobs, the one command admission
+    allows by default) trains for real: its progress reports carry a loss that falls,
+    and it checkpoints into the train-state volume. Last in this file: node-r stays up
+    and runs only jobs with an entrypoint."""
+    t0 = time.monotonic()
+    build = subprocess.run(
+        [str(ROOT / "deploy" / "compose" / "build.sh"), "shoal-train"],
+        env={**stack.env, "BASE": BASE_IMAGE, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    stack.timings["build_train_s"] = time.monotonic() - t0
+    stack.env.update(SHOAL_REAL_FAKE_GPUS="2", SHOAL_REAL_GPU_TYPE="cpu")
+    up = stack.compose("--profile", "real", "up", "-d", "--no-deps", "node-r", timeout=600)
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    job_id = "compose-real"
+    steps = 40
+    spec = ev.JobSpec(
+        user="alice",
+        min_gpus=1,
+        max_gpus=2,
+        requested_gpus=2,
+        total_iterations=steps,
+        global_batch_size=64,
+        gpu_type="cpu",
+        entrypoint=("python", "/opt/jobs/cnn_digits.py", "--max-steps", str(steps)),
+        env={"SHOAL_TRAIN_CHECKPOINT_EVERY": "20"},
+    )
+
+    async def run() -> list[ev.Envelope]:
+        creds = str(stack.creds / "user-alice.nk")
+        async with await Client.connect(stack.nats_url, "shoal", creds=creds) as client:
+            deadline = time.monotonic() + 180
+            while "node-r" not in await client.nodes():
+                assert time.monotonic() < deadline, "node-r did not register"
+                await asyncio.sleep(1.0)
+            await client.submit(spec, job_id=job_id)
+            seen: list[ev.Envelope] = []
+
+            async def follow() -> None:
+                async for env in client.job_events(job_id):
+                    seen.append(env)
+
+            await asyncio.wait_for(follow(), 600)
+            job = await client.status(job_id)
+            assert job.status == "completed", (job, [e.type for e in seen])
+            return seen
+
+    try:
+        seen = asyncio.run(run())
+    except BaseException:
+        print(stack.logs("node-r", tail=80), file=sys.stderr)
+        raise
+    stack.timings[job_id] = time.monotonic() - t0
+    progress = [e.event for e in seen if isinstance(e.event, ev.ProgressReported)]
+    losses = [p.loss for p in progress if p.loss is not None]
+    assert progress and {p.gpu_type for p in progress} == {"cpu"}, progress
+    assert len(losses) >= 2 and losses[-1] < losses[0] < 2.31, losses
+    assert max(p.iteration for p in progress) <= steps and seen[-1].type == "job.completed"
+    # The checkpoint is in the volume, written by the unprivileged user of the image.
+    out = subprocess.run(
+        ["podman", "volume", "inspect", "--format", "{{.Mountpoint}}", f"{stack.project}_train-state"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    written = [p for p in Path(out.stdout.strip()).rglob("*") if p.is_file() and job_id in str(p)]
+    assert written, sorted(str(p) for p in Path(out.stdout.strip()).rglob("*"))[:20]
 
 
 @pytest.mark.parametrize("service", sorted(NOT_STARTED))
