@@ -25,11 +25,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats
 import nkeys
 import pytest
 import yaml
-from shoal.auth import CredentialStore, identity_name
+from shoal.auth import CredentialStore, Identity, identity_name
 from shoal.k8s import (
     AUTH_SECRET,
     AUTHORIZER_SECRET,
@@ -206,7 +207,9 @@ def test_shoal_creds_k8s_keeps_seeds_and_adds_nodes(tmp_path: Path) -> None:
         "node-gpu-2.nk",
         "sidecar-gpu-2.nk",
     }
-    # The authorizer's Secret: its seeds, the issuer's, and every node's sidecar key.
+    # The authorizer's Secret: its seeds, the issuer's, and every identity's public key
+    # (the sidecar keys verify tokens; the others, gpu-2's node identity added by the
+    # second run included, are admitted by the callout before the servers restart).
     assert set(docs[AUTHORIZER_SECRET]["data"]) == {
         "authorizer.nk",
         "revoker.nk",
@@ -215,6 +218,10 @@ def test_shoal_creds_k8s_keeps_seeds_and_adds_nodes(tmp_path: Path) -> None:
     }
     manifest = base64.b64decode(docs[AUTHORIZER_SECRET]["data"]["identities.json"])
     assert all(k in manifest.decode() for k in CredentialStore(out).sidecar_keys().values())
+    everyone = CredentialStore(out).identities()
+    assert any(i.name == "node-gpu-2" for i in everyone)
+    assert msgspec.json.decode(manifest, type=list[Identity]) == everyone
+    assert not any(seed.strip() in manifest for seed in second.values())
     assert "auth_callout" in (out / "auth.conf").read_text()
 
 

@@ -15,8 +15,10 @@ objects the manifests in ``deploy/k8s`` mount (``docs/deploy.md``):
 ``shoal-creds-authorizer`` (with the callout)
     ``authorizer.nk``, ``revoker.nk`` (its system-account identity, which ends the
     connections of sidecars whose job left their node), ``callout-issuer.nk`` (the
-    account key the authorizer signs its answers with) and ``identities.json`` (the public keys of the ``sidecar-<id>``
-    identities, which verify the sidecar tokens): ``shoal run authorizer``'s alone.
+    account key the authorizer signs its answers with) and ``identities.json`` (every
+    identity's public key and MQTT password hash, no seed: the ``sidecar-<id>`` keys
+    verify the sidecar tokens, and the others let the callout admit an identity added
+    after the servers started, without restarting them): ``shoal run authorizer``'s alone.
 ``shoal-creds-nodes``
     ``node-<id>.nk`` and ``sidecar-<id>.nk`` of every node: a DaemonSet cannot mount a
     different Secret on each node, so every node daemon pod can read every node's seeds.
@@ -126,7 +128,9 @@ def secret_manifests(
     nodes = {f"{i.name}.nk": seeds[i.name] for i in idents if i.role in ("node", "sidecar")}
     out.append(_secret(NODES_SECRET, namespace, nodes))
     if callout_issuer_seed is not None:
-        keys = [i for i in idents if i.role in ("sidecar", "authorizer")]
+        # Every identity's public key (no seed): the sidecar keys verify sidecar tokens, and
+        # an identity added later is admitted by the callout before the servers list it.
+        keys = list(idents)
         files = {
             "authorizer.nk": seeds["authorizer"],
             f"{ISSUER}.nk": callout_issuer_seed,

@@ -24,7 +24,8 @@ only its own credentials; a node's sidecar seed is no user of the cluster and a 
 sidecar token is refused (auth callout); the streams have three replicas; a job submitted with a user's
 credentials through the published port completes, its sidecars admitted by the
 authorizer as identities of that job; an MQTT device submits with the user's
-MQTT password (and a wrong one is refused); one reconfiguration's trace reaches the trace
+MQTT password (and a wrong one is refused); a user added later by running nats-config
+again connects over NATS and MQTT while the servers keep running; one reconfiguration's trace reaches the trace
 receiver with spans of the allocator, the placer, the node daemon and
 the sidecar; Prometheus scrapes every service; killing the leading allocator's container
 makes the standby lead, and a job submitted after is scheduled and completes. Last, it
@@ -497,6 +498,70 @@ def test_killing_the_leading_allocator_makes_the_standby_lead(stack: Stack) -> N
     wait_for(f"{standby} to lead", lambda: leader() == standby, 90, 1.0)
     seen = _run_job_sync(stack, "compose-after-failover")
     assert seen[-1] == "job.completed", seen
+
+
+def _started_at(stack: Stack, services: list[str]) -> dict[str, str]:
+    out = subprocess.run(
+        ["podman", "inspect", "--format", "{{.State.StartedAt}}", *map(stack.container, services)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return dict(zip(services, out.stdout.split("\n"), strict=False))
+
+
+def test_a_user_added_later_connects_without_restarting_the_servers(stack: Stack) -> None:
+    """As the compose README says to add a user: run nats-config again with
+    ``SHOAL_USERS=alice,bob``. The servers keep running (their configuration does not
+    list bob), and bob connects at once over NATS with his seed and over MQTT with his
+    password: the auth callout asks the authorizer, which admits him from the manifest
+    nats-config rewrote. A stranger is still refused."""
+    import aiomqtt
+
+    servers = ["nats-1", "nats-2", "nats-3"]
+    before = _started_at(stack, servers)
+    stack.env["SHOAL_USERS"] = "alice,bob"
+    try:
+        rerun = stack.compose("run", "--rm", "--no-deps", "nats-config", timeout=300)
+    finally:
+        del stack.env["SHOAL_USERS"]
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    out = subprocess.run(
+        ["podman", "volume", "inspect", "--format", "{{.Mountpoint}}", f"{stack.project}_operator-creds"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    operator = Path(out.stdout.strip())
+    shutil.copyfile(operator / "user-bob.nk", stack.creds / "user-bob.nk")
+    (stack.creds / "user-bob.nk").chmod(0o600)
+    password = (operator / "user-bob.mqtt").read_text().strip()
+
+    async def as_bob() -> int:
+        creds = str(stack.creds / "user-bob.nk")
+        async with await Client.connect(stack.nats_url, "shoal", creds=creds) as client:
+            return len(await client.nodes())
+
+    assert asyncio.run(as_bob()) >= 2  # bob reads the cluster: node-a and node-b
+
+    async def mqtt_login(secret: str) -> None:
+        async with aiomqtt.Client(
+            "127.0.0.1",
+            stack.mqtt_port,
+            protocol=aiomqtt.ProtocolVersion.V311,
+            username="bob",
+            password=secret,
+        ):
+            pass
+
+    asyncio.run(mqtt_login(password))
+    with pytest.raises(aiomqtt.MqttError):
+        asyncio.run(mqtt_login(password + "x"))
+    assert _started_at(stack, servers) == before, "a NATS server was restarted"
+    logs = stack.logs("authorizer", tail=400)
+    assert "allowed user-bob" in logs and "allowed user-bob (mqtt)" in logs, logs[-3000:]
 
 
 def test_a_real_job_trains_on_the_real_mode_node(stack: Stack) -> None:

@@ -216,6 +216,13 @@ def test_nats_config_writes_valid_server_configs_and_keeps_seeds(tmp_path: Path)
     assert f"route:{password}@nats-1:6222" in text and f'password: "{password}"' in text
     bob = next(i for i in CredentialStore(out / "operator").identities() if i.subject == "bob")
     assert bob.public_key in text
+    # The authorizer's manifest: every identity (bob too, with his MQTT password's hash),
+    # so the callout admits one the running servers do not list yet; public keys only.
+    everyone = [*services.identities(), *CredentialStore(out / "operator").identities()]
+    assert authorizer.identities() == sorted(everyone, key=lambda i: i.name)
+    assert bob in authorizer.identities() and bob.mqtt_password_hash
+    manifest = (out / "creds.d/authorizer/identities.json").read_bytes()
+    assert not any(seed.strip() in manifest for seed in seeds.values())
     check = subprocess.run(
         [find_nats_server(), "-c", str(conf), "-t"], capture_output=True, text=True, timeout=30
     )

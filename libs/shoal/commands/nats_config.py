@@ -23,8 +23,10 @@ It writes three directories, each readable by its owner only:
     The same seeds again, one directory per container that needs them: each service's
     own (``admission/admission.nk``, ...) and, for each node, its daemon's and its
     sidecars' (``node-<n>/node-<n>.nk`` and ``sidecar-<n>.nk``) and the authorizer's
-    (``authorizer/authorizer.nk``, ``revoker.nk``, ``callout-issuer.nk`` and ``identities.json`` with the
-    public keys of the ``sidecar-<n>`` identities, which verify the sidecar tokens). The
+    (``authorizer/authorizer.nk``, ``revoker.nk``, ``callout-issuer.nk`` and ``identities.json``
+    with every identity's public key and MQTT password hash, no seed: the ``sidecar-<n>``
+    keys verify the sidecar tokens, and the others let the callout admit an identity the
+    running servers do not list yet). The
     compose stack gives each container a volume with its directory only, so a service
     that is broken into holds its own identity and no other (``DIR/creds`` is then
     mounted by no service).
@@ -41,10 +43,15 @@ report for any job.
 ``--password-file PATH`` also makes a random password in ``PATH`` (e.g. the compose
 stack's Grafana admin password).
 
-Running it again keeps every seed and password it made before and adds what is new, so
-the servers' configuration can be regenerated (then have each server reload it: SIGHUP;
-with the callout, a new identity changes ``auth_users``, which nats-server does not
-reload: restart the servers one at a time instead).
+Running it again keeps every seed and password it made before and adds what is new.
+With the callout (and ``--split``), a new user or node connects at once, without
+touching the servers: it is not in their running configuration, so the server asks the
+callout, and ``shoal run authorizer`` admits it by its nkey (or MQTT password) from the
+``identities.json`` it reads at each request, with its role's permissions (as ``shoal
+creds add`` under ``shoal up``). The servers list it statically from their next restart
+(nats-server does not reload a changed ``auth_callout`` block, so a changed password
+of an existing identity still needs the servers restarted one at a time). Without the
+callout, have each server reload its regenerated configuration (SIGHUP).
 """
 
 from __future__ import annotations
@@ -158,8 +165,11 @@ def _run(args: argparse.Namespace) -> int:
             for name in names:
                 _write_private(target / f"{name}.nk", services.path(name).read_bytes())
             if group == "authorizer":
-                # The public keys that verify sidecar tokens (CredentialStore.sidecar_keys).
-                keys = [i for i in services.identities() if i.role in ("sidecar", "authorizer")]
+                # Every identity's public key (and MQTT password hash), no seed: the
+                # sidecar keys verify sidecar tokens (CredentialStore.sidecar_keys), and an
+                # identity added by running this again is admitted by the callout until the
+                # servers next start with it listed (auth.callout_admits): no restart.
+                keys = [*services.identities(), *operator.identities()]
                 _write_private(target / MANIFEST, msgspec.json.format(msgspec.json.encode(keys)))
     route_password = _secret(dirs["server"] / "route.password")
     for path in args.password_file:
