@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.events import Envelope, TradeExecuted, TradeUndone
-from shoal.fairness.policy import GandivaFairPolicy
+from shoal.fairness.policy import SUSPEND_RESUME, GandivaFairPolicy
 from shoal.fairness.timeline import Timeline, UserFairness, build_timeline, user_fairness, windows
 from shoal.fairness.workloads import (
     SECTION55_GPUS,
@@ -62,9 +62,11 @@ from shoal.workloads import TraceJob
 
 CLUSTER = dict(SECTION55_GPUS)
 GPUS_PER_NODE = 4
-#: Gandiva_fair §4: suspend/resume 100-250 ms, migration mostly hidden by preload;
-#: CoDDL §4.3: shrink and the switch after expansion take milliseconds.
-COSTS = ReconfigCosts(name="gandiva", start_s=0.25, scale_out_s=0.05, scale_in_s=0.05, migrate_s=0.25)
+#: Gandiva_fair's own costs (shoal.fairness.policy.SUSPEND_RESUME, the policy's default):
+#: §4, suspend/resume 100-250 ms and a move to other GPUs (in place, or to disjoint ones: a
+#: checkpoint-restart) 0.25 s, its set-up hidden by preload; CoDDL §4.3: shrink and the
+#: switch after expansion take milliseconds.
+COSTS: ReconfigCosts = SUSPEND_RESUME
 WINDOW_S = 4 * 3600.0
 SHARE_WINDOW_S = 600.0
 #: A user whose 0-4 h progress ratio can be at most this (work left) is "bounded by its work".
@@ -775,8 +777,9 @@ def main(argv: list[str] | None = None) -> int:
         f"- Cluster: {CLUSTER['k80']} K80 + {CLUSTER['p100']} P100 + {CLUSTER['v100']} V100, "
         f"servers of {GPUS_PER_NODE} GPUs of one generation (`SimConfig.cluster`), placement on. "
         "Every user holds 100 tickets (`SimConfig.users`).",
-        f"- Reconfiguration costs (`{COSTS.name}`): start/resume {COSTS.start_s} s and migration "
-        f"{COSTS.migrate_s} s (Gandiva_fair §4: suspend/resume 100-250 ms, migration hidden by preload), "
+        f"- Reconfiguration costs (`{COSTS.name}`, Gandiva_fair's own): start/resume {COSTS.start_s} s, "
+        f"migration {COSTS.migrate_s} s and a move to disjoint GPUs (checkpoint-restart) "
+        f"{COSTS.restart_s} s (Gandiva_fair §4: suspend/resume 100-250 ms, migration hidden by preload), "
         f"scale-out/in {COSTS.scale_out_s} s (CoDDL §4.3). The same model for every policy.",
         "- Policies, all called by the simulator through the `Policy` interface: `GandivaFairPolicy` "
         "(`shoal.fairness.policy`, 60 s quantum, trading on or off; `spill` hands out capacity that "

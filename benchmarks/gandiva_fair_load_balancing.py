@@ -34,15 +34,17 @@ from pathlib import Path
 from typing import Any
 
 from shoal import events as ev
-from shoal.fairness.policy import GandivaFairPolicy
+from shoal.fairness.policy import SUSPEND_RESUME, GandivaFairPolicy
 from shoal.models import ThroughputCurve
 from shoal.sim import SimConfig, Simulator
 from shoal.sim.costs import ReconfigCosts
 from shoal.workloads import TraceJob, make_job
 
 HORIZON_S = 4 * 3600.0
-COSTS = ReconfigCosts(name="gandiva", start_s=0.25, scale_out_s=0.05, scale_in_s=0.05, migrate_s=0.25)
-"""Gandiva_fair §4: suspend/resume 100-250 ms, migration hidden by preload (as
+COSTS: ReconfigCosts = SUSPEND_RESUME
+"""Gandiva_fair's own costs (§4, :data:`shoal.fairness.policy.SUSPEND_RESUME`, the policy's
+default): suspend/resume 0.25 s, and a move to other GPUs, in place or to disjoint ones
+(a checkpoint-restart), 0.25 s, its set-up hidden by preload (as
 ``benchmarks/fairness_heterogeneity.py``)."""
 CLASSES = ((1, 62), (2, 3), (4, 3), (8, 2))
 """(job size, number of users) of §5.3."""
@@ -164,8 +166,10 @@ def report(seed: int, on: dict[str, Any], off: dict[str, Any], wall: float) -> s
         "so that only the 8-GPU jobs finish inside the 4 h window (1 h at their request).",
         "- `GandivaFairPolicy` with 60 s quanta; its node choice, balance (eq. (2), threshold 25 %) and "
         "packing migrations are carried out by the shared placement step (`shoal.allocation.place` → "
-        "`shoal.placement.hinted`), the same the placer service runs. Reconfiguration costs: "
-        "start/resume and migration 0.25 s (Gandiva_fair §4), resizes 0.05 s.",
+        "`shoal.placement.hinted`), the same the placer service runs. Reconfiguration costs "
+        f"(`{COSTS.name}`, the policy's own): start/resume {COSTS.start_s} s, a move {COSTS.migrate_s} s "
+        f"(to disjoint GPUs, a checkpoint-restart: {COSTS.restart_s} s) (Gandiva_fair §4), resizes "
+        f"{COSTS.scale_out_s} s.",
         "- Fair share of a class: Σ over its active jobs of 48 × tickets / Σ active tickets, "
         "time-averaged over the window. GPUs held: from the `PlacementDecided` events.",
         "",

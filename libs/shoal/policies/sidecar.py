@@ -52,7 +52,9 @@ Choices where the paper leaves room (NOTES §4.5), each a defensible reading:
   reshaped in this decision is not a victim again in the same decision.
 * SideCar is length-aware (it knows epochs, §III.C). A job with unknown remaining work
   is taken to need as much again as it has done (at least one iteration).
-* GPU types and hosts are not modelled (NOTES §4.5 item 2): the placer decides where.
+* GPU types and placement are not modelled (NOTES §4.5 item 2): the placer decides
+  where. Hosts enter only through the cross-host cost above, counted from the GPU
+  count (``ceil(N / gpus_per_node)``), not from where the job runs.
 
 Memory: none is needed; the decision depends on the view alone.
 """

@@ -3,7 +3,10 @@
 The simulator (:mod:`shoal.sim.engine`), SideCar's predictions
 (:mod:`shoal.policies.sidecar`) and the reports all charge a change through
 :func:`charge`, so a planner and ``shoal simulate`` given the same
-:class:`ReconfigCosts` agree by construction.
+:class:`ReconfigCosts` agree by construction. Which :class:`ReconfigCosts` a run uses
+is the caller's: the presets below, or another instance (Gandiva_fair's own
+suspend/resume costs, :data:`shoal.fairness.policy.SUSPEND_RESUME`, its default and
+what its two reports use).
 
 Kinds (``classify``; the vocabulary of ``train/controller.py``'s ``_classify``):
 
