@@ -273,7 +273,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     finally:
         t2 = time.monotonic()
         if os.environ.get("SHOAL_KEEP_STACK") != "1":
-            s.compose("down", "-v", "-t", "5", timeout=600)
+            # With profile real, or podman-compose leaves node-r (and its volumes and the
+            # network) behind.
+            s.compose("--profile", "real", "down", "-v", "-t", "5", timeout=600)
         print(
             f"\ncompose stack timings: build {s.timings.get('build_s', 0):.0f} s, "
             f"up {s.timings.get('up_s', 0):.0f} s, down {time.monotonic() - t2:.0f} s",
