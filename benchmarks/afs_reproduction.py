@@ -647,7 +647,13 @@ def _topology_section(
             lost = cell.outcome.summary.get("lost_gpu_s") if cell is not None and cell.outcome.ok else None
             row.append(f"{lost / 3600:,.1f}" if isinstance(lost, int | float) else "—")
         lines.append(f"| {ids[vc]} | {vc} | " + " | ".join(row) + " |")
-    lines.append("")
+    lines += [
+        "",
+        "These rows charged AFS §4.3's `coddl` milliseconds before the one cost model (issue 23). What the "
+        "`measured` costs changed, cell by cell against `coddl`: [cost_models.md](cost_models.md) "
+        "(`python benchmarks/cost_models.py`, six of these VCs).",
+        "",
+    ]
     return lines
 
 
