@@ -139,6 +139,17 @@ class Stack:
     def container(self, service: str) -> str:
         return f"{self.project}_{service}_1"
 
+    def volume(self, name: str) -> Path:
+        """Where the stack's volume ``name`` lies on the host."""
+        out = subprocess.run(
+            ["podman", "volume", "inspect", "--format", "{{.Mountpoint}}", f"{self.project}_{name}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return Path(out.stdout.strip())
+
     def query(self, promql: str) -> list[dict[str, Any]]:
         url = f"{self.prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
         answer = _http_json(url)
@@ -248,14 +259,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         up = s.compose("up", "-d", *STARTED, timeout=900)
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
         # The operator's seeds (admin, users) are in a volume no long-running service mounts.
-        out = subprocess.run(
-            ["podman", "volume", "inspect", "--format", "{{.Mountpoint}}", f"{project}_operator-creds"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-        shutil.copytree(out.stdout.strip(), s.creds)
+        shutil.copytree(s.volume("operator-creds"), s.creds)
         try:
             # Ready, not only scraped: a service serves /metrics while it still waits for
             # NATS (SHOAL_CONNECT_WAIT_S), and says shoal_ready 0 until it has caught up.
@@ -358,15 +362,8 @@ def test_each_container_holds_only_its_own_seeds(stack: Stack) -> None:
 def test_a_node_s_sidecar_seed_is_no_user_of_the_cluster(stack: Stack, tmp_path: Path) -> None:
     """With the auth callout the sidecar-<node> seed only signs tokens: a connection with
     it (no token) is refused, as is a token signed by a key the cluster does not know."""
-    out = subprocess.run(
-        ["podman", "volume", "inspect", "--format", "{{.Mountpoint}}", f"{stack.project}_creds-node-a"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
     seed = tmp_path / "sidecar-node-a.nk"
-    shutil.copyfile(Path(out.stdout.strip()) / "sidecar-node-a.nk", seed)
+    shutil.copyfile(stack.volume("creds-node-a") / "sidecar-node-a.nk", seed)
     seed.chmod(0o600)
     assert asyncio.run(_refused(stack.nats_url, str(seed)))
     import nkeys
@@ -529,14 +526,7 @@ def test_a_user_added_later_connects_without_restarting_the_servers(stack: Stack
     finally:
         del stack.env["SHOAL_USERS"]
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-    out = subprocess.run(
-        ["podman", "volume", "inspect", "--format", "{{.Mountpoint}}", f"{stack.project}_operator-creds"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    operator = Path(out.stdout.strip())
+    operator = stack.volume("operator-creds")
     shutil.copyfile(operator / "user-bob.nk", stack.creds / "user-bob.nk")
     (stack.creds / "user-bob.nk").chmod(0o600)
     password = (operator / "user-bob.mqtt").read_text().strip()
@@ -633,15 +623,9 @@ def test_a_real_job_trains_on_the_real_mode_node(stack: Stack) -> None:
     assert len(losses) >= 2 and losses[-1] < losses[0] < 2.31, losses
     assert max(p.iteration for p in progress) <= steps and seen[-1].type == "job.completed"
     # The checkpoint is in the volume, written by the unprivileged user of the image.
-    out = subprocess.run(
-        ["podman", "volume", "inspect", "--format", "{{.Mountpoint}}", f"{stack.project}_train-state"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    written = [p for p in Path(out.stdout.strip()).rglob("*") if p.is_file() and job_id in str(p)]
-    assert written, sorted(str(p) for p in Path(out.stdout.strip()).rglob("*"))[:20]
+    state = stack.volume("train-state")
+    written = [p for p in state.rglob("*") if p.is_file() and job_id in str(p)]
+    assert written, sorted(str(p) for p in state.rglob("*"))[:20]
 
 
 @pytest.mark.parametrize("service", sorted(NOT_STARTED))
