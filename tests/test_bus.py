@@ -123,6 +123,27 @@ async def test_leader_lease_is_exclusive_and_expires(bus: Bus) -> None:
     assert await a.try_acquire()
 
 
+async def test_a_lease_write_nobody_answers_is_no_lease_and_no_crash(bus: Bus) -> None:
+    """While the bucket's stream has no leader (here: no stream at all) a lease write
+    meets no responders: acquiring and renewing say no instead of raising, so a service
+    starting against a forming cluster keeps campaigning, and a leader stops leading."""
+    from shoal.bus import Campaign
+
+    a = Campaign(await bus.lease("profiler", "a", ttl_s=1.0))
+    assert await a.poll() == "elected"
+    await bus.js.delete_stream(f"KV_{a.lease.kv._name}")
+    a.next_due = 0.0
+    assert await a.poll() == "lost" and not a.is_leader
+    a.next_due = 0.0
+    assert await a.poll() is None and not a.is_leader
+    # Once the bucket is back, the next poll leads again.
+    b = await bus.lease("profiler", "b", ttl_s=1.0)
+    assert await b.try_acquire()
+    await b.release()
+    a.next_due = 0.0
+    assert await a.poll() == "elected"
+
+
 async def test_campaign_paused_past_its_ttl_is_no_leader_before_it_polls(bus: Bus) -> None:
     from shoal.bus import Campaign
 

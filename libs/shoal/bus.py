@@ -1438,6 +1438,10 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     """Version of the encoding of ``state`` (see ``shoal.projection.SNAPSHOT_SCHEMA``)."""
 
 
+_UNANSWERED = (nats.js.errors.NoStreamResponseError, nats.errors.TimeoutError)
+"""A lease write nobody answered (see :class:`LeaderLease`)."""
+
+
 class LeaderLease:
     """A lease in a KV bucket whose entries expire after ``ttl_s``.
 
@@ -1445,6 +1449,14 @@ class LeaderLease:
     ``renew`` updates it only at the revision we wrote (compare-and-set), so two
     holders can never both believe they lead. Renew well inside the TTL (every
     ``ttl_s / 3``); a holder that cannot renew must stop acting as leader.
+
+    A write the bucket does not answer (no responders while a cluster elects the
+    bucket's stream leader, or a timeout) counts as not acquired / not renewed, and the
+    next poll tries again: the caller never leads on a write it has no answer for, and
+    does not die of a cluster that is still forming (a profiler did, at the compose
+    stack's start). A create or update that was stored although its answer was lost
+    leaves the key naming this holder at a revision it does not know: it cannot renew
+    it, nobody else can create it, and the key expires after ``ttl_s``.
     """
 
     def __init__(self, kv: Any, name: str, holder: str, ttl_s: float) -> None:
@@ -1466,6 +1478,9 @@ class LeaderLease:
             return True
         except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError):
             return False
+        except _UNANSWERED as exc:
+            log.warning("lease_unanswered", lease=self.name, error=type(exc).__name__)
+            return False
 
     async def renew(self) -> bool:
         if self.revision is None:
@@ -1474,6 +1489,10 @@ class LeaderLease:
             self.revision = await self.kv.update(self.name, self.holder.encode(), last=self.revision)
             return True
         except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError):
+            self.revision = None
+            return False
+        except _UNANSWERED as exc:
+            log.warning("lease_unanswered", lease=self.name, error=type(exc).__name__)
             self.revision = None
             return False
 

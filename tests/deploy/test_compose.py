@@ -190,7 +190,9 @@ class Stack:
             parts.append(f"prometheus targets: {exc!r}")
         for service in STARTED:
             lines = self.logs(service).splitlines()[-15:]
-            parts.append(f"--- {service} ---\n" + "\n".join(line[:400] for line in lines))
+            # A traceback (structlog's "exception" field) whole: it names where it failed.
+            shown = (line if '"exception"' in line else line[:400] for line in lines)
+            parts.append(f"--- {service} ---\n" + "\n".join(shown))
         return "\n".join(parts)
 
 
