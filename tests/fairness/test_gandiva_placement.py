@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
 from shoal import events as ev
 from shoal.allocation import place
 from shoal.fairness.policy import SUSPEND_RESUME, GandivaFairPolicy
@@ -138,3 +140,68 @@ def test_shoals_checkpoint_restart_starves_a_gang_bigger_than_the_quantum_allows
     assert result.summary["completed"] == 0
     with pytest.raises(ValueError, match="plans with 'suspend-resume' costs"):
         Simulator([], GandivaFairPolicy(), SimConfig(total_gpus=4, gpus_per_node=4, costs=measured()))
+
+
+@hs.composite
+def _workloads(draw: hs.DrawFn) -> tuple[list[Any], SimConfig]:
+    per_node = draw(hs.sampled_from((2, 4, 8)))
+    nodes = draw(hs.integers(1, 3))
+    total = per_node * nodes
+    curve = ThroughputCurve(
+        model="m", gpu_type="gpu", throughput=tuple(float(k) ** 0.9 for k in range(total + 1))
+    )
+    users = {f"u{i}": draw(hs.sampled_from((100, 200, 400))) for i in range(draw(hs.integers(1, 3)))}
+    jobs = [
+        make_job(
+            f"j{i}",
+            float(draw(hs.integers(0, 600))),
+            float(draw(hs.integers(60, 1800))),
+            draw(hs.integers(1, total)),
+            curve,
+            user=draw(hs.sampled_from(sorted(users))),
+            elastic=False,
+        )
+        for i in range(draw(hs.integers(1, 8)))
+    ]
+    return jobs, SimConfig(total_gpus=total, gpus_per_node=per_node, users=users)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload=_workloads())
+def test_every_gang_gandiva_fair_schedules_runs_whole(workload: tuple[list[Any], SimConfig]) -> None:
+    """What to build, packing: "a gang it schedules is a gang that runs". Every job with
+    a share in a decision is placed, whole, by the placement of that decision: gangs of
+    any size on servers of 2, 4 and 8 GPUs, time-sliced, suspended and resumed."""
+    jobs, cfg = workload
+    sim = Simulator(jobs, GandivaFairPolicy(), cfg)
+    result = sim.run()
+    assert result.summary["completed"] == len(jobs)
+    # The engine emits a placement only when it changes: a decision without one keeps
+    # the placement in force.
+    in_force: dict[str, int] = {}
+    pending: tuple[int, dict[str, int]] | None = None
+    checked = 0
+
+    sizes = {j.job_id: j.spec.requested_gpus for j in jobs}
+
+    def check(scheduled: dict[str, int]) -> None:
+        nonlocal checked
+        assert {j: sizes[j] for j in scheduled} == scheduled, "a gang scheduled at another size"
+        assert {j: in_force.get(j, 0) for j in scheduled} == scheduled, (scheduled, in_force)
+        checked += 1
+
+    for e in (env.event for env in sim.log.envelopes):
+        if isinstance(e, ev.SharesDecided):
+            if pending is not None:
+                check(pending[1])
+            pending = (e.epoch, {j: s for j, s in e.shares.items() if s > 0})
+        elif isinstance(e, ev.PlacementDecided):
+            in_force = {j: len(g) for j, g in e.placements.items()}
+            assert pending is not None and e.epoch == pending[0]
+            assert set(in_force) == set(pending[1]), (in_force, pending)
+            check(pending[1])
+            pending = None
+    if pending is not None:
+        check(pending[1])
+    assert checked > 0
+    assert sim.unplaced_decisions == 0
