@@ -26,7 +26,12 @@ Choices a production user would expect:
 * ``--nodes 0`` starts no node daemon (run real ones with ``shoal run node-daemon``);
 * every child serves ``/healthz``, ``/readyz`` and ``/metrics`` (:mod:`shoal.probes`) on a
   port of its own (:func:`probe_ports`), printed as one ``probes:`` line per child and
-  recorded under ``metrics`` in ``up.json``.
+  recorded under ``metrics`` in ``up.json``;
+* ``running`` is printed once every child answers ``/readyz`` with 200
+  (:func:`wait_ready`: caught up with the log, its role known), so a command run after
+  that line finds admission answering. A child still not ready after
+  :data:`READY_TIMEOUT_S` is named on stderr (with its ``/readyz`` reason) and the
+  installation runs on: the supervisor keeps restarting a crashing child either way.
 """
 
 from __future__ import annotations
@@ -139,6 +144,45 @@ def _front(args: argparse.Namespace, settings: Any) -> int:
         args.gpu_type,
     ]
     return run_in_session(argv, settings)
+
+
+READY_TIMEOUT_S = 60.0
+"""How long `shoal up` waits for every child's ``/readyz`` before it says ``running``."""
+
+
+def _readyz(base: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base + "/readyz", timeout=2.0) as r:
+            return int(r.status), r.read().decode(errors="replace").strip()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode(errors="replace").strip()
+    except OSError as exc:
+        return 0, f"no answer ({exc})"
+
+
+async def wait_ready(probes: dict[str, str], timeout_s: float, stop: asyncio.Event) -> dict[str, str]:
+    """Poll every child's ``/readyz`` until all answer 200, ``timeout_s`` passes or
+    ``stop`` is set. Returns the children not ready then, with the reason each gave."""
+    pending = dict(probes)
+    reasons: dict[str, str] = {}
+    deadline = time.monotonic() + timeout_s
+    while pending and not stop.is_set():
+        names = list(pending)
+        answers = await asyncio.gather(*(asyncio.to_thread(_readyz, pending[n]) for n in names))
+        for name, (status, body) in zip(names, answers, strict=True):
+            if status == 200:
+                del pending[name]
+                reasons.pop(name, None)
+            else:
+                reasons[name] = body or f"HTTP {status}"
+        if not pending or time.monotonic() >= deadline:
+            break
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.2)
+    return {n: reasons.get(n, "not asked") for n in pending}
 
 
 class Installation:
@@ -527,6 +571,13 @@ async def _up(args: argparse.Namespace, settings: Any) -> int:
             print(f"state dir: {state_dir}")
             if inst.admin_creds:
                 print(f"credentials: {Path(inst.admin_creds).parent} (admin: {inst.admin_creds})")
+            late = await wait_ready(inst.metrics, READY_TIMEOUT_S, stop)
+            for name, reason in sorted(late.items() if not stop.is_set() else ()):
+                print(
+                    f"shoal up: {name} not ready after {READY_TIMEOUT_S:g} s: {reason}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             print("running; Ctrl-C to stop", flush=True)
             await stop.wait()
             print("stopping …", flush=True)
