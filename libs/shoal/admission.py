@@ -33,6 +33,7 @@ from collections.abc import Collection
 from msgspec import Struct
 
 from shoal import events as ev
+from shoal.admin_commands import SetUserLimits
 from shoal.state import FINISHED_STATUSES, ClusterState
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -205,7 +206,10 @@ def decide_submit(state: ClusterState, cmd: ev.SubmitJob, job_id: str, limits: L
         return refusal
     user = state.users.get(spec.user)
     if limits.enforce_users and (user is None or not user.registered):
-        return Rejected("unknown_user", f"user {spec.user!r} is not registered")
+        message = (
+            f"user {spec.user!r} is not registered (an admin registers it with `shoal limits {spec.user}`)"
+        )
+        return Rejected("unknown_user", message, (message,))
     max_jobs, max_gpus = user_limits(state, spec.user, limits)
     if max_jobs or max_gpus:
         active = [
@@ -232,6 +236,27 @@ def decide_cancel(state: ClusterState, cmd: ev.CancelJob) -> Accepted | Rejected
     if job.status in FINISHED_STATUSES:
         return Accepted(None, cmd.job_id, duplicate=True)
     return Accepted(ev.JobCancelled(job_id=cmd.job_id, reason=cmd.reason or "cancelled by user"), cmd.job_id)
+
+
+def decide_set_user_limits(state: ClusterState, cmd: SetUserLimits) -> Accepted | Rejected:
+    """A user's quota becomes its ``UserRegistered`` event: the limits given, the
+    current ones where the command leaves a field out, and the user's tickets as they
+    are (the event's default for a user never seen). Jobs already admitted are not
+    touched by a lower limit; it applies to the next submission (as a quota that
+    shrinks under running work does in Kueue, which preempts nothing for it either)."""
+    if cmd.max_active_jobs is None and cmd.max_gpus is None:
+        message = "set max_active_jobs, max_gpus or both (0: no limit)"
+        return Rejected("invalid_command", message, (message,))
+    user = state.users.get(cmd.user)
+    max_jobs = (
+        cmd.max_active_jobs if cmd.max_active_jobs is not None else (user.max_active_jobs if user else 0)
+    )
+    max_gpus = cmd.max_gpus if cmd.max_gpus is not None else (user.max_gpus if user else 0)
+    if user is not None and user.registered and (user.max_active_jobs, user.max_gpus) == (max_jobs, max_gpus):
+        return Accepted(None, cmd.user, duplicate=True)
+    tickets = user.tickets if user is not None else ev.UserRegistered(user=cmd.user).tickets
+    event = ev.UserRegistered(user=cmd.user, tickets=tickets, max_active_jobs=max_jobs, max_gpus=max_gpus)
+    return Accepted(event, cmd.user)
 
 
 def decide_set_tickets(state: ClusterState, cmd: ev.SetTickets) -> Accepted | Rejected:

@@ -231,7 +231,12 @@ async def _command(
 ) -> tuple[bool, str]:
     """A command on ``cmd.<command>.<sender>``: refused by the server or by admission,
     unless the event it would cause landed in the log."""
-    caused = {"submit_job": "job.*.submitted", "cancel_job": "job.*.cancelled", "set_tickets": "user.*.>"}
+    caused = {
+        "submit_job": "job.*.submitted",
+        "cancel_job": "job.*.cancelled",
+        "set_tickets": "user.*.>",
+        "set_user_limits": "user.*.>",
+    }
     watch = f"{t.prefix}.{caused[command]}"
     before = await _log_size(t, watch)
     conn = await _Conn.open(t.url, creds)
@@ -557,6 +562,17 @@ def attacks(t: Target) -> list[Attack]:
                 "set_tickets",
                 user.removeprefix("user-"),
                 {"type": "cmd.set_tickets", "user": user.removeprefix("user-"), "tickets": 10**9},
+            ),
+        ),
+        (
+            "lift own quota",
+            user,
+            lambda t: _command(
+                t,
+                t.user,
+                "set_user_limits",
+                user.removeprefix("user-"),
+                {"type": "cmd.set_user_limits", "user": user.removeprefix("user-"), "max_active_jobs": 10**6},
             ),
         ),
         (

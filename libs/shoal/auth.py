@@ -110,7 +110,7 @@ ISSUER = "callout-issuer"
 ADMIN_TOKEN = "@admin"
 """Command-subject token of the admin: acts for any user (not a valid user name)."""
 
-COMMANDS = ("submit_job", "cancel_job", "set_tickets")
+COMMANDS = ("submit_job", "cancel_job", "set_tickets", "set_user_limits")
 
 QUERY_REPLY_PARTS = 64
 """Messages admission may send in answer to one request (:data:`shoal.queries.MAX_PARTS`)."""
@@ -560,7 +560,7 @@ def authorize_command(cmd: ev.Command, sender: str, job_owner: str | None = None
     Rules: the admin (``@admin``) may send anything. A user submits only as itself
     (``user_mismatch``), cancels only its own jobs (``not_owner``; ``job_owner`` is the
     job's user, None for an unknown job, which admission reports itself), and may
-    not set tickets (``forbidden``)."""
+    not set tickets or limits (``forbidden``)."""
     if sender == ADMIN_TOKEN:
         return None
     if isinstance(cmd, ev.SubmitJob):

@@ -8,7 +8,7 @@
         async for env in client.job_events(job_id):
             print(env.type)
 
-Commands (``submit``, ``cancel``, ``set_tickets``) go to the admission service by
+Commands (``submit``, ``cancel``, ``set_tickets``, ``set_user_limits``) go to the admission service by
 request/reply, which validates them and answers with the job id or a rejection;
 :class:`CommandError` carries the rejection's ``code`` and one message per problem,
 and a rejected command changed nothing. Reads (``jobs``, ``status``, ``nodes``,
@@ -40,6 +40,7 @@ import nats.js.errors
 from shoal import codec, queries
 from shoal import events as ev
 from shoal import state as st
+from shoal.admin_commands import SetUserLimits
 from shoal.admission import DEADLINE_HEADER
 from shoal.auth import ADMIN_TOKEN, user_of_creds
 from shoal.bus import Batch, Bus, Header
@@ -344,6 +345,21 @@ class Client:
     async def set_tickets(self, user: str, tickets: int) -> ev.CommandAccepted:
         """Set a user's tickets (their weight in fair sharing)."""
         return await self.command(ev.SetTickets(user=user, tickets=tickets))
+
+    async def set_user_limits(
+        self, user: str, *, max_active_jobs: int | None = None, max_gpus: int | None = None
+    ) -> ev.CommandAccepted:
+        """Set a user's quota (admin only): the most active jobs and the most GPUs
+        (sum of ``min_gpus``) its active jobs may ask for; 0 means the installation's
+        default, None keeps the current value. This registers the user.
+
+        Raises:
+            CommandError: ``forbidden`` unless sent as the admin; ``invalid_command``
+                when neither limit is given.
+        """
+        return await self.command(
+            SetUserLimits(user=user, max_active_jobs=max_active_jobs, max_gpus=max_gpus)
+        )
 
     # -- reads -------------------------------------------------------------------------
 

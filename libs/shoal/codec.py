@@ -10,10 +10,10 @@ from typing import Any
 
 import msgspec
 
+from shoal.admin_commands import ANY_COMMAND
 from shoal.events import (
     EVENT_BY_TAG,
     MAX_MESSAGE_BYTES,
-    AnyCommand,
     AnyReply,
     Envelope,
     Event,
@@ -71,11 +71,11 @@ class MessageTooLarge(DecodeFailure):
 _ENC = msgspec.msgpack.Encoder()
 _DEC_ENVELOPE = msgspec.msgpack.Decoder(Envelope)
 _DEC_RAW = msgspec.msgpack.Decoder(RawEnvelope)
-_DEC_COMMAND = msgspec.msgpack.Decoder(AnyCommand)
+_DEC_COMMAND = msgspec.msgpack.Decoder(ANY_COMMAND)
 _DEC_REPLY = msgspec.msgpack.Decoder(AnyReply)
 _JSON_ENC = msgspec.json.Encoder()
 _JSON_DEC_ENVELOPE = msgspec.json.Decoder(Envelope)
-_JSON_DEC_COMMAND = msgspec.json.Decoder(AnyCommand)
+_JSON_DEC_COMMAND = msgspec.json.Decoder(ANY_COMMAND)
 _JSON_DEC_REPLY = msgspec.json.Decoder(AnyReply)
 
 

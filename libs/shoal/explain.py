@@ -274,6 +274,53 @@ def node_table(state: ClusterState) -> str:
     )
 
 
+def user_rows(state: ClusterState) -> list[dict[str, Any]]:
+    """Every user with tickets, limits or an active job, as plain data: its tickets, its
+    own limits (0: the installation's default applies, ``SHOAL_MAX_*_PER_USER``), its
+    active jobs, the GPUs they ask for as admission counts them (sum of ``min_gpus``)
+    and the GPUs they hold now."""
+    names = set(state.users) | {
+        j.spec.user for j in state.jobs.values() if j.status not in st.FINISHED_STATUSES
+    }
+    rows = []
+    for name in sorted(names):
+        user = state.users.get(name) or st.UserState()
+        active = [
+            j for j in state.jobs.values() if j.spec.user == name and j.status not in st.FINISHED_STATUSES
+        ]
+        rows.append(
+            {
+                "user": name,
+                "tickets": user.tickets,
+                "registered": user.registered,
+                "max_active_jobs": user.max_active_jobs,
+                "max_gpus": user.max_gpus,
+                "active_jobs": len(active),
+                "guaranteed_gpus": sum(j.spec.min_gpus for j in active),
+                "gpus": sum(j.gpus for j in active),
+            }
+        )
+    return rows
+
+
+def user_table(state: ClusterState) -> str:
+    """The ``shoal users`` table."""
+    rows = user_rows(state)
+    for row in rows:
+        row["jobs_text"] = f"{row['active_jobs']}/{row['max_active_jobs'] or '-'}"
+        row["gpus_text"] = f"{row['guaranteed_gpus']}/{row['max_gpus'] or '-'}"
+    return table(
+        rows,
+        (
+            ("user", "USER"),
+            ("tickets", "TICKETS"),
+            ("jobs_text", "ACTIVE JOBS/LIMIT"),
+            ("gpus_text", "MIN GPUS/LIMIT"),
+            ("gpus", "GPUS HELD"),
+        ),
+    )
+
+
 # ---------------------------------------------------------------------------
 # Describing events
 # ---------------------------------------------------------------------------
@@ -291,6 +338,8 @@ def describe_event(env: Envelope) -> str:
             text += f": {e.reason}"
         case ev.TicketsSet():
             text += f" = {e.tickets}"
+        case ev.UserRegistered():
+            text += f" (tickets {e.tickets}, max {e.max_active_jobs or '-'} jobs, {e.max_gpus or '-'} GPUs)"
         case ev.NodeRegistered():
             types = sorted({g.gpu_type for g in e.gpus})
             text += f" ({len(e.gpus)}×{'/'.join(types) or '?'})"

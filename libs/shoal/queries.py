@@ -49,8 +49,8 @@ import msgspec
 from shoal import state as st
 from shoal.auth import QUERY_REPLY_PARTS
 
-What = Literal["state", "jobs", "job", "nodes"]
-WHATS: tuple[str, ...] = ("state", "jobs", "job", "nodes")
+What = Literal["state", "jobs", "job", "nodes", "users"]
+WHATS: tuple[str, ...] = ("state", "jobs", "job", "nodes", "users")
 
 MAX_WAIT_S = 10.0
 """Longest a query waits for the projection to reach ``min_seq``."""
@@ -143,7 +143,9 @@ def slice_state(state: st.ClusterState, what: str, query: Query) -> st.ClusterSt
     * ``jobs``: the jobs that pass the query's filters (in submission order) and the clock;
     * ``job``: that one job (none when unknown) and the clock;
     * ``nodes``: the nodes, the placed jobs and their placements (what
-      :func:`shoal.explain.node_row` reads) and the clock.
+      :func:`shoal.explain.node_row` reads) and the clock;
+    * ``users``: the users (tickets, limits), the active jobs (what
+      :func:`shoal.explain.user_rows` counts against the limits) and the clock.
 
     Raises:
         ValueError: an unknown ``what``.
@@ -169,6 +171,12 @@ def slice_state(state: st.ClusterState, what: str, query: Query) -> st.ClusterSt
             placed=state.placed,
             jobs={j: state.jobs[j] for j in state.placed if j in state.jobs},
             placement_epoch=state.placement_epoch,
+            clock=state.clock,
+        )
+    if what == "users":
+        return st.ClusterState(
+            users=state.users,
+            jobs={j: job for j, job in state.jobs.items() if job.status not in st.FINISHED_STATUSES},
             clock=state.clock,
         )
     raise ValueError(f"unknown query {what!r}; known: {', '.join(WHATS)}")

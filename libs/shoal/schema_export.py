@@ -27,6 +27,7 @@ import msgspec
 
 from shoal import codec
 from shoal import events as ev
+from shoal.admin_commands import ADMIN_COMMAND_TYPES, ANY_COMMAND, SetUserLimits
 from shoal.bus import Names
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -36,7 +37,7 @@ SUBJECTS = "SUBJECTS.md"
 #: Value types exported on their own (they appear inside events and commands).
 VALUE_TYPES: tuple[type[Any], ...] = (ev.JobSpec, ev.GpuInfo, ev.GpuRef)
 REPLY_TYPES: tuple[type[Any], ...] = (ev.CommandAccepted, ev.CommandRejected)
-UNIONS: dict[str, Any] = {"AnyEvent": ev.AnyEvent, "AnyCommand": ev.AnyCommand, "AnyReply": ev.AnyReply}
+UNIONS: dict[str, Any] = {"AnyEvent": ev.AnyEvent, "AnyCommand": ANY_COMMAND, "AnyReply": ev.AnyReply}
 
 
 def _dump(obj: Any) -> str:
@@ -85,7 +86,7 @@ def _types() -> list[tuple[str, str, Any]]:
     out: list[tuple[str, str, Any]] = [("Envelope", "envelope", ev.Envelope)]
     out += [(t.__name__, "value", t) for t in VALUE_TYPES]
     out += [(t.__name__, "event", t) for t in ev.EVENT_TYPES]
-    out += [(t.__name__, "command", t) for t in ev.COMMAND_TYPES]
+    out += [(t.__name__, "command", t) for t in (*ev.COMMAND_TYPES, *ADMIN_COMMAND_TYPES)]
     out += [(t.__name__, "reply", t) for t in REPLY_TYPES]
     out += [(n, "union", t) for n, t in UNIONS.items()]
     return out
@@ -255,7 +256,7 @@ def subjects_markdown(prefix: str = "shoal") -> str:
         "| command | tag | subject | schema |",
         "|---|---|---|---|",
     ]
-    for cmd in (ev.SubmitJob, ev.CancelJob, ev.SetTickets):
+    for cmd in (ev.SubmitJob, ev.CancelJob, ev.SetTickets, SetUserLimits):
         lines.append(f"| `{cmd.__name__}` | `{_tag(cmd)}` | `{n.cmd(cmd.name)}` | `{cmd.__name__}.json` |")
     request, accepted, rejected = _example_submit()
     lines += [

@@ -199,6 +199,16 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     e.g. ``[["python", "/opt/jobs/train.py"]]``); empty: no job may name an entrypoint."""
     job_env: tuple[str, ...] = ()
     """Admission's: ``spec.env`` names a job may set besides ``SHOAL_TRAIN_*`` (JSON list)."""
+    max_active_jobs_per_user: NonNegInt = 0
+    """Admission's: the most pending + running jobs of a user without limits of its own
+    (``shoal limits``); 0: no limit."""
+    max_gpus_per_user: NonNegInt = 0
+    """Admission's: the most GPUs (sum of ``min_gpus``) the active jobs of a user without
+    limits of its own may ask for; 0: no limit."""
+    registered_users_only: bool = False
+    """Admission's: refuse submissions (``unknown_user``) from a user the admin has not
+    registered with ``shoal limits`` (a ``UserRegistered`` on the log; ``--max-jobs 0``
+    registers a user without a limit)."""
     trace_jsonl: str | None = None
     """Append every finished span as one JSON line to this file."""
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None

@@ -30,7 +30,13 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         await projection.start()
         resources.push_async_callback(projection.stop)
         await projection.wait_ready()
-        limits = admission.Limits(entrypoints=settings.entrypoints, job_env=settings.job_env)
+        limits = admission.Limits(
+            max_active_jobs_per_user=settings.max_active_jobs_per_user,
+            max_gpus_per_user=settings.max_gpus_per_user,
+            enforce_users=settings.registered_users_only,
+            entrypoints=settings.entrypoints,
+            job_env=settings.job_env,
+        )
         # The MQTT bridge runs when the installation has an MQTT listener (`shoal up --mqtt`).
         service = AdmissionService(
             bus, projection, limits, clock=clock, mqtt_bridge=settings.mqtt_port is not None

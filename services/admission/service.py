@@ -1,7 +1,8 @@
 """admission: the front door for commands.
 
 Consumes: request/reply commands on ``<prefix>.cmd.submit_job.<sender>``,
-``cmd.cancel_job.<sender>`` and ``cmd.set_tickets.<sender>`` (queue group
+``cmd.cancel_job.<sender>``, ``cmd.set_tickets.<sender>`` and
+``cmd.set_user_limits.<sender>`` (queue group
 ``admission``, so replicas share the load). ``<sender>`` is the user the command is
 sent as; the server lets each client identity publish only with its own user there
 (:mod:`shoal.auth`), so admission reads the authenticated user from the subject and
@@ -12,7 +13,8 @@ A request is msgpack, or JSON when the request carries the header
 
 Decides: :mod:`shoal.admission` (pure) against the folded cluster state.
 
-Publishes: ``JobSubmitted`` / ``JobCancelled`` / ``TicketsSet``, then replies
+Publishes: ``JobSubmitted`` / ``JobCancelled`` / ``TicketsSet`` / ``UserRegistered``
+(a user's limits), then replies
 ``CommandAccepted`` (with the job id) or ``CommandRejected`` (with a code and one
 message per problem). A rejected command publishes nothing.
 
@@ -60,6 +62,7 @@ import structlog
 from nats.aio.msg import Msg
 from shoal import admission, codec
 from shoal import events as ev
+from shoal.admin_commands import SetUserLimits
 from shoal.auth import ADMIN_TOKEN, authorize_command, command_subject
 from shoal.bus import AckTimeout, Bus, ConcurrencyConflict, Header, PublishRejected
 from shoal.clock import Clock, WallClock
@@ -70,7 +73,7 @@ from shoal.telemetry import consumer_span
 log = structlog.get_logger("shoal.admission")
 
 JSON = "application/json"
-COMMANDS = ("submit_job", "cancel_job", "set_tickets")
+COMMANDS = ("submit_job", "cancel_job", "set_tickets", "set_user_limits")
 
 Reply = ev.CommandAccepted | ev.CommandRejected
 
@@ -310,6 +313,10 @@ class AdmissionService:
             key, keys, user = cmd.job_id, [f"job:{cmd.job_id}"], owner
         elif isinstance(cmd, ev.SetTickets):
             return cmd, cmd.user, [f"tickets:{cmd.user}"]
+        elif isinstance(cmd, SetUserLimits):
+            # Under the user's submission lock too: a submission decided on the old
+            # limits is written before the new ones are, never after.
+            return cmd, cmd.user, [f"tickets:{cmd.user}", f"user:{cmd.user}"]
         else:
             return ev.CommandRejected(code="unsupported", message=f"admission does not handle {cmd.name}")
         if user is not None and any(admission.user_limits(state, user, self.limits)):
@@ -346,6 +353,8 @@ class AdmissionService:
             if refusal is not None:
                 return ev.CommandRejected(code=refusal[0], message=refusal[1], errors=(refusal[1],)), 0
             decision = admission.decide_cancel(state, cmd)
+        elif isinstance(cmd, SetUserLimits):
+            decision = admission.decide_set_user_limits(state, cmd)
         else:
             decision = admission.decide_set_tickets(state, cmd)
         if isinstance(decision, admission.Rejected):

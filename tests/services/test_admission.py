@@ -209,3 +209,28 @@ def test_per_user_gpu_limit_counts_the_guaranteed_gpus_of_active_jobs() -> None:
     assert isinstance(admission.decide_submit(state, spec("carol", 1), "c9", limits), admission.Rejected)
     state = apply(state, codec.wrap(ev.JobCompleted(job_id="c0", iterations=5), at=9.0))
     assert isinstance(admission.decide_submit(state, spec("carol", 1), "c9", limits), admission.Accepted)
+
+
+def test_set_user_limits_keeps_what_it_does_not_name_and_the_users_tickets() -> None:
+    """``SetUserLimits`` becomes the user's ``UserRegistered``: a limit left out keeps
+    its value, the tickets stay as they are, the same limits again are a duplicate, and
+    a command naming no limit is refused (it would say nothing)."""
+    from shoal.admin_commands import SetUserLimits
+
+    state = st.ClusterState()
+    state = st.apply(state, codec.wrap(ev.TicketsSet(user="bob", tickets=300), at=0.0))
+    first = admission.decide_set_user_limits(state, SetUserLimits(user="bob", max_active_jobs=4))
+    assert isinstance(first, admission.Accepted)
+    assert first.event == ev.UserRegistered(user="bob", tickets=300, max_active_jobs=4, max_gpus=0)
+    state = st.apply(state, codec.wrap(first.event, at=1.0))
+    second = admission.decide_set_user_limits(state, SetUserLimits(user="bob", max_gpus=8))
+    assert isinstance(second, admission.Accepted)
+    assert second.event == ev.UserRegistered(user="bob", tickets=300, max_active_jobs=4, max_gpus=8)
+    state = st.apply(state, codec.wrap(second.event, at=2.0))
+    again = admission.decide_set_user_limits(state, SetUserLimits(user="bob", max_active_jobs=4, max_gpus=8))
+    assert isinstance(again, admission.Accepted) and again.duplicate and again.event is None
+    new = admission.decide_set_user_limits(state, SetUserLimits(user="dan", max_active_jobs=0))
+    assert isinstance(new, admission.Accepted)
+    assert new.event == ev.UserRegistered(user="dan", tickets=100, max_active_jobs=0, max_gpus=0)
+    empty = admission.decide_set_user_limits(state, SetUserLimits(user="bob"))
+    assert isinstance(empty, admission.Rejected) and empty.code == "invalid_command" and empty.errors

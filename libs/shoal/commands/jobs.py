@@ -1,4 +1,4 @@
-"""``shoal submit | jobs | status | cancel | tickets | nodes``: the everyday verbs.
+"""``shoal submit | jobs | status | cancel | tickets | limits | users | nodes``: the everyday verbs.
 
 ``submit`` takes a YAML or JSON job file (the :class:`~shoal.events.JobSpec` fields,
 optionally ``job_id``; ``-`` reads stdin) and/or flags (flags override the file).
@@ -100,6 +100,29 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true")
     _connect.add_connection_args(p)
     p.set_defaults(func=cmd_tickets)
+
+    p = subparsers.add_parser(
+        "limits",
+        help="set a user's quota: most active jobs and GPUs (admin)",
+        description="Set a user's quota (admin only). Admission refuses a submission that would go over "
+        "it (limit_exceeded); jobs already admitted are not touched. 0 means the installation's default "
+        "(SHOAL_MAX_ACTIVE_JOBS_PER_USER / SHOAL_MAX_GPUS_PER_USER, no limit unless set); a limit not "
+        "given keeps its value. This registers the user (SHOAL_REGISTERED_USERS_ONLY).",
+    )
+    p.add_argument("user")
+    p.add_argument("--max-jobs", type=_non_negative, help="most pending + running jobs")
+    p.add_argument(
+        "--max-gpus", type=_non_negative, help="most GPUs its active jobs ask for (sum of min_gpus)"
+    )
+    p.add_argument("--json", action="store_true")
+    _connect.add_connection_args(p)
+    p.set_defaults(func=cmd_limits)
+
+    p = subparsers.add_parser("users", help="list users: tickets, quota and what they use of it")
+    p.add_argument("--json", action="store_true")
+    _add_replay_arg(p)
+    _connect.add_connection_args(p)
+    p.set_defaults(func=cmd_users)
 
     p = subparsers.add_parser("nodes", help="list nodes, their GPUs and utilisation")
     p.add_argument("--json", action="store_true")
@@ -402,6 +425,49 @@ def cmd_cancel(args: argparse.Namespace) -> int:
             print(f"job {reply.id} had already finished; nothing changed")
         else:
             print(f"cancelled {reply.id}")
+        return 0
+
+    return _connect.run(args, body)
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def cmd_limits(args: argparse.Namespace) -> int:
+    if args.max_jobs is None and args.max_gpus is None:
+        raise CommandError("give --max-jobs, --max-gpus or both (0: the installation's default)")
+
+    async def body(client: Client) -> int:
+        reply = await client.set_user_limits(args.user, max_active_jobs=args.max_jobs, max_gpus=args.max_gpus)
+        if args.json:
+            _connect.print_json(reply)
+        elif reply.duplicate:
+            print(f"user {args.user} already has these limits; nothing changed")
+        else:
+            print(f"user {args.user}: limits set")
+        return 0
+
+    return _connect.run(args, body)
+
+
+def cmd_users(args: argparse.Namespace) -> int:
+    from shoal import explain
+
+    async def body(client: Client) -> int:
+        state = await _read(client, args, "users")
+        if args.json:
+            _connect.print_json(explain.user_rows(state))
+        elif not state.users and not state.jobs:
+            print("no users")
+        else:
+            print(explain.user_table(state))
         return 0
 
     return _connect.run(args, body)
