@@ -118,6 +118,20 @@ def test_unknown_variables_are_reported_not_fatal() -> None:
     assert unknown_variables({"SHOAL_POLICY": "srtf"}) == []
 
 
+def test_every_variable_the_compose_stack_substitutes_is_a_setting_or_its_own() -> None:
+    """An operator exports compose's variables in the shell that also runs `shoal`:
+    none of them may be reported as a misspelt setting, and a setting compose passes on
+    must be one shoal reads (a typo there would be ignored with only a warning)."""
+    import re
+    from pathlib import Path
+
+    compose = (Path(__file__).resolve().parents[1] / "deploy/compose/compose.yaml").read_text()
+    names = set(re.findall(r"\$\{(SHOAL_[A-Z0-9_]+)", compose))
+    names |= set(re.findall(r"^\s+(SHOAL_[A-Z0-9_]+):", compose, flags=re.MULTILINE))
+    assert len(names) > 20
+    assert unknown_variables(dict.fromkeys(names, "x")) == []
+
+
 def test_replicas_and_sync_interval() -> None:
     s = Settings.load({"SHOAL_REPLICAS": "3", "SHOAL_SYNC_INTERVAL": "always"})
     assert s.replicas == 3 and s.sync_interval == "always"

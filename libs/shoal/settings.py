@@ -290,7 +290,26 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
 #: ``SHOAL_*`` names owned by other shoal tools, never reported as unknown.
 FOREIGN_PREFIXES: tuple[str, ...] = ("SHOAL_TRAIN_",)
-FOREIGN_NAMES: frozenset[str] = frozenset({"SHOAL_USER"})
+FOREIGN_NAMES: frozenset[str] = frozenset(
+    {
+        "SHOAL_USER",  # the client's default user
+        # The compose stack's own variables (deploy/compose/compose.yaml substitutes them;
+        # an operator exports them in the shell that also starts shoal):
+        "SHOAL_BASE_IMAGE",
+        "SHOAL_IMAGE",
+        "SHOAL_PROMETHEUS_IMAGE",
+        "SHOAL_NATS_PORT",
+        "SHOAL_GRAFANA_PORT",
+        "SHOAL_JAEGER_PORT",
+        "SHOAL_OTLP_ENDPOINT",
+        "SHOAL_PROMETHEUS_PORT",
+        "SHOAL_JOBS_DIR",
+        "SHOAL_REAL_FAKE_GPUS",
+        "SHOAL_REAL_GPU_TYPE",
+        "SHOAL_USERS",
+    }
+)
+"""``SHOAL_*`` variables other tools own: not reported as unknown settings."""
 
 
 def unknown_variables(env: Mapping[str, str] | None = None) -> list[str]:
