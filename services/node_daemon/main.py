@@ -71,13 +71,16 @@ def sidecar_argv(
 ) -> Callable[[str], Sequence[str]]:
     """The command line of the sidecar for one job on this node.
 
-    Emulated sidecars get their settings from the environment (see :func:`sidecar_env`).
+    Emulated sidecars get their settings from the environment (see :func:`sidecar_env`),
+    and the generation of this node's GPUs as ``--gpu-type`` (their emulated speed).
     Real ones (``settings.sidecar_mode == "real"``) take theirs as flags: the server, the
     prefix, this node's devices (CUDA indices of ``gpus``, or one CPU slot per fake
     GPU), the GPU type, a work directory under the state dir for checkpoints, and the
     address workers on other nodes reach this node's sidecar at (``sidecar_host``).
     """
     if settings is None or settings.sidecar_mode == "emulated":
+        # The emulated trainer runs at this generation's curve (shoal_services.trainer_sidecar.emulated).
+        emulated_type = ["--gpu-type", gpus[0].gpu_type] if gpus else []
 
         def argv(job_id: str) -> list[str]:
             return [
@@ -88,6 +91,7 @@ def sidecar_argv(
                 job_id,
                 "--node",
                 node_id,
+                *emulated_type,
             ]
 
         return argv

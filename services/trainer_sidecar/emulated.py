@@ -9,8 +9,16 @@ daemon treats both alike:
 * the stop time of each change comes from the cost model
   (:mod:`shoal.sim.costs`, shared with the simulator), in virtual seconds.
 
-Progress is continuous at ``curve[world_size]`` iterations per virtual second (the
-job's catalog curve for ``spec.model``, else linear scaling). The trainer computes
+Progress is continuous at ``curve[world_size]`` iterations per virtual second. The
+curve is the one of this node's GPU generation (``gpu_type``, from the node daemon),
+as the simulator runs a job on a heterogeneous cluster at its curve for the generation
+it is placed on: the job's published model for that generation (or for none), else its
+spec's ``profile`` for it (else the profile's reference ``""``), else the catalog's for
+``spec.model`` on that generation (case-insensitive, else the catalog's first), else
+linear scaling. (Progress reports leave the generation out: the profiler takes the
+job's from its share, so that a homogeneous cluster's models stay under ``""``.) A gang
+that spans generations runs at its leader's (its lowest node's); the policies place a
+gang on one generation. The trainer computes
 the exact virtual instant the job finishes and wakes for it, so completion times
 do not depend on a polling period.
 
@@ -69,6 +77,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+from collections.abc import Mapping
+from typing import TypeVar
 
 import msgspec
 import nats.js.errors
@@ -86,11 +96,28 @@ from shoal.profiling.convergence import ConvergenceModel, curve_reaching
 from shoal.sim.costs import ReconfigCosts, classify
 from shoal.telemetry import extract, trace_fields
 
+_V = TypeVar("_V")
+
 log = structlog.get_logger("shoal.sidecar")
 
 CONVERGENCE_ITERATIONS = 1000
 """Iterations an emulated job with a ``convergence_target`` takes to reach it, unless its
 ``env`` sets ``SHOAL_TRAIN_EMULATED_ITERATIONS`` (choice: emulation has no real loss)."""
+
+
+def _of_type(by_type: Mapping[str, _V], gpu_type: str, *, reference: bool = True) -> _V | None:
+    """``by_type``'s entry for ``gpu_type`` (matched without case, as the simulator
+    matches its inventory), else, with ``reference``, the reference entry ``""`` or the
+    first; None when ``by_type`` is empty (or, without ``reference``, has no such type)."""
+    if not by_type:
+        return None
+    if gpu_type:
+        lower = {k.lower(): v for k, v in by_type.items()}
+        if gpu_type.lower() in lower:
+            return lower[gpu_type.lower()]
+    if not reference:
+        return None
+    return by_type[""] if "" in by_type else by_type[sorted(by_type)[0]]
 
 
 def emulated_loss_curve(spec: ev.JobSpec) -> ConvergenceModel:
@@ -124,8 +151,11 @@ class EmulatedTrainer:
         catalog: Catalog | None = None,
         report_every_s: float = 0.25,
         tracer: trace.Tracer | None = None,
+        gpu_type: str = "",
     ) -> None:
         self.bus = bus
+        self.gpu_type = gpu_type
+        """This node's GPU generation ("" when unknown: the reference curve)."""
         self.tracer = tracer or trace.get_tracer("shoal.sidecar")
         self.order_context: dict[int, dict[str, str]] = {}
         """Epoch -> W3C fields that came with that order (set by the order reader)."""
@@ -195,18 +225,20 @@ class EmulatedTrainer:
         # taking it for the truth would make the emulated job run as the profiler
         # guessed, so it is skipped (AFS §4.5's overestimate would come true).
         model = await self._last_event("profile.throughput_model_updated")
+        profile = _of_type(self.spec.profile, self.gpu_type)
         if (
             isinstance(model, ev.ThroughputModelUpdated)
             and model.throughput
             and model.model_kind not in PROFILER_KINDS
+            and model.gpu_type.lower() in ("", self.gpu_type.lower())
         ):
             curve = interpolate(dict(model.throughput), upto=want)
-        elif self.spec.profile:
-            table = self.spec.profile.get("") or self.spec.profile[sorted(self.spec.profile)[0]]
-            curve = interpolate(dict(table), upto=want)
+        elif profile is not None:
+            curve = interpolate(dict(profile), upto=want)
         if curve is None and self.catalog is not None and self.spec.model in self.catalog.curves:
             by_type = self.catalog.curves[self.spec.model]
-            curve = by_type[sorted(by_type)[0]].throughput
+            typed = _of_type(by_type, self.gpu_type, reference=False)
+            curve = (typed if typed is not None else by_type[sorted(by_type)[0]]).throughput
         if curve is None:
             curve = tuple(float(k) for k in range(want + 1))
         if len(curve) <= want:

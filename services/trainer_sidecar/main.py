@@ -40,6 +40,7 @@ def configure(argv: Sequence[str]) -> Serve:
     parser.add_argument("--job", required=True)  # "-": a spare, its job comes on stdin
     parser.add_argument("--node", required=True)
     parser.add_argument("--ready-fd", type=int, default=None)  # spares: one byte here once started
+    parser.add_argument("--gpu-type", default="")  # this node's GPU generation (the emulated speed)
     try:
         args = parser.parse_args(list(argv))
     except (argparse.ArgumentError, SystemExit) as exc:
@@ -129,6 +130,7 @@ def configure(argv: Sequence[str]) -> Serve:
                 costs=costs,
                 catalog=catalog,
                 report_every_s=settings.report_every_s,
+                gpu_type=args.gpu_type,
             )
             reader = critical(asyncio.create_task(_read_orders(trainer, stop, stdin)))
             runner = asyncio.create_task(trainer.run(stop))

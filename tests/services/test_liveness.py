@@ -83,11 +83,11 @@ class Up:
 
 @contextlib.asynccontextmanager
 async def shoal_up(
-    tmp_path: Path, nodes: int = 2, policy: str = "fifo", **settings: str
+    tmp_path: Path, nodes: int = 2, policy: str = "fifo", *, flags: tuple[str, ...] = (), **settings: str
 ) -> AsyncIterator[Up]:
     """`shoal up` as a user starts it (``nodes`` emulated nodes of 2 GPUs, ``policy``
-    (FIFO by default), time scale 20, no catalog, ``settings`` as ``SHOAL_*``
-    variables); on exit any process a test left stopped is continued and the
+    (FIFO by default), time scale 20, no catalog, more ``flags``, ``settings`` as
+    ``SHOAL_*`` variables); on exit any process a test left stopped is continued and the
     installation is stopped (SIGINT, then SIGKILL)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
     env.update(SHOAL_STATE_DIR=str(tmp_path / "state"), SHOAL_CATALOG="", **settings)
@@ -102,6 +102,7 @@ async def shoal_up(
         "20",
         "--policy",
         policy,
+        *flags,
     ]
     proc = subprocess.Popen(
         argv,

@@ -28,6 +28,8 @@ def test_default_is_the_emulated_sidecar(tmp_path: Path) -> None:
         "j1",
         "--node",
         "n0",
+        "--gpu-type",
+        "V100",  # the emulated speed is this generation's
     ]
 
 

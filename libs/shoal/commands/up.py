@@ -74,7 +74,11 @@ def register(subparsers: Any) -> None:
         "--gpus-per-node", type=int, default=4, metavar="G", help="emulated GPUs per node (default 4)"
     )
     p.add_argument(
-        "--gpu-type", default="V100", metavar="T", help="generation of the emulated GPUs (default V100)"
+        "--gpu-type",
+        default="V100",
+        metavar="T[,T...]",
+        help="generation of the emulated GPUs (default V100); a list (V100,K80) gives the nodes "
+        "its types in turn, a heterogeneous cluster (Gandiva_fair trades between generations)",
     )
     p.add_argument("--mqtt", action="store_true", help="also open the server's MQTT listener")
     p.add_argument(
@@ -85,7 +89,16 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=up)
 
 
+def _gpu_types(text: str) -> list[str]:
+    """``--gpu-type``'s generations, in the order the nodes take them."""
+    types = [t.strip() for t in text.split(",")]
+    if not all(types):
+        raise CommandError(f"--gpu-type: an empty generation in {text!r}")
+    return types
+
+
 def _check(args: argparse.Namespace) -> None:
+    _gpu_types(args.gpu_type)
     if args.nodes < 0:
         raise CommandError(f"--nodes must be >= 0, got {args.nodes}")
     if args.nodes and args.gpus_per_node < 1:
@@ -96,7 +109,7 @@ def up(args: argparse.Namespace) -> int:
     _check(args)
     settings = load_settings(
         **settings_overrides(args),
-        gpu_type=args.gpu_type,
+        gpu_type=_gpu_types(args.gpu_type)[0],
         mqtt_port=args.mqtt_port if args.mqtt_port is not None else (-1 if args.mqtt else None),
     )
     if not args.in_session:
@@ -248,7 +261,8 @@ def service_specs(
     callout: bool = False,
 ) -> tuple[list[Any], list[str]]:
     """(process specs, skipped services): every available control-plane service
-    (``shoal run <service>``) and ``nodes`` emulated node daemons, all with ``settings``
+    (``shoal run <service>``) and ``nodes`` emulated node daemons (node ``i`` of the
+    ``i % n``-th of the ``n`` comma-separated ``gpu_type``), all with ``settings``
     as ``SHOAL_*`` variables and ``url`` as their server. With ``creds_dir`` each
     process gets the seed file of its own identity (``SHOAL_NATS_CREDS``, and a node
     daemon ``SHOAL_SIDECAR_CREDS`` for its sidecars); without, they all use
@@ -275,6 +289,7 @@ def service_specs(
             specs.append(ProcessSpec(name=name, argv=(*cli, name), env=env_of(name)))
         else:
             skipped.append(name)
+    types = _gpu_types(gpu_type)
     for i in range(nodes):
         node_id = f"node{i}"
         node_env = env_of(
@@ -293,7 +308,7 @@ def service_specs(
                     "--fake-gpus",
                     str(gpus_per_node),
                     "--gpu-type",
-                    gpu_type,
+                    types[i % len(types)],
                 ),
                 env=node_env,
             )
