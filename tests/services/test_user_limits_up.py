@@ -22,13 +22,14 @@ def _cli(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *argv], env=env, capture_output=True, text=True, timeout=60)
 
 
-def _submit(env: dict[str, str], name: str, min_gpus: int = 1) -> subprocess.CompletedProcess[str]:
+def _submit(
+    env: dict[str, str], name: str, min_gpus: int = 1, user: str | None = "alice"
+) -> subprocess.CompletedProcess[str]:
     # Long enough to stay active for the whole test (time scale 20).
     return _cli(
         env,
         "submit",
-        "--user",
-        "alice",
+        *(("--user", user) if user else ()),
         "--name",
         name,
         "--min-gpus",
@@ -54,8 +55,9 @@ async def test_an_admin_sets_a_users_quota_and_admission_holds_the_user_to_it(tm
         assert added.returncode == 0, added.stderr
         alice = {**admin, "NATS_CREDS": added.stdout.split()[0]}
 
-        # Not registered yet: refused with the code and a way out.
-        first = _submit(alice, "a0")
+        # Not registered yet: refused with the code and a way out. (No --user: the job is
+        # the authenticated user's, not the login name's.)
+        first = _submit(alice, "a0", user=None)
         assert first.returncode == 1, (first.stdout, first.stderr)
         assert "unknown_user" in first.stdout + first.stderr
         assert "shoal limits alice" in first.stdout + first.stderr

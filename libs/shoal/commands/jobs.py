@@ -48,7 +48,11 @@ def register(subparsers: Any) -> None:
         "flags override it. A re-submission with the same --job-id and spec is a no-op.",
     )
     p.add_argument("file", nargs="?", help="job file (YAML or JSON; '-' for stdin)")
-    p.add_argument("--user", help="owner (default: the file's, else $SHOAL_USER, else your login name)")
+    p.add_argument(
+        "--user",
+        help="owner (default: the file's, else the user your credentials are, else $SHOAL_USER, "
+        "else your login name)",
+    )
     p.add_argument("--name")
     p.add_argument("--model", help="model tag, selects a throughput profile")
     p.add_argument("--min-gpus", type=int)
@@ -273,16 +277,25 @@ def build_spec(args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
         job_id = args.job_id
     if not args.file and len(spec) == 0:
         raise CommandError("nothing to submit: give a job file or flags such as --max-gpus and --iterations")
-    if "user" not in spec:
-        spec["user"] = os.environ.get("SHOAL_USER") or getpass.getuser()
     check_spec_values(spec, "job spec")
     return spec, job_id
+
+
+def default_user(client: Client | None) -> str:
+    """The owner of a job whose file and flags name none: the user the client
+    authenticated as (a user's identity may submit only as itself), else, for the
+    admin, ``$SHOAL_USER``, else the login name."""
+    if client is not None and client.user is not None:
+        return client.user
+    return os.environ.get("SHOAL_USER") or getpass.getuser()
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
     spec, job_id = build_spec(args)
 
     async def body(client: Client) -> int:
+        if "user" not in spec:
+            spec["user"] = default_user(client)
         reply = await client.submit_command(spec, job_id)
         if args.json:
             _connect.print_json(reply)
