@@ -113,7 +113,7 @@ class Supervisor:
                 return
             child.recent.append(now)
             child.restarts += 1
-            delay = min(5.0, 0.2 * 2 ** len(child.recent))
+            delay = min(5.0, 0.2 * 2 ** (len(child.recent) - 1))  # 0.2 s, 0.4 s … 5 s
             log.warning("child_exited_restarting", name=child.spec.name, returncode=code, delay_s=delay)
             await asyncio.sleep(delay)
             await self._start(child)
