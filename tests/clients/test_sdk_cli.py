@@ -123,6 +123,11 @@ async def test_cli_verbs(bus: Bus, service: AdmissionService, run_cli: RunCli, t
         "event_id": json.loads(out)["event_id"],
         "duplicate": False,
     }
+    # A rejection with --json: the reply on stdout for scripts, the line on stderr, exit 1.
+    rc, out, err = await run_cli("submit", "--user", "alice", "--min-gpus", "4", "--max-gpus", "2", "--json")
+    assert rc == 1 and err.startswith("shoal: rejected (invalid_spec)"), (rc, out, err)
+    reply = json.loads(out)
+    assert reply["type"] == "reply.rejected" and reply["code"] == "invalid_spec" and reply["errors"]
     rc, out, _ = await run_cli("submit", "-", stdin=json.dumps({"user": "alice", "total_iterations": 5}))
     assert rc == 0 and len(out.strip()) == 26
     stdin_id = out.strip()

@@ -193,6 +193,8 @@ async def connect(args: argparse.Namespace) -> Client:
 def run(args: argparse.Namespace, body: Callable[[Client], Awaitable[int]]) -> int:
     """Connect, run ``body(client)`` in a fresh event loop, close; map client errors to
     one-line :class:`~shoal.cli.CommandError`s (rejections exit 1, no answer exits 3).
+    With ``--json`` a rejection's reply (``reply.rejected``: code, message, errors) is
+    also printed on stdout, as an acceptance's is.
     """
     from shoal import client as sdk
 
@@ -211,6 +213,8 @@ def run(args: argparse.Namespace, body: Callable[[Client], Awaitable[int]]) -> i
         os.dup2(devnull, sys.stdout.fileno())
         return 0
     except sdk.CommandError as exc:
+        if getattr(args, "json", False):
+            print_json(exc.reply)  # a script reads the code and errors from stdout too
         raise CommandError(rejection_text(exc), code=1) from None
     except sdk.UnknownJobError as exc:
         raise CommandError(str(exc), code=1) from None
