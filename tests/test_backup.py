@@ -86,6 +86,7 @@ async def test_shoal_backup_and_restore_through_the_snapshot_api(tmp_path: Path)
         made = _cli("backup", str(backup), url=server.url, creds=admin)  # while the server runs
         assert made.returncode == 0, made.stderr
         assert "SHOAL_EVENTS: 51 messages" in made.stdout
+        assert "nats_error" not in made.stderr, made.stderr  # chunks without a reply are not acked
     with EmbeddedNats(store_dir=tmp_path / "b", creds_dir=creds.directory) as fresh:
         done = _cli("restore", str(backup), url=fresh.url, creds=admin)
         assert done.returncode == 0, done.stderr

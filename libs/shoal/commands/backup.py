@@ -110,7 +110,8 @@ async def snapshot_stream(nc: Any, stream: str, directory: Path, timeout: float)
                 return
             out.write(msg.data)
             size += len(msg.data)
-            await msg.respond(b"")  # flow control: the server sends the next chunk after this
+            if msg.reply:  # flow control: the server waits for this ack on some chunks only
+                await msg.respond(b"")
 
         sub = await nc.subscribe(inbox, cb=on_chunk)
         try:
