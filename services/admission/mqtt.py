@@ -126,18 +126,20 @@ class MqttBridge:
                 "too_large",
                 f"payload of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit",
                 user=user,
+                job_id=None,  # every reply names both; no job id could be read
             )
         try:
             payload = json.loads(data)
         except (UnicodeDecodeError, ValueError) as exc:
-            return _rejected("invalid_json", f"payload is not JSON: {exc}", user=user)
+            return _rejected("invalid_json", f"payload is not JSON: {exc}", user=user, job_id=None)
         except RecursionError:
-            return _rejected("invalid_json", "payload is not JSON: nested too deeply", user=user)
+            return _rejected("invalid_json", "payload is not JSON: nested too deeply", user=user, job_id=None)
         if not isinstance(payload, dict):
             return _rejected(
                 "invalid_json",
                 f"payload must be a JSON object of job spec fields, not {type(payload).__name__}",
                 user=user,
+                job_id=None,
             )
         job_id = payload.pop("job_id", None)
         extra = {"user": user, "job_id": job_id}

@@ -195,6 +195,7 @@ async def test_bad_mqtt_payload_gets_a_rejection_on_the_result_topic(
     assert result["code"] == code
     assert fragment in result["message"]
     assert result["errors"] and result["user"] == user
+    assert "job_id" in result  # every reply names the job id (null when none could be read)
     assert await inst.fingerprint() == before, "a rejected submission writes nothing"
 
 
