@@ -145,6 +145,7 @@ def test_demo_rejects_bad_arguments_without_starting_anything() -> None:
         (["--jobs", "0"], "--jobs must be >= 1"),
         (["--vc", "nope"], "unknown Philly VC 'nope'"),
         (["--policy", "no-such-policy"], "unknown policy 'no-such-policy'"),
+        (["--state-dir", "/tmp/not-used"], "--state-dir is for shoal up"),
     ):
         proc = subprocess.run([*CLI, "demo", *argv], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, proc.stderr

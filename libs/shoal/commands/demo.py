@@ -227,6 +227,11 @@ def demo(args: argparse.Namespace) -> int:
         raise CommandError("--nodes and --gpus-per-node must be >= 1")
     if args.target_s <= 0 or args.tick <= 0:
         raise CommandError("--target-s and --tick must be positive")
+    if getattr(args, "state_dir", None) and not args.in_session:
+        raise CommandError(
+            "shoal demo always runs in a fresh temporary state directory, removed at the end "
+            "(the log it prints the path of stays); --state-dir is for shoal up"
+        )
     import msgspec
 
     from shoal.workloads import load_philly
