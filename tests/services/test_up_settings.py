@@ -16,7 +16,7 @@ import pytest
 from shoal.commands.run import CLI_ARGV as CLI
 from shoal.faults import _scrape
 
-from tests.services.test_liveness import shoal_up
+from tests.services.test_liveness import run_job, shoal_up
 
 pytestmark = pytest.mark.integration
 
@@ -52,6 +52,7 @@ async def test_probe_ports_sync_interval_and_a_taken_port(tmp_path: Path) -> Non
         argv = Path(f"/proc/{info['server_pid']}/cmdline").read_bytes().split(b"\0")
         conf = Path(argv[argv.index(b"-c") + 1].decode())
         assert "sync_interval: always" in conf.read_text()
+        assert '"auth_callout"' in conf.read_text()  # on by default
 
         admission = up.pid_of("run", "admission")
         raw = Path(f"/proc/{admission}/environ").read_bytes().split(b"\0")
@@ -63,3 +64,16 @@ async def test_probe_ports_sync_interval_and_a_taken_port(tmp_path: Path) -> Non
         assert taken.returncode == 2, (taken.returncode, taken.stderr[-2000:])
         lines = [line for line in taken.stderr.splitlines() if str(base) in line]
         assert lines and "Traceback" not in taken.stderr, taken.stderr[-2000:]
+
+
+async def test_without_the_auth_callout_sidecars_use_their_nodes_static_identity(tmp_path: Path) -> None:
+    """``SHOAL_AUTH_CALLOUT=false`` (docs/security.md's escape hatch): no authorizer runs,
+    the server lists every identity itself, and a job still runs to completion (its
+    sidecar connects with its node's static sidecar identity)."""
+    async with shoal_up(tmp_path, nodes=1, SHOAL_AUTH_CALLOUT="false") as up:
+        info = json.loads((tmp_path / "state" / "up.json").read_text())
+        assert "authorizer" not in info["metrics"], info["metrics"]
+        argv = Path(f"/proc/{info['server_pid']}/cmdline").read_bytes().split(b"\0")
+        conf = Path(argv[argv.index(b"-c") + 1].decode()).read_text()
+        assert '"auth_callout"' not in conf  # the default's block (the other test sees it)
+        assert await run_job(up, "no-callout", 2) == {"node0"}
