@@ -145,3 +145,19 @@ def test_replicas_and_sync_interval() -> None:
 def test_a_seed_list_is_kept_whole() -> None:
     seeds = "nats://127.0.0.1:4222,nats://127.0.0.1:4223"
     assert Settings.load({"NATS_URL": seeds}).nats_url == seeds
+
+
+def test_docs_settings_md_is_generated_from_the_code_and_documents_every_setting() -> None:
+    """docs/settings.md is ``python -m shoal.settings_doc``'s output (it cannot drift from
+    the code), and every setting has a docstring to fill its row."""
+    from pathlib import Path
+
+    import msgspec
+    from shoal.settings_doc import field_docs, render
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
+    assert page.read_text() == render(), (
+        "docs/settings.md is stale: python -m shoal.settings_doc > docs/settings.md"
+    )
+    fields = {f.name for f in msgspec.structs.fields(Settings)}
+    assert fields - set(field_docs()) == set()

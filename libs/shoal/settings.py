@@ -125,6 +125,7 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     state_dir: str = ""
     """Where `shoal up` keeps its JetStream store and its ``nats.json``; default: per-user state dir."""
     log_level: LogLevel = "info"
+    """Least severe log line written (structured, on stderr)."""
     log_format: LogFormat = "auto"
     """``auto``: pretty on a terminal, JSON lines otherwise."""
     policy: str = "afs-p"
@@ -157,7 +158,9 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     heartbeat_s: PositiveFloat = 1.0
     """Wall seconds between a node daemon's heartbeats (it never sends them faster)."""
     lease_ttl_s: PositiveFloat = 3.0
-    """Leader lease TTL of the allocator and the placer."""
+    """Leader lease TTL (wall seconds) of the leader-elected services (allocator, placer,
+    profiler, trader) and of a real-mode job's leading sidecar: a standby takes over
+    about this long after the leader stops renewing."""
     node_timeout_s: PositiveFloat = 10.0
     """Wall seconds by which the log's tail may pass a node's newest heartbeat before the
     allocator, caught up with the log, declares the node lost (:func:`shoal.cluster.lost_nodes`)."""
@@ -174,7 +177,11 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     costs: str = "coddl"
     """Reconfiguration cost model of emulated trainers (``shoal.sim.costs``)."""
     placer: str = "min-migration"
+    """The placer's algorithm for jobs without a policy's node choice: ``min-migration``
+    (keep GPUs where possible) or ``consolidated`` (fewest servers)."""
     network_packing: bool = True
+    """Regulate an elastic policy's shares to server sizes (AFS appendix E); rigid
+    policies' shares are never regulated."""
     report_every_s: PositiveFloat = 0.25
     """Wall seconds between progress reports of an emulated trainer."""
     profiler_min_interval_s: PositiveFloat = 30.0
