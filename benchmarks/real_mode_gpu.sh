@@ -42,7 +42,7 @@ UP_PID=$!
 for _ in $(seq 120); do [ -f "$ST/up.json" ] && break; sleep 0.5; done
 sleep 2
 $SHOAL creds add node gpu0 >/dev/null || { echo "shoal creds add failed"; exit 1; }
-sleep 3 # with the auth callout, `creds add` restarts the server to admit the node
+sleep 3 # `shoal up` acts on the SIGHUP of `creds add` a moment later (the authorizer admits the node)
 FLAGS=()
 [ -n "${FAKE:-}" ] && FLAGS=(--fake-gpus "$FAKE")
 SHOAL_NATS_CREDS=$ST/creds/node-gpu0.nk SHOAL_SIDECAR_CREDS=$ST/creds/sidecar-gpu0.nk SHOAL_SIDECAR_TOKENS=true \
