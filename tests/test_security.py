@@ -95,6 +95,7 @@ def test_an_outsider_cannot_use_the_cli(target: Target, tmp_path: Path) -> None:
     assert done.returncode == 2, done
     assert "requires credentials" in done.stderr
     assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # the message alone, no log line
 
 
 @pytest.mark.skipif(not shutil.which("mosquitto_pub"), reason="mosquitto clients not installed")

@@ -410,7 +410,9 @@ class Bus:
                 match = re.search(r'publish to "([^"]+)"', text, re.IGNORECASE)
                 if match and holder:
                     holder[0].on_permission_violation(match.group(1))
-            log.warning("nats_error", error=text)
+            # Before the first connection an error ends in the exception connect raises
+            # (AuthFailed, NoServerError), which says it once and better: not a warning too.
+            (log.warning if holder else log.debug)("nats_error", error=text)
 
         async def _closed_cb() -> None:
             # nats-py ends a connection for good on most of the server's -ERR messages

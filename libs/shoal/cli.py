@@ -63,10 +63,16 @@ def _logs_to_stderr() -> None:
     """Send structlog's lines to stderr (its default is stdout, which would break
     ``--json`` output). A command that configures logging itself (``shoal up``,
     ``shoal run``) replaces this with :func:`shoal.log.configure_logging`, also stderr."""
+    import logging
+
     import structlog
 
     # Looked up at each logger's creation, so a replaced sys.stderr (tests) is followed.
-    structlog.configure(logger_factory=lambda *_: structlog.WriteLogger(sys.stderr))
+    # Info and above: a client command's debug lines are noise to whoever runs it.
+    structlog.configure(
+        logger_factory=lambda *_: structlog.WriteLogger(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
