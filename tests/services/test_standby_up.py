@@ -1,7 +1,9 @@
-"""A standby placer, as the Kubernetes manifests run two: a second `shoal run placer`
-started with the environment of `shoal up`'s placer waits as standby, takes the lease
-when the leader stops answering past its TTL (SIGSTOP), places the next job, and the old
-leader, continued, comes back as standby, never as a second leader."""
+"""Standbys of the leader-elected services through the shipped commands (the Kubernetes
+manifests run two allocators and two placers): a second `shoal run <service>` started
+with the environment of `shoal up`'s waits as standby, takes the lease when the leader
+stops answering past its TTL (SIGSTOP), does the service's work (the placer places the
+next job), and the old leader, continued, comes back as standby, never as a second
+leader. The allocator's standby is the fault suite's (tests/services/test_fault_suite.py)."""
 
 from __future__ import annotations
 
@@ -43,9 +45,12 @@ async def _until(what: str, timeout_s: float, check: object) -> None:
         await asyncio.sleep(0.2)
 
 
-async def test_a_standby_placer_takes_over_and_the_old_leader_comes_back_as_standby(tmp_path: Path) -> None:
+@pytest.mark.parametrize("service", ["placer", "profiler", "trader"])
+async def test_a_standby_takes_over_and_the_old_leader_comes_back_as_standby(
+    tmp_path: Path, service: str
+) -> None:
     async with shoal_up(tmp_path, nodes=1) as up:
-        first = up.pid_of("run", "placer")
+        first = up.pid_of("run", service)
         raw = Path(f"/proc/{first}/environ").read_bytes().split(b"\0")
         env = dict(item.decode().split("=", 1) for item in raw if b"=" in item)
         first_probe = f"http://127.0.0.1:{env['SHOAL_METRICS_PORT']}"
@@ -53,7 +58,7 @@ async def test_a_standby_placer_takes_over_and_the_old_leader_comes_back_as_stan
         env["SHOAL_METRICS_PORT"] = str(port)
         probe = f"http://127.0.0.1:{port}"
         err = (tmp_path / "standby.err").open("w")
-        standby = subprocess.Popen([*CLI, "run", "placer"], env=env, stderr=err, start_new_session=True)
+        standby = subprocess.Popen([*CLI, "run", service], env=env, stderr=err, start_new_session=True)
         try:
             await _until(
                 "the second placer is a ready standby", 60, lambda: _scrape(probe + "/readyz")[0] == 200
@@ -62,8 +67,8 @@ async def test_a_standby_placer_takes_over_and_the_old_leader_comes_back_as_stan
             os.kill(first, signal.SIGSTOP)
             try:
                 await _until("the standby takes the lease", 30, lambda: _leader(probe) == 1.0)
-                # The job's placement can only come from the standby now.
-                assert await run_job(up, "standby-placed", 2) == {"node0"}
+                if service == "placer":  # the job's placement can only come from the standby now
+                    assert await run_job(up, "standby-placed", 2) == {"node0"}
             finally:
                 os.kill(first, signal.SIGCONT)
             await _until("the old leader answers again", 30, lambda: _leader(first_probe) is not None)
