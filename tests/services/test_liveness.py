@@ -114,7 +114,7 @@ async def shoal_up(
     )
     try:
         url = await asyncio.to_thread(lambda: wait_line(proc, "NATS: ", 30).split(" ", 1)[1].strip())
-        await asyncio.to_thread(wait_line, proc, "running", 30)
+        await asyncio.to_thread(wait_line, proc, "running", 90)
         yield Up(proc, url, tmp_path / "state" / "creds")
     finally:
         for pid in descendants(proc.pid):  # a test may leave one stopped

@@ -113,7 +113,7 @@ def test_up_runs_a_job_and_stops_cleanly(tmp_path: Path) -> None:
     try:
         url = wait_line(proc, "NATS: ", 30).split(" ", 1)[1].strip()
         services = wait_line(proc, "services: ", 30).split(":", 1)[1].strip().split(", ")
-        wait_line(proc, "running", 30)
+        wait_line(proc, "running", 90)
         # A second `shoal up` on the same state dir is refused while this one runs.
         second = subprocess.run([*CLI, "up"], env=env, capture_output=True, text=True, timeout=30)
         assert second.returncode != 0
