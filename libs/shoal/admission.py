@@ -245,7 +245,7 @@ def decide_set_user_limits(state: ClusterState, cmd: SetUserLimits) -> Accepted 
     touched by a lower limit; it applies to the next submission (as a quota that
     shrinks under running work does in Kueue, which preempts nothing for it either)."""
     if cmd.max_active_jobs is None and cmd.max_gpus is None:
-        message = "set max_active_jobs, max_gpus or both (0: no limit)"
+        message = "set max_active_jobs, max_gpus or both (0: the installation's default)"
         return Rejected("invalid_command", message, (message,))
     user = state.users.get(cmd.user)
     max_jobs = (
