@@ -279,15 +279,15 @@ def user_rows(state: ClusterState) -> list[dict[str, Any]]:
     own limits (0: the installation's default applies, ``SHOAL_MAX_*_PER_USER``), its
     active jobs, the GPUs they ask for as admission counts them (sum of ``min_gpus``)
     and the GPUs they hold now."""
-    names = set(state.users) | {
-        j.spec.user for j in state.jobs.values() if j.status not in st.FINISHED_STATUSES
-    }
+    active_of: dict[str, list[JobState]] = {}
+    for job in state.jobs.values():
+        if job.status not in st.FINISHED_STATUSES:
+            active_of.setdefault(job.spec.user, []).append(job)
+    names = set(state.users) | set(active_of)
     rows = []
     for name in sorted(names):
         user = state.users.get(name) or st.UserState()
-        active = [
-            j for j in state.jobs.values() if j.spec.user == name and j.status not in st.FINISHED_STATUSES
-        ]
+        active = active_of.get(name, [])
         rows.append(
             {
                 "user": name,
