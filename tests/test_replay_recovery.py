@@ -124,3 +124,32 @@ async def test_a_slow_replay_is_waited_for_and_a_stuck_one_is_not(bus: Bus) -> N
     stuck = Projection(bus)
     with pytest.raises(TimeoutError):
         await stuck.wait_ready(timeout_s=0.2)
+
+
+@pytest.mark.integration
+async def test_a_projection_started_before_its_stream_exists_waits_for_it(nats_url: str, prefix: str) -> None:
+    """An identity that may not create streams (the authorizer, a node daemon) can start
+    before whoever declares them: its projection waits, not ready, and is ready once the
+    stream exists. (CI's compose stack lost its authorizer to this: it exited on 'stream
+    not found' and podman did not restart it.)"""
+    from shoal.projection import Projection
+
+    early = await Bus.connect(nats_url, prefix=prefix, creds=os.environ["NATS_CREDS"], declare=False)
+    projection = Projection(early)
+    starting = asyncio.create_task(projection.start())
+    try:
+        await asyncio.sleep(0.5)  # time for a few retries; nothing to wait *for* yet
+        assert not starting.done()
+        declarer = await Bus.connect(nats_url, prefix=prefix, creds=os.environ["NATS_CREDS"])
+        try:
+            await declarer.publish(ev.UserRegistered(user="alice"))
+            await asyncio.wait_for(starting, 10)
+            await asyncio.wait_for(projection.wait_ready(), 10)
+            assert "alice" in projection.state.users
+        finally:
+            await declarer.close()
+    finally:
+        if not starting.done():
+            starting.cancel()
+        await projection.stop()
+        await early.close()
