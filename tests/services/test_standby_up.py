@@ -10,24 +10,17 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from shoal.commands.run import CLI_ARGV as CLI
-from shoal.faults import _metric, _scrape
+from shoal.faults import _free_port, _metric, _scrape
 
 from tests.services.test_liveness import run_job, shoal_up
 
 pytestmark = pytest.mark.integration
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _leader(probe: str) -> float | None:

@@ -429,16 +429,24 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 # -- commands ---------------------------------------------------------------------------
 
 
+def _print_reply(args: argparse.Namespace, reply: Any, *, duplicate: str, done: str) -> int:
+    """A command's answer: the reply as JSON with ``--json``, else one line."""
+    if args.json:
+        _connect.print_json(reply)
+    else:
+        print(duplicate if reply.duplicate else done)
+    return 0
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
     async def body(client: Client) -> int:
         reply = await client.cancel(args.job, args.reason)
-        if args.json:
-            _connect.print_json(reply)
-        elif reply.duplicate:
-            print(f"job {reply.id} had already finished; nothing changed")
-        else:
-            print(f"cancelled {reply.id}")
-        return 0
+        return _print_reply(
+            args,
+            reply,
+            duplicate=f"job {reply.id} had already finished; nothing changed",
+            done=f"cancelled {reply.id}",
+        )
 
     return _connect.run(args, body)
 
@@ -459,13 +467,12 @@ def cmd_limits(args: argparse.Namespace) -> int:
 
     async def body(client: Client) -> int:
         reply = await client.set_user_limits(args.user, max_active_jobs=args.max_jobs, max_gpus=args.max_gpus)
-        if args.json:
-            _connect.print_json(reply)
-        elif reply.duplicate:
-            print(f"user {args.user} already has these limits; nothing changed")
-        else:
-            print(f"user {args.user}: limits set")
-        return 0
+        return _print_reply(
+            args,
+            reply,
+            duplicate=f"user {args.user} already has these limits; nothing changed",
+            done=f"user {args.user}: limits set",
+        )
 
     return _connect.run(args, body)
 
@@ -489,12 +496,11 @@ def cmd_users(args: argparse.Namespace) -> int:
 def cmd_tickets(args: argparse.Namespace) -> int:
     async def body(client: Client) -> int:
         reply = await client.set_tickets(args.user, args.tickets)
-        if args.json:
-            _connect.print_json(reply)
-        elif reply.duplicate:
-            print(f"user {args.user} already has {args.tickets} tickets; nothing changed")
-        else:
-            print(f"user {args.user} now has {args.tickets} tickets")
-        return 0
+        return _print_reply(
+            args,
+            reply,
+            duplicate=f"user {args.user} already has {args.tickets} tickets; nothing changed",
+            done=f"user {args.user} now has {args.tickets} tickets",
+        )
 
     return _connect.run(args, body)
