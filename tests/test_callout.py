@@ -468,8 +468,9 @@ async def test_an_identity_added_later_is_admitted_by_the_callout_without_a_rest
     """nats-server cannot reload a changed ``auth_callout`` (its ``auth_users`` list every
     static identity). An nkey identity added later is admitted by the authorizer through
     the callout instead, with its role's permissions, and the server keeps running; so
-    is an MQTT device that logs in with a password added later. A change that is not an
-    addition (here a password changed) still restarts the server."""
+    is an MQTT device that logs in with a password added later. A changed password of a
+    login the server lists is reloaded without a restart, additions pending or not; a
+    rotated key (a listed user removed) restarts the server."""
     store = CredentialStore(tmp_path / "creds")
     store.ensure("admin")
     store.ensure_callout()
@@ -540,14 +541,32 @@ async def test_an_identity_added_later_is_admitted_by_the_callout_without_a_rest
             await asyncio.gather(task, return_exceptions=True)
             await bus.close()
             await admin.close()
-        # A changed password of a login the running configuration lists is no addition:
-        # a restart, on the same port.
+        # A changed password of a login the running configuration lists, with additions
+        # pending: reloaded with the running callout kept, no restart. The server itself
+        # checks the listed login (the authorizer is stopped now).
         store.ensure("client", "old", mqtt_password="pw-new")
+        server.reload()
+        assert server.proc is not None and server.proc.pid == pid, "restarted"
+        assert "Reloaded: authorization users" in server.log_tail(40)
+        async with aiomqtt.Client(
+            "127.0.0.1", port, username="old", password="pw-new", identifier="old-1", timeout=10
+        ) as device:
+            await device.publish(f"{PREFIX}/mqtt/submit/old", b"{}", qos=1)
+        with pytest.raises(aiomqtt.MqttError):
+            async with aiomqtt.Client(
+                "127.0.0.1", port, username="old", password="pw-old", identifier="old-2", timeout=5
+            ):
+                pass
+        # A rotated key of a listed identity removes a user: a restart, on the same port.
+        store.path("admin").unlink()
+        admin_creds = str(store.ensure("admin"))
         server.reload()
         assert server.url == url
         assert server.proc is not None and server.proc.pid != pid
         async with await Bus.connect(server.url, PREFIX, creds=late, declare=False) as listed:
             assert listed.identity == "user-late"  # now a user of the configuration itself
+        async with await Bus.connect(server.url, PREFIX, creds=admin_creds, declare=False) as rotated:
+            assert rotated.identity == "admin"
 
 
 def test_the_callout_checks_the_nonce_signature_of_an_nkey() -> None:

@@ -37,6 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 
@@ -213,9 +214,13 @@ class EmbeddedNats:
         the change only adds nkey identities, the running configuration is left as it
         is: the authorizer admits them through the callout (it reads the identities at
         each request, :func:`shoal.auth.callout_admits`), and the next start of the
-        server lists them. Any other change (an MQTT password, which the callout does
-        not judge) restarts the server instead (:meth:`restart`: same store, ports and
-        credentials; clients reconnect), and a new ``proc`` runs when this returns.
+        server lists them. A changed MQTT password or permissions of a login the
+        running configuration lists is reloaded with the running ``auth_callout`` kept
+        (:func:`_keep_callout`), so the server checks the new password at once, also
+        when additions are pending. Any other change (an identity removed, a system
+        account user, a server setting) restarts the server instead (:meth:`restart`:
+        same store, ports and credentials; clients reconnect), and a new ``proc`` runs
+        when this returns.
 
         Raises:
             NatsServerError: the server is not running or did not reload (or restart)
@@ -229,11 +234,14 @@ class EmbeddedNats:
         text = self._config()
         running = conf.read_text()
         if self.callout and _callout_section(text) != _callout_section(running):
-            if _only_users_added(running, text):
-                return  # admitted by the callout until the next start
-            _terminate(self.proc, timeout_s)
-            self.restart(timeout_s)
-            return
+            kept = _keep_callout(running, text)
+            if kept is None:
+                _terminate(self.proc, timeout_s)
+                self.restart(timeout_s)
+                return
+            if kept == running:
+                return  # only additions: admitted by the callout until the next start
+            text = kept  # listed users changed too: reloaded, the callout as it runs
         tmp = conf.with_suffix(".tmp")
         tmp.write_text(text)
         os.chmod(tmp, 0o600)
@@ -412,37 +420,47 @@ def _callout_section(config: str) -> object:
         return None
 
 
-def _only_users_added(running: str, new: str) -> bool:
-    """Whether configuration ``new`` differs from ``running`` only by users added to the
-    global account (each also an ``auth_users`` entry): nkey users, and MQTT password
-    users (both of which the authorizer admits through the callout, checking the nkey's
-    signature or the password's bcrypt hash); nothing removed or changed, the same
-    system account."""
+def _keep_callout(running: str, new: str) -> str | None:
+    """The configuration to reload instead of ``new`` while ``running`` runs with an
+    auth callout, or None when only a restart applies ``new``.
+
+    nats-server cannot reload a changed ``auth_callout``, whose ``auth_users`` list every
+    user of the configuration. It does reload the users themselves. So when ``new``
+    differs from ``running`` only by users added to the global account (nkey users, and
+    MQTT password users: the authorizer admits both through the callout, checking the
+    nkey's signature or the password's bcrypt hash) and by changed entries (password
+    hash, permissions) of users ``running`` lists, the answer is ``running`` with those
+    entries changed and nothing added: ``running`` itself when nothing listed changed.
+    None when a listed user is gone, an addition is neither kind, or anything outside
+    the users and ``auth_users`` differs (the system account's users among them)."""
     head_a, _, block_a = running.partition("authorization: ")
     head_b, _, block_b = new.partition("authorization: ")
     try:
         a, b = json.loads(block_a), json.loads(block_b)
     except ValueError:
-        return False
+        return None
 
-    def rest(block: dict[str, object]) -> dict[str, object]:
+    def rest(block: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in block.items() if k not in ("users", "auth_callout")}
 
     if head_a != head_b or rest(a) != rest(b):
-        return False
+        return None
     old = {u.get("nkey") or u.get("user"): u for u in a.get("users", [])}
     now = {u.get("nkey") or u.get("user"): u for u in b.get("users", [])}
     added = now.keys() - old.keys()
-    if old.keys() - now.keys() or any(now[k] != u for k, u in old.items() if k in now):
-        return False
-    if not all("nkey" in now[k] or "password" in now[k] for k in added):
-        return False
+    if old.keys() - now.keys() or not all("nkey" in now[k] or "password" in now[k] for k in added):
+        return None
     ca, cb = a.get("auth_callout") or {}, b.get("auth_callout") or {}
     if {k: v for k, v in ca.items() if k != "auth_users"} != {
         k: v for k, v in cb.items() if k != "auth_users"
     }:
-        return False
-    return set(cb.get("auth_users", [])) == set(ca.get("auth_users", [])) | added
+        return None
+    if set(cb.get("auth_users", [])) != set(ca.get("auth_users", [])) | added:
+        return None
+    if all(now[k] == u for k, u in old.items()):
+        return running
+    kept = dict(a, users=[now[u.get("nkey") or u.get("user")] for u in a.get("users", [])])
+    return head_a + "authorization: " + json.dumps(kept, indent=2) + "\n"
 
 
 def _free_port(host: str) -> int:

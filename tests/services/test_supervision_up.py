@@ -100,7 +100,9 @@ async def test_an_identity_added_with_shoal_creds_is_admitted_without_restarting
     """`shoal creds add user bob --mqtt-password ...` against a running `shoal up` (auth
     callout on, the default; MQTT on): the server keeps its pid, the admin's connection
     never drops, and bob connects at once, and so does his MQTT device, both admitted
-    by the shipped authorizer."""
+    by the shipped authorizer. Then carol, whose device login the server has listed
+    since it started, gets a new password the same way: the server checks the new one
+    at once (the old one is refused), still without a restart."""
     import socket
     import subprocess
 
@@ -111,20 +113,33 @@ async def test_an_identity_added_with_shoal_creds_is_admitted_without_restarting
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         mqtt_port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
+    env["SHOAL_STATE_DIR"] = str(tmp_path / "state")
+
+    def creds_add(user: str, password: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [*CLI_ARGV, "creds", "add", "user", user, "--mqtt-password", password],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done
+
+    async def mqtt_login(user: str, password: str, client_id: str) -> None:
+        async with aiomqtt.Client(
+            "127.0.0.1", mqtt_port, username=user, password=password, identifier=client_id, timeout=5
+        ) as device:
+            await device.publish(f"shoal/mqtt/submit/{user}", b"{}", qos=1)
+
+    creds_add("carol", "carol-old-pw")  # before the server starts: listed in its configuration
     async with shoal_up(tmp_path, nodes=0, SHOAL_MQTT_PORT=str(mqtt_port)) as up:
         pid = int(up_info(tmp_path)["server_pid"])
         admin = await Bus.connect(up.url, "shoal", declare=False, **up.admin())
         try:
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
-            env["SHOAL_STATE_DIR"] = str(tmp_path / "state")
-            added = subprocess.run(
-                [*CLI_ARGV, "creds", "add", "user", "bob", "--mqtt-password", "bob-device-pw"],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            assert added.returncode == 0, added.stderr
+            await mqtt_login("carol", "carol-old-pw", "carol-0")
+            added = creds_add("bob", "bob-device-pw")
             bob = None
             deadline = time.monotonic() + 20
             while bob is None:  # `shoal up` acts on the SIGHUP a moment later
@@ -135,20 +150,23 @@ async def test_an_identity_added_with_shoal_creds_is_admitted_without_restarting
                     await asyncio.sleep(0.2)
             assert bob.identity == "user-bob"
             await bob.close()
-            async with aiomqtt.Client(
-                "127.0.0.1",
-                mqtt_port,
-                username="bob",
-                password="bob-device-pw",
-                identifier="bob-1",
-                timeout=10,
-            ) as device:
-                await device.publish("shoal/mqtt/submit/bob", b"{}", qos=1)
+            await mqtt_login("bob", "bob-device-pw", "bob-1")
             with pytest.raises(aiomqtt.MqttError):
-                async with aiomqtt.Client(
-                    "127.0.0.1", mqtt_port, username="bob", password="guess", identifier="bob-2", timeout=5
-                ):
-                    pass
+                await mqtt_login("bob", "guess", "bob-2")
+            assert int(up_info(tmp_path)["server_pid"]) == pid
+            assert admin.nc.is_connected and admin.nc.stats["reconnects"] == 0
+            # carol's new password, with bob's addition pending in the running configuration.
+            creds_add("carol", "carol-new-pw")
+            deadline = time.monotonic() + 20
+            while True:  # `shoal up` reloads on the SIGHUP a moment later
+                try:
+                    await mqtt_login("carol", "carol-new-pw", "carol-1")
+                    break
+                except aiomqtt.MqttError:
+                    assert time.monotonic() < deadline, "carol's new password was never accepted"
+                    await asyncio.sleep(0.2)
+            with pytest.raises(aiomqtt.MqttError):
+                await mqtt_login("carol", "carol-old-pw", "carol-2")
             assert int(up_info(tmp_path)["server_pid"]) == pid
             assert admin.nc.is_connected and admin.nc.stats["reconnects"] == 0
         finally:
