@@ -17,7 +17,16 @@ from pathlib import Path
 import aiomqtt
 import pytest
 from shoal import events as ev
-from shoal.audit import Target, _forge, _forge_beat, local_installation, run_audit
+from shoal.audit import (
+    Target,
+    _create_capturing_stream,
+    _delete_consumer,
+    _durable_consumer,
+    _forge,
+    _forge_beat,
+    local_installation,
+    run_audit,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -45,6 +54,11 @@ def test_the_audit_sees_an_accepted_forgery(target: Target) -> None:
     # The same for the beats stream: the admin may store a heartbeat of any node there.
     refused, how = asyncio.run(_forge_beat(target, target.admin, "other-node"))
     assert not refused, how
+    # And the JetStream API attacks: the admin may create a stream, keep a durable
+    # consumer and delete another's consumer (each undone by the audit afterwards).
+    for attack in (_create_capturing_stream, _durable_consumer, _delete_consumer):
+        refused, how = asyncio.run(attack(target, target.admin))
+        assert not refused, (attack.__name__, how)
 
 
 def test_credentials_are_private(target: Target) -> None:

@@ -210,7 +210,7 @@ async def _js_api(t: Target, creds: str, subject: str, body: bytes = b"") -> tup
     try:
         try:
             msg = await conn.nc.request(subject, body, timeout=2)
-            answer = msg.data.decode(errors="replace")[:120]
+            answer = msg.data.decode(errors="replace")
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError):
             pass
         why = await conn.violation(0.5)
@@ -222,8 +222,10 @@ async def _js_api(t: Target, creds: str, subject: str, body: bytes = b"") -> tup
     if why:
         return True, why
     if '"error"' in answer:
-        return True, json.loads(answer).get("error", {}).get("description", answer)
-    return (not answer), answer or "no answer"
+        with contextlib.suppress(ValueError):
+            return True, str(json.loads(answer).get("error", {}).get("description", answer[:120]))
+        return True, answer[:120]
+    return (not answer), answer[:120] or "no answer"
 
 
 async def _command(
@@ -385,6 +387,89 @@ async def _sidecar_lease(t: Target, job_id: str) -> tuple[bool, str]:
     if stored == value:
         return False, f"stored under {subject}"
     return True, why or "not stored"
+
+
+async def _create_capturing_stream(t: Target, creds: str) -> tuple[bool, str]:
+    """Create a stream that captures admission's command subjects (a request there would
+    be answered by the stream's ack, and the commands kept for the attacker to read);
+    refused unless the stream exists afterwards (the admin then deletes it)."""
+    name = "AUDIT_CAPTURE"
+    body = json.dumps({"name": name, "subjects": [f"{t.prefix}.cmd.>"], "storage": "memory"}).encode()
+    _, why = await _js_api(t, creds, f"$JS.API.STREAM.CREATE.{name}", body)
+    admin = await _Conn.open(t.url, t.admin)
+    try:
+        js = admin.nc.jetstream()
+        try:
+            await js.stream_info(name)
+        except nats.js.errors.NotFoundError:
+            return True, why
+        await js.delete_stream(name)
+        return False, f"created stream {name} on {t.prefix}.cmd.>"
+    finally:
+        await admin.close()
+
+
+async def _durable_consumer(t: Target, creds: str) -> tuple[bool, str]:
+    """Keep a durable consumer on the event stream, through each API form (named create,
+    unnamed create with a durable name, the legacy durable create); refused unless one
+    exists afterwards (the admin then deletes it)."""
+    stream = f"{_token(t.prefix)}_EVENTS"
+    name = "audit-durable"
+    durable = {"durable_name": name, "ack_policy": "none", "deliver_policy": "new"}
+    forms = [
+        (f"$JS.API.CONSUMER.CREATE.{stream}.{name}", {**durable, "name": name}),
+        (f"$JS.API.CONSUMER.CREATE.{stream}", durable),
+        (f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}", durable),
+    ]
+    whys = []
+    for subject, config in forms:
+        _, why = await _js_api(
+            t, creds, subject, json.dumps({"stream_name": stream, "config": config}).encode()
+        )
+        whys.append(why)
+        admin = await _Conn.open(t.url, t.admin)
+        try:
+            js = admin.nc.jetstream()
+            try:
+                await js.consumer_info(stream, name)
+            except nats.js.errors.NotFoundError:
+                continue
+            await js.delete_consumer(stream, name)
+            return False, f"durable consumer {name} created through {subject}"
+        finally:
+            await admin.close()
+    return True, "; ".join(whys)
+
+
+async def _delete_consumer(t: Target, creds: str) -> tuple[bool, str]:
+    """Delete another identity's consumer (one the admin made for the audit, as a
+    service's replay consumer is); refused unless it is gone afterwards."""
+    from nats.js import api
+
+    stream = f"{_token(t.prefix)}_EVENTS"
+    admin = await _Conn.open(t.url, t.admin)
+    try:
+        js = admin.nc.jetstream()
+        info = await js.add_consumer(
+            stream, api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=120.0)
+        )
+        _, why = await _js_api(t, creds, f"$JS.API.CONSUMER.DELETE.{stream}.{info.name}")
+        try:
+            await js.consumer_info(stream, info.name)
+        except nats.js.errors.NotFoundError:
+            return False, f"deleted consumer {info.name}"
+        await js.delete_consumer(stream, info.name)
+        return True, why
+    finally:
+        await admin.close()
+
+
+async def _as_sidecar(
+    t: Target, attack: Callable[[Target, str], Awaitable[tuple[bool, str]]]
+) -> tuple[bool, str]:
+    """``attack`` with the credentials of the sidecar of :data:`SIDECAR_JOB`."""
+    node = sorted(await _placed_nodes(t, SIDECAR_JOB))[0]
+    return await attack(t, _sidecar_creds(t, SIDECAR_JOB, node))
 
 
 async def _sidecar_connect(
@@ -598,6 +683,13 @@ def attacks(t: Target) -> list[Attack]:
             ),
         ),
         ("intercept admission's requests", user, lambda t: _subscribe(t, t.user, f"{t.prefix}.cmd.>")),
+        (
+            "capture admission's requests in a new stream",
+            user,
+            lambda t: _create_capturing_stream(t, t.user),
+        ),
+        ("keep a durable consumer on the event stream", user, lambda t: _durable_consumer(t, t.user)),
+        ("delete another identity's consumer", user, lambda t: _delete_consumer(t, t.user)),
         ("read other identities' replies", user, lambda t: _subscribe(t, t.user, "_INBOX.>")),
     ]
     if t.mqtt_port:
@@ -616,6 +708,17 @@ def attacks(t: Target) -> list[Attack]:
                 lambda t: _sidecar_forge(t, ev.JobCompleted(job_id="victim-job")),
             ),
             ("sidecar takes another job's leader lease", sidecar, lambda t: _sidecar_lease(t, "victim-job")),
+            (
+                "sidecar captures admission's requests in a new stream",
+                sidecar,
+                lambda t: _as_sidecar(t, _create_capturing_stream),
+            ),
+            (
+                "sidecar deletes another identity's consumer",
+                sidecar,
+                lambda t: _as_sidecar(t, _delete_consumer),
+            ),
+            ("sidecar keeps a durable consumer", sidecar, lambda t: _as_sidecar(t, _durable_consumer)),
             (
                 "node signs a sidecar token for a job not placed on it",
                 "a node's sidecar key",

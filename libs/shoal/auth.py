@@ -207,22 +207,25 @@ _JS_READ = [
     "$JS.API.DIRECT.GET.*",
     "$JS.API.DIRECT.GET.*.>",
     "$JS.API.CONSUMER.CREATE.*",
-    "$JS.API.CONSUMER.CREATE.*.>",
     "$JS.API.CONSUMER.INFO.*.*",
     "$JS.API.CONSUMER.MSG.NEXT.*.*",
 ]
-"""Read the log through ephemeral consumers and direct gets."""
+"""Read the log through ephemeral consumers and direct gets. Only the unnamed form of
+``CONSUMER.CREATE`` (``$JS.API.CONSUMER.CREATE.<stream>``): the server refuses a durable
+configuration there, while the named form (``...CREATE.<stream>.<name>[.<filter>]``)
+would let any reader keep a durable consumer for ever. Nothing shipped names one."""
 
-_JS_SERVICE = [
-    "$JS.API.STREAM.CREATE.*",
-    "$JS.API.CONSUMER.DURABLE.CREATE.*.*",
-    "$JS.API.CONSUMER.DELETE.*.*",
-    "$JS.API.CONSUMER.NAMES.*",
-    "$JS.ACK.>",
-    "$JS.FC.>",
-]
-"""What a service (or sidecar) needs besides reading: create a stream that is not there
-yet (never update, purge or delete one), keep durable work consumers and ack them."""
+_JS_WORKER = ["$JS.API.CONSUMER.NAMES.*", "$JS.FC.>"]
+"""What a sidecar needs besides reading: list consumers, answer the flow control of an
+ordered (KV watch) consumer. No stream creation (the services create the buckets its
+lease and rendezvous use, :meth:`shoal.bus.Bus.declare`), no consumer deletion."""
+
+_JS_SERVICE = ["$JS.API.STREAM.CREATE.*", *_JS_WORKER]
+"""What a service needs besides reading: also create a stream or bucket that is not
+there yet (never update, purge or delete one). No service keeps a durable consumer or
+deletes one: its replay consumers are ephemeral and the server removes them after 30 s
+without a pull (:meth:`shoal.bus.Bus.replay_batches`), so neither durable creation nor
+``CONSUMER.DELETE`` is granted (a service could otherwise delete another's consumer)."""
 
 _JS_DENY = [
     "$JS.API.STREAM.PURGE.*",
@@ -234,8 +237,12 @@ _JS_DENY = [
     "$JS.API.ACCOUNT.PURGE.*",
     "$JS.API.SERVER.>",
     "$JS.API.META.>",
+    "$JS.API.CONSUMER.DELETE.*.*",
+    "$JS.API.CONSUMER.DURABLE.CREATE.*.*",
+    "$JS.API.CONSUMER.CREATE.*.>",
 ]
-"""Destructive JetStream API calls; never allowed to anyone but the admin."""
+"""Destructive JetStream API calls, and durable consumers (which outlive their
+creator); never allowed to anyone but the admin."""
 
 
 def _token(prefix: str) -> str:
@@ -263,8 +270,6 @@ def permissions(identity: Identity, prefix: str = "shoal") -> dict[str, Any]:
         sub.append(f"{p}.mqtt.result.{user}")
         # Reads from admission's materialised view (shoal.queries), as itself only.
         pub.append(f"{p}.query.*.{user}")
-        deny_pub.append("$JS.API.CONSUMER.DELETE.*.*")
-        deny_pub.append("$JS.API.CONSUMER.DURABLE.CREATE.*.*")
     elif role == "authorizer":
         sub.append(CALLOUT_SUBJECT)
         out["allow_responses"] = {"max": 1}
@@ -277,7 +282,7 @@ def permissions(identity: Identity, prefix: str = "shoal") -> dict[str, Any]:
         pub.append(f"{p}.beat.{node}")  # its own heartbeats (beats stream, one kept per node)
         pub.append(f"{p}.dlq.>")  # a reader dead-letters what it cannot decode (shoal.bus)
     else:
-        pub += _JS_SERVICE
+        pub += _JS_WORKER if role == "sidecar" else _JS_SERVICE
         pub += [event_subject(cls, p) for cls in EVENT_OWNERS[role]]
         pub.append(f"{p}.dlq.>")
         # Leader leases (KV bucket <TOKEN>_LEASES_<ttl>MS), one key per role.
@@ -358,7 +363,7 @@ def sidecar_job_permissions(job_id: str, node_id: str, prefix: str = "shoal") ->
     if not (is_subject_token(job_id) and is_subject_token(node_id)):
         raise AuthError(f"job and node ids must be subject tokens: {job_id!r}, {node_id!r}")
     p = prefix
-    pub = [*_JS_READ, *_JS_SERVICE]
+    pub = [*_JS_READ, *_JS_WORKER]
     pub += [event_subject(cls, p, job_id) for cls in EVENT_OWNERS["sidecar"]]
     pub += [f"{p}.dlq.>", f"$KV.*.train.{job_id}", f"{p}.sidecar.{job_id}.>"]
     sub = [f"_INBOX.sidecar.{node_id}.{job_id}.>", f"{p}.sidecar.{job_id}.>"]

@@ -253,6 +253,9 @@ class Names:
         self.ctl_stream = f"{token}_CTL"
         self.dlq_stream = f"{token}_DLQ"
         self.lease_bucket = f"{token}_LEASES"
+        self.train_meta_bucket = f"{token}_LEASES_TRAIN_META"
+        """The real sidecars' rendezvous metadata (key ``train.<job>``): made by
+        :meth:`Bus.declare`, since a sidecar may not create a bucket."""
         self.snapshot_bucket = f"{token}_SNAPSHOTS"
         self.profiler_snapshot_bucket = f"{token}_PROFILER_SNAPSHOTS"
         """The profiler's own snapshots: a bucket apart, so that the profiler's identity may
@@ -515,9 +518,20 @@ class Bus:
 
     @property
     def may_delete_consumers(self) -> bool:
-        """Whether this identity may delete consumers (not clients, nodes and the
-        authorizer: :mod:`shoal.auth`)."""
-        return not (self.identity or "").startswith(("user-", "node-", "authorizer"))
+        """Whether this identity may delete consumers: the admin's, or a connection
+        without authentication. No other role may (:mod:`shoal.auth`); the server
+        removes their ephemeral consumers after their inactivity threshold."""
+        return self.identity in (None, "admin")
+
+    @property
+    def may_create_streams(self) -> bool:
+        """Whether this identity may create streams and buckets: the admin, a service
+        (admission, allocator, placer, profiler, trader) or a connection without
+        authentication; not a client, a node, a sidecar or the auth callout's
+        (:mod:`shoal.auth`)."""
+        from shoal.auth import SERVICE_ROLES
+
+        return self.identity in (None, "admin", *SERVICE_ROLES)
 
     async def __aenter__(self) -> Bus:
         return self
@@ -549,8 +563,11 @@ class Bus:
         """Create (or update to the current config) the streams and buckets. Idempotent.
 
         A node, sidecar or client identity may not create streams (:mod:`shoal.auth`):
-        for them this does nothing; the admin (``shoal up``) or a service creates them."""
-        if (self.identity or "").startswith(("user-", "node-", "sidecar-")):
+        for them this does nothing; the admin (``shoal up``) or a service creates them,
+        the sidecars' rendezvous bucket (:attr:`Names.train_meta_bucket`) among them.
+        (The leases' buckets are made by the first service that campaigns with that
+        TTL, before any job runs.)"""
+        if not self.may_create_streams:
             return
         n = self.names
         await self._ensure_stream(
@@ -598,6 +615,9 @@ class Bus:
                 discard=api.DiscardPolicy.OLD,
                 allow_direct=True,
             )
+        )
+        await self.key_value(
+            api.KeyValueConfig(bucket=n.train_meta_bucket, history=1, storage=api.StorageType.FILE)
         )
 
     # -- publishing --------------------------------------------------------------
@@ -1318,8 +1338,24 @@ class Bus:
 
     async def key_value(self, config: api.KeyValueConfig) -> Any:
         """The KV bucket of ``config``, created with :attr:`replicas` when missing; an
-        existing bucket is used as it is (whatever its replicas)."""
+        existing bucket is used as it is (whatever its replicas).
+
+        An identity that may not create buckets (:attr:`may_create_streams`: a sidecar)
+        only binds to it.
+
+        Raises:
+            BusError: it may not create the bucket, and no service has made it.
+        """
         config.replicas = self.replicas
+        if not self.may_create_streams:
+            try:
+                return await self.js.key_value(config.bucket)
+            except nats.js.errors.BucketNotFoundError as exc:
+                raise BusError(
+                    f"KV bucket {config.bucket} does not exist, and {self.identity} may not create it: "
+                    "a service makes it (the leases' with its SHOAL_LEASE_TTL_S, which the nodes "
+                    "must share)"
+                ) from exc
         try:
             return await self.js.create_key_value(config)
         except nats.js.errors.BadRequestError as exc:

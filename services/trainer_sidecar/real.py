@@ -227,7 +227,7 @@ class RealSidecar:
 
     async def _meta(self) -> object:
         if self._meta_kv is None:
-            bucket = f"{self.bus.names.lease_bucket}_TRAIN_META"
+            bucket = self.bus.names.train_meta_bucket
             self._meta_kv = await self.bus.key_value(
                 api.KeyValueConfig(bucket=bucket, history=1, storage=api.StorageType.FILE)
             )
