@@ -472,6 +472,8 @@ class RealSidecar:
             resolve=self.own_gpu_index,
             log_dir=self.workdir / self.job_id / self.holder / "logs",
             refuse=self._refuse_spawn,
+            argv=self.spec.entrypoint if self.spec is not None else (),
+            env=self.spec.env if self.spec is not None else {},
         )
         await self.host.start()
         # torch's import takes seconds: do it before campaigning, off the event loop.

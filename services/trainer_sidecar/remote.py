@@ -37,7 +37,12 @@ a leader that handed over (``keep``): its workers live on until the next leader 
 them (``adopt``: they are then that leader's) or the sidecar stops keeping them.
 
 These subjects are under ``<P>.sidecar.>``, which only the ``sidecar`` and ``admin``
-identities may use (:mod:`shoal.auth`).
+identities may use (:mod:`shoal.auth`). What a follower runs comes from the job's spec in
+the log, never from the request alone: a spawn whose command is not the job's
+``entrypoint``, or whose environment sets a variable the job's ``env`` does not (with
+that value) other than the trainer's ``SHOAL_TRAIN_*`` and torchrun's, is refused
+(:func:`launch_refusal`). So the sidecar of a job, compromised by the job's own code on
+one node, cannot run another program on the job's other nodes.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 import msgspec
@@ -56,12 +61,36 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from shoal.events import GpuRef
+from shoal.train.config import ENV_PREFIX
 from shoal.train.launch import LaunchRequest, launch_local
 
 log = structlog.get_logger("shoal.sidecar.remote")
 
 LOST = -signal.SIGKILL
 """Exit code of a remote worker whose follower is gone."""
+
+
+TORCHRUN_ENV = frozenset(
+    {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK"}
+)
+"""The variables a leader adds for a script without the trainer API (torchrun's)."""
+
+
+def launch_refusal(launch: LaunchRequest, argv: Sequence[str], env: Mapping[str, str]) -> str:
+    """Why a follower whose job has entrypoint ``argv`` and ``env`` (its spec, read from
+    the log) refuses to run ``launch``; ``""`` when it may.
+
+    The command must be exactly the entrypoint. Every variable must be one of the job's
+    own with the same value, a trainer option (``SHOAL_TRAIN_*``, which the job's env
+    may set too) or one of :data:`TORCHRUN_ENV`."""
+    if tuple(launch.argv) != tuple(argv):
+        return f"the command {list(launch.argv)[:4]!r} is not the job's entrypoint"
+    for key, value in launch.env.items():
+        if key.startswith(ENV_PREFIX) or key in TORCHRUN_ENV:
+            continue
+        if env.get(key) != value:
+            return f"the variable {key!r} is not the job's (spec.env)"
+    return ""
 
 
 class SpawnRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -361,6 +390,9 @@ class WorkerHost:
             ``OrderError`` (or any ``ValueError``) for a GPU this node does not have.
         log_dir: where the hosted workers' output goes.
         refuse: a reason to refuse spawns now (this sidecar leads the job), or ``""``.
+        argv: the job's entrypoint and ``env`` its variables, from its spec in the log:
+            a spawn request must match them (:func:`launch_refusal`). None (tests that
+            build a host by hand): any command.
     """
 
     def __init__(
@@ -373,8 +405,12 @@ class WorkerHost:
         resolve: Callable[[GpuRef], int],
         log_dir: Path,
         refuse: Callable[[], str] = lambda: "",
+        argv: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.nc = nc
+        self.argv = argv
+        self.env = dict(env or {})
         self.prefix = prefix
         self.job_id = job_id
         self.node_id = node_id
@@ -480,6 +516,8 @@ class WorkerHost:
             reason = self.refuse()
             if not reason and launch.job_id != self.job_id:
                 reason = f"this is the sidecar of job {self.job_id}, not {launch.job_id}"
+            if not reason and self.argv is not None:
+                reason = launch_refusal(launch, self.argv, self.env)
             if not reason and launch.gpu.node_id != self.node_id:
                 reason = f"GPU {launch.gpu.node_id}/{launch.gpu.index} is not on node {self.node_id}"
             index = -1

@@ -350,3 +350,52 @@ async def test_node_daemons_run_a_job_across_two_nodes_under_the_allocator(
     worlds = [c.world_size for c in await events_of(bus, ev.ReconfigurationCompleted) if c.job_id == job_id]
     assert worlds[0] == 2 and 1 in worlds and worlds[worlds.index(1) :].count(2) >= 1, worlds
     assert not await events_of(bus, ev.ReconfigurationFailed)
+
+
+async def test_a_follower_runs_only_the_jobs_entrypoint_and_env(
+    bus: Bus, nats_url: str, job_id: str, tmp_path: Path
+) -> None:
+    """A spawn request is what the sidecar of a job on another node (possibly taken over
+    by the job's own code) sends: the follower on n1 checks it against the job's spec in
+    the log. Another command, or a variable the spec does not set (``LD_PRELOAD``), is
+    refused with a reason and runs nothing; the job's own command and env with the
+    trainer's and torchrun's variables pass the check (and fail only later, on a GPU
+    index n1 does not have)."""
+    import msgspec
+    from shoal.train.launch import LaunchRequest
+    from shoal_services.trainer_sidecar.remote import SpawnReply, SpawnRequest, subject
+
+    await setup_job(bus, job_id, tmp_path / "trace")
+    follower = start_node_sidecar(bus, nats_url, job_id, "n1", tmp_path / "work")
+    marker = tmp_path / "pwned"
+    spec = (sys.executable, str(CNN), "--max-steps", "1000000")
+    job_env = {"SHOAL_TRAIN_TRACE_DIR": str(tmp_path / "trace"), "SHOAL_TRAIN_CHECKPOINT_EVERY": "20"}
+
+    async def spawn(worker: int, argv: tuple[str, ...], env: dict[str, str], index: int = 0) -> SpawnReply:
+        launch = LaunchRequest(job_id=job_id, worker=worker, gpu=ev.GpuRef("n1", index), argv=argv, env=env)
+        body = msgspec.json.encode(SpawnRequest(leader="mallory", request=launch))
+        deadline = time.monotonic() + 60
+        while True:  # the follower serves spawns once it has read the job's spec
+            try:
+                msg = await bus.nc.request(subject(bus.names.prefix, job_id, "n1", "spawn"), body, timeout=5)
+                return msgspec.json.decode(msg.data, type=SpawnReply)
+            except Exception:
+                assert follower.poll() is None, "the follower exited"
+                assert time.monotonic() < deadline, "the follower never answered"
+                await asyncio.sleep(0.2)
+
+    try:
+        other = await spawn(1, ("sh", "-c", f"touch {marker}"), {})
+        assert other.pid == 0 and "entrypoint" in other.error, other
+        preload = await spawn(2, spec, {**job_env, "LD_PRELOAD": str(tmp_path / "evil.so")})
+        assert preload.pid == 0 and "LD_PRELOAD" in preload.error, preload
+        changed = await spawn(3, spec, {**job_env, "SHOAL_TRAIN_CHECKPOINT_EVERY": "20", "PATH": "/tmp"})
+        assert changed.pid == 0 and "PATH" in changed.error, changed
+        # The job's own command and env (plus the trainer's and torchrun's variables) get
+        # past the check: refused only for the GPU index n1 does not have.
+        own = await spawn(4, spec, {**job_env, "SHOAL_TRAIN_WORKER": "4", "RANK": "1"}, index=7)
+        assert own.pid == 0 and own.error and "entrypoint" not in own.error and "variable" not in own.error
+        await asyncio.sleep(0.5)
+        assert not marker.exists()
+    finally:
+        stop_all([follower])
