@@ -90,7 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(func(args) or 0)
     except CommandError as exc:
-        print(f"shoal: {exc}", file=sys.stderr)
+        from shoal.explain import printable  # a rejection may quote what the sender sent
+
+        print(f"shoal: {printable(str(exc))}", file=sys.stderr)
         return exc.code
     except KeyboardInterrupt:
         return 130

@@ -730,7 +730,9 @@ def render_explanation(x: Explanation) -> str:
             lines.append(f"    same decision: {', '.join(entry.others)}")
         if entry.inputs is not None:
             lines += ["    " + line for line in _inputs_text(entry.inputs)]
-    return "\n".join(lines)
+    # Names, reasons and ids come from the log: their control characters are escaped
+    # line by line, so none can move the cursor or add a line.
+    return "\n".join(printable(line) for line in lines)
 
 
 def _inputs_text(inputs: Mapping[str, Any]) -> list[str]:

@@ -185,3 +185,23 @@ def test_inputs_are_as_of_the_decision_instant() -> None:
     assert shares[1].inputs["attained_service_gpu_s"] == pytest.approx(19.0)
     assert shares[2].inputs["iterations_done"] == 500
     assert shares[1].trigger is not None and shares[1].trigger.description == "the policy's quantum tick"
+
+
+def test_text_from_the_log_cannot_move_the_cursor_or_add_lines() -> None:
+    """A job name and a failure reason are whatever their senders wrote into the log
+    (a name admission accepted before its checks, a sidecar's reason): `shoal explain`
+    prints their control characters escaped, one line per entry."""
+    from shoal import codec
+    from shoal import events as ev
+
+    name = "ok\x1b[2J\nfake row"
+    log = [
+        codec.wrap(
+            ev.JobSubmitted(job_id="jx", spec=ev.JobSpec(user="u", name=name, total_iterations=10)), at=T0
+        ),
+        codec.wrap(ev.JobFailed(job_id="jx", reason="boom\x1b]0;title\x07\r\nsecond"), at=T0 + 1),
+    ]
+    text = explain.render_explanation(explain.explain_job("jx", list(enumerate(log, start=1))))
+    assert "\x1b" not in text and "\r" not in text and "\x07" not in text
+    assert len(text.splitlines()) == 1 + 2  # the head and one line per entry
+    assert "ok\\x1b[2J\\nfake row" in text and "boom\\x1b]0;title\\x07\\r\\nsecond" in text
