@@ -581,3 +581,41 @@ def test_check_script_with_policy_scan() -> None:
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "all checks passed" in r.stdout
+
+
+def test_dev_images_are_never_pulled_and_prod_images_always(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """The dev overlay runs images built here and loaded into a local cluster (kind,
+    minikube), which no registry has: with the base's ``Always`` every shoal pod would
+    wait in ErrImagePull. Production pulls (a pinned tag or digest) every time."""
+    for variant, policy in (("dev", "IfNotPresent"), ("prod", "Always")):
+        for w in _workloads(rendered[variant]):
+            pod = w["spec"]["template"]["spec"]
+            for c in [*pod.get("initContainers", []), *pod["containers"]]:
+                if c["image"].startswith("nats:"):
+                    continue  # the official NATS image is pulled everywhere
+                assert c["imagePullPolicy"] == policy, (variant, w["metadata"]["name"], c["name"])
+
+
+def test_the_dashboards_service_label_exists_on_kubernetes(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The Grafana dashboard selects series by ``service`` (compose's Prometheus sets it
+    per target). On Kubernetes the ServiceMonitor derives it from the pod's name label;
+    every value the dashboard asks for is then the name of a shoal workload."""
+    import re
+
+    docs = rendered["prod-monitoring"]
+    (monitor,) = _objects(docs, "ServiceMonitor")
+    (relabel,) = monitor["spec"]["endpoints"][0]["relabelings"]
+    assert relabel["sourceLabels"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_name"]
+    assert relabel["targetLabel"] == "service"
+    pattern = re.compile(relabel["regex"])
+    derived = set()
+    for w in _workloads(docs):
+        name = w["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/name", "")
+        m = pattern.fullmatch(name)
+        if m:
+            derived.add(m.expand(relabel["replacement"].replace("$1", r"\1")))
+    dashboard = (ROOT / "deploy/compose/grafana/dashboards/shoal.json").read_text()
+    wanted = set(re.findall(r'service=\\"([a-z-]+)\\"', dashboard))
+    assert wanted and wanted <= derived, (wanted, derived)
