@@ -18,6 +18,7 @@ files.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 
 from shoal.auth import Identity, authorization_block
@@ -41,6 +42,9 @@ def server_config(
     mqtt: bool = True,
     max_payload: int = 1024 * 1024,
     callout_issuer: str | None = None,
+    sync_interval: str | None = None,
+    tls: tuple[str, str] | None = None,
+    tls_ca: str | None = None,
 ) -> str:
     """The configuration of ``server_name``, one of ``servers`` (host names that resolve
     to each server, e.g. compose service names), with JetStream in ``store_dir``, routes
@@ -53,6 +57,12 @@ def server_config(
     identities are then no users of the cluster, and each sidecar connects with a token
     its node daemon signed, as an identity of its one job (:mod:`shoal.callout`).
 
+    ``sync_interval`` (``"10s"``, ``"always"``…) is JetStream's fsync interval. ``tls``
+    (certificate and key files, as the server sees them) makes every client connection
+    TLS; with ``tls_ca`` too, the routes between the servers are TLS as well, each server
+    verifying the others' certificates with that CA (so each certificate must name its
+    server's host name).
+
     Raises:
         ValueError: ``server_name`` is not one of ``servers``, or a name or the password
             would break the configuration's syntax.
@@ -64,6 +74,14 @@ def server_config(
             raise ValueError(f"a server or cluster name must be letters, digits, '-', '_' or '.': {name!r}")
     if not route_password or not all(c.isalnum() for c in route_password):
         raise ValueError("the route password must be letters and digits (it is part of the route URLs)")
+    if sync_interval is not None and not (
+        sync_interval == "always" or re.fullmatch(r"[0-9]+(\.[0-9]+)?(ms|s|m|h)", sync_interval)
+    ):
+        raise ValueError(
+            f"sync_interval must be a duration (10s, 500ms, 2m) or 'always', got {sync_interval!r}"
+        )
+    if tls_ca is not None and tls is None:
+        raise ValueError("a TLS CA for the routes needs the servers' certificate and key too")
     routes = [f"nats-route://{ROUTE_USER}:{route_password}@{s}:{ROUTE_PORT}" for s in servers]
     lines = [
         f"server_name: {json.dumps(server_name)}",
@@ -73,7 +91,13 @@ def server_config(
         f'http: "127.0.0.1:{MONITOR_PORT}"',
         "jetstream {",
         f"  store_dir: {json.dumps(store_dir)}",
+        *([f"  sync_interval: {json.dumps(sync_interval)}"] if sync_interval else []),
         "}",
+        *(
+            ["tls {", f"  cert_file: {json.dumps(tls[0])}", f"  key_file: {json.dumps(tls[1])}", "}"]
+            if tls
+            else []
+        ),
         "cluster {",
         f"  name: {json.dumps(cluster_name)}",
         f'  listen: "0.0.0.0:{ROUTE_PORT}"',
@@ -82,6 +106,17 @@ def server_config(
         f"    password: {json.dumps(route_password)}",
         "  }",
         f"  routes: {json.dumps(routes)}",
+        *(
+            [
+                "  tls {",
+                f"    cert_file: {json.dumps(tls[0])}",
+                f"    key_file: {json.dumps(tls[1])}",
+                f"    ca_file: {json.dumps(tls_ca)}",
+                "  }",
+            ]
+            if tls and tls_ca
+            else []
+        ),
         "}",
     ]
     if mqtt:

@@ -7,6 +7,7 @@ compose.yaml runs without credentials."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -271,3 +272,111 @@ def test_server_config_refuses_what_would_break_its_syntax() -> None:
     with pytest.raises(ValueError, match="server or cluster name"):
         server_config("a b", servers=["a b"], identities=[], route_password="p")
     assert sys.version_info >= (3, 11)
+
+
+def _ca_and_server_cert(directory: Path, host: str) -> None:
+    """``ca.pem`` and ``<host>.pem``/``<host>-key.pem``, signed by it, for ``host``."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = dt.datetime.now(dt.UTC)
+
+    def cert(subject: str, key: Any, issuer: str, signer: Any, *, ca: bool) -> x509.Certificate:
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(hours=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]), critical=False)
+        return b.sign(signer, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    pem = serialization.Encoding.PEM
+    (directory / "ca.pem").write_bytes(
+        cert("shoal-ca", ca_key, "shoal-ca", ca_key, ca=True).public_bytes(pem)
+    )
+    (directory / f"{host}.pem").write_bytes(cert(host, key, "shoal-ca", ca_key, ca=False).public_bytes(pem))
+    (directory / f"{host}-key.pem").write_bytes(
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+
+
+async def test_nats_config_keeps_tls_and_sync_interval_when_run_again(tmp_path: Path) -> None:
+    """The bare-metal guide's TLS and fsync settings are options of `shoal nats-config`,
+    not hand edits that the next run (adding a user) would overwrite. The configuration it
+    writes starts a server that speaks only TLS to clients, with the CA's certificates."""
+    import socket
+    import ssl
+
+    import nats
+    import nats.errors
+
+    tls_dir = tmp_path / "tls"
+    tls_dir.mkdir()
+    _ca_and_server_cert(tls_dir, "localhost")
+    out = tmp_path / "cfg"
+    argv = [
+        *CLI_ARGV, "nats-config", str(out), "--servers", "localhost", "--users", "alice",
+        "--store-dir", str(tmp_path / "js"), "--sync-interval", "1s",
+        "--tls-cert", str(tls_dir / "{server}.pem"), "--tls-key", str(tls_dir / "{server}-key.pem"),
+        "--tls-ca", str(tls_dir / "ca.pem"),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
+    for users in ("alice", "alice,bob"):  # the second run adds bob and keeps the rest
+        done = subprocess.run([*argv, "--users", users], capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 0, done.stderr
+    conf = out / "server/localhost.conf"
+    text = conf.read_text()
+    assert 'sync_interval: "1s"' in text
+    assert f'cert_file: "{tls_dir / "localhost.pem"}"' in text and f'ca_file: "{tls_dir / "ca.pem"}"' in text
+    check = subprocess.run(
+        [find_nats_server(), "-c", str(conf), "-t"], capture_output=True, text=True, timeout=30
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+    def free() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    port = free()
+    server = subprocess.Popen(
+        [find_nats_server(), "-c", str(conf), "-p", str(port), "-m", str(free()),
+         "--cluster", f"nats://127.0.0.1:{free()}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        ctx = ssl.create_default_context(cafile=str(tls_dir / "ca.pem"))
+        admin = str(out / "operator/admin.nk")
+        nc = None
+        for _ in range(100):
+            try:
+                nc = await nats.connect(
+                    f"tls://localhost:{port}",
+                    tls=ctx,
+                    nkeys_seed=admin,
+                    allow_reconnect=False,
+                    connect_timeout=2,
+                )
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        assert nc is not None, "no TLS connection to the server nats-config configured"
+        await nc.close()
+        with pytest.raises(Exception):  # noqa: B017 - without the CA: refused (the server wants TLS)
+            await nats.connect(
+                f"nats://localhost:{port}", nkeys_seed=admin, allow_reconnect=False, connect_timeout=2
+            )
+    finally:
+        server.terminate()
+        server.wait(10)

@@ -43,6 +43,10 @@ report for any job.
 ``--password-file PATH`` also makes a random password in ``PATH`` (e.g. the compose
 stack's Grafana admin password).
 
+``--sync-interval``, ``--tls-cert``/``--tls-key`` (``{server}`` in a path is the server's
+name) and ``--tls-ca`` go into every server's configuration, so running the command again
+(to add a node or a user) keeps them: give them again each time.
+
 Running it again keeps every seed and password it made before and adds what is new.
 With the callout (and ``--split``), a new user or node connects at once, without
 touching the servers: it is not in their running configuration, so the server asks the
@@ -90,6 +94,23 @@ def register(subparsers: Any) -> None:
         dest="callout",
         action="store_false",
         help="no per-job sidecar identities: sidecars connect as their node's static sidecar identity",
+    )
+    p.add_argument(
+        "--sync-interval",
+        metavar="DURATION",
+        help="JetStream's fsync interval on every server (10s, 1s, always; nats-server's default: 2m)",
+    )
+    p.add_argument(
+        "--tls-cert",
+        metavar="PATH",
+        help="each server's certificate, as the server sees it ({server} is its name): "
+        "clients must then use tls:// (needs --tls-key)",
+    )
+    p.add_argument("--tls-key", metavar="PATH", help="each server's private key, as for --tls-cert")
+    p.add_argument(
+        "--tls-ca",
+        metavar="PATH",
+        help="the CA that signed the servers' certificates, as the servers see it: the routes are TLS too",
     )
     p.add_argument(
         "--password-file",
@@ -177,7 +198,12 @@ def _run(args: argparse.Namespace) -> int:
         _secret(Path(path))
     identities = [*services.identities(), *operator.identities()]
     issuer = services.issuer_public_key() if args.callout else None
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise CommandError("--tls-cert and --tls-key go together")
     for server in servers:
+        tls = None
+        if args.tls_cert:
+            tls = (args.tls_cert.replace("{server}", server), args.tls_key.replace("{server}", server))
         try:
             text = server_config(
                 server,
@@ -189,6 +215,9 @@ def _run(args: argparse.Namespace) -> int:
                 store_dir=args.store_dir,
                 mqtt=args.mqtt,
                 callout_issuer=issuer,
+                sync_interval=args.sync_interval,
+                tls=tls,
+                tls_ca=args.tls_ca,
             )
         except ValueError as exc:
             raise CommandError(str(exc)) from None
