@@ -67,6 +67,14 @@ def test_state_gauges() -> None:
     assert g["gpus_total"] == 4  # the lost node's GPU does not count
     assert g["gpus_allocated"] == 3
     assert g["gpu_allocation_ratio"] == 0.75
+    assert g["gpu_utilization"] == 0.0
+    # Measured utilisation: the mean over the healthy GPUs of the nodes that are up.
+    n0 = s.nodes["n0"].gpus
+    n0[0].utilization, n0[1].utilization, n0[2].utilization = 1.0, 0.5, 0.9
+    n0[2].healthy = False
+    s.nodes["n1"].gpus[0].utilization = 1.0  # lost: not counted
+    g = {x.name: x.value for x in state_gauges(s)}
+    assert g["gpu_utilization"] == (1.0 + 0.5 + 0.0) / 3
 
 
 def test_settings() -> None:

@@ -238,6 +238,15 @@ def state_gauges(
         "BI of AFS §2.2: mean over pending jobs of time without GPUs / remaining time on 1 GPU.",
         queue.bi,
     )
+    utils = [
+        g.utilization for n in state.nodes.values() if n.status == st.NODE_UP for g in n.gpus if g.healthy
+    ]
+    yield Gauge(
+        "gpu_utilization",
+        "Mean utilisation of the healthy GPUs of the nodes that are up, as their node daemons "
+        "last logged it (GpuHealth, written when it changes by a step; 0 when there are none).",
+        sum(utils) / len(utils) if utils else 0.0,
+    )
     yield Gauge("gpus_total", "GPUs of the nodes that are up.", total)
     yield Gauge("gpus_allocated", "GPUs in the current shares.", allocated)
     yield Gauge(

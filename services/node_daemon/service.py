@@ -71,6 +71,7 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.util.types import AnyValue
+from prometheus_client import Gauge
 from shoal import codec
 from shoal import events as ev
 from shoal.bus import Bus
@@ -85,6 +86,14 @@ from shoal.telemetry import stored_context, tracing_enabled, with_trace_fields
 from shoal_services.trainer_sidecar import SIDECAR_TOKEN, SPARE_JOB, adoption_line
 
 log = structlog.get_logger("shoal.node_daemon")
+
+
+GPU_UTILIZATION = Gauge(
+    "shoal_node_gpu_utilization",
+    "Each GPU's utilisation as this node daemon last read it (NVML; an emulated GPU reads 1 "
+    "while a job holds it, else 0), in [0, 1].",
+    ["gpu"],
+)
 
 SidecarArgv = Callable[[str], Sequence[str]]
 
@@ -491,6 +500,7 @@ class NodeDaemon:
                     reading = None if self.emulated else read_nvml(gpu.index)
                     log.debug("gpu_read", index=gpu.index, nvml=reading, busy=gpu.index in busy)
                     util, mem, temp = reading if reading else (1.0 if gpu.index in busy else 0.0, 0, 0.0)
+                    GPU_UTILIZATION.labels(gpu=str(gpu.index)).set(util)
                     key = (True, utilisation_step(util))
                     if self._health_sent.get(gpu.index) == key:
                         continue  # nothing new for the log

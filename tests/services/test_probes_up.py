@@ -171,6 +171,11 @@ def test_probes_of_every_service(tmp_path: Path) -> None:
             assert value(m, "shoal_gpus_total") == 4, name
             assert value(m, "shoal_jobs_active") == 0 and value(m, "shoal_jobs_pending") == 0, name
             assert 0 <= value(m, "shoal_gpu_allocation_ratio") <= 1, name
+            assert 0 <= value(m, "shoal_gpu_utilization") <= 1, name
+            if name.startswith("node-daemon"):  # each of its 2 GPUs as it last read it
+                gpus = m["shoal_node_gpu_utilization"]
+                assert sorted(lab["gpu"] for lab, _ in gpus) == ["0", "1"], gpus
+                assert all(0 <= v <= 1 for _, v in gpus), gpus
             assert value(m, "shoal_bus_lag") >= 0, name
             assert value(m, "shoal_bus_applied_seq") > 0, name
             assert value(m, "shoal_dead_lettered_total") == 0, name
