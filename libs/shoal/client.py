@@ -85,6 +85,10 @@ class ClientError(Exception):
 class NoAdmissionError(ClientError, TimeoutError):
     """No admission service answered the command."""
 
+    job_id: str | None = None
+    """For a submission: the id every attempt carried. The job may have been written
+    under it; submitting again with this ``job_id`` writes it at most once."""
+
 
 class NoEventLogError(ClientError):
     """The server has no event log for this prefix (nothing installed there)."""
@@ -306,7 +310,24 @@ class Client:
             payload = msgspec.msgpack.encode(body)
         except (TypeError, msgspec.EncodeError) as exc:
             raise _rejected("invalid_spec", f"job spec cannot be encoded: {exc}") from None
-        reply, attempt = await self._send(ev.SubmitJob.name, payload, retry=True)
+        try:
+            reply, attempt = await self._send(ev.SubmitJob.name, payload, retry=True)
+        except NoAdmissionError as exc:
+            # The attempts may have been written: without the id a second call would make
+            # another job, so the error says which id to submit again with.
+            again = NoAdmissionError(
+                f"{exc}; the job may have been written as {body['job_id']}: submit again with "
+                f"job id {body['job_id']} (shoal submit --job-id) to have it at most once"
+            )
+            again.job_id = body["job_id"]
+            raise again from exc
+        except CommandError as exc:
+            if exc.code == "unconfirmed" and generated:
+                exc.message = (
+                    f"{exc.message}; submit again with job id {body['job_id']} "
+                    "(shoal submit --job-id) to have it at most once"
+                )
+            raise
         if generated and attempt > 1 and reply.duplicate:
             # Nobody else knows the id this call made up: an earlier attempt wrote the job.
             reply = msgspec.structs.replace(reply, duplicate=False)

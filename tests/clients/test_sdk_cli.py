@@ -242,8 +242,12 @@ def test_resolution_order(tmp_path: Path) -> None:
 
 async def test_no_admission_service_is_a_clear_error(bus: Bus) -> None:
     client = Client(bus, timeout_s=1.0)
-    with pytest.raises(NoAdmissionError, match=r"no admission service answered on .*cmd\.submit_job"):
+    with pytest.raises(NoAdmissionError, match=r"no admission service answered on .*cmd\.submit_job") as info:
         await client.submit(SPEC)
+    # The id every attempt carried, to submit again with (at most one job, whatever the
+    # unanswered attempts did): rerunning without it would make a second job.
+    job_id = info.value.job_id
+    assert job_id and len(job_id) == 26 and f"submit again with job id {job_id}" in str(info.value)
     other = Client(
         await Bus.connect(
             bus.nc.connected_url.geturl() if bus.nc.connected_url else "",
