@@ -124,6 +124,11 @@ _DLQ_PAUSE_S = 30.0
 BEATS_MAX_AGE_S = 24 * 3600.0
 """Seconds a node's newest heartbeat stays in the beats stream (a node that is gone
 leaves nothing behind after that; a live one replaces its heartbeat every second)."""
+DLQ_MAX_AGE_S = 30 * 24 * 3600.0
+DLQ_MAX_BYTES = 1 << 30
+"""Dead letters are kept 30 days, and at most 1 GiB of them (the oldest go first): every
+role but a client may write ``dlq.>`` (a reader dead-letters what it cannot decode), so
+without a bound one such identity could fill the servers' disks."""
 BEAT_MAX_BYTES = 4096
 """Largest message the beats stream takes (a heartbeat envelope is ~200 bytes)."""
 
@@ -599,6 +604,9 @@ class Bus:
                 storage=api.StorageType.FILE,
                 # A dead letter carries the original message plus headers; allow a margin.
                 max_msg_size=MAX_MESSAGE_BYTES * 4 + 64 * 1024,
+                max_age=DLQ_MAX_AGE_S,
+                max_bytes=DLQ_MAX_BYTES,
+                discard=api.DiscardPolicy.OLD,
             )
         )
         await self._ensure_stream(
