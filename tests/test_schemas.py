@@ -119,3 +119,54 @@ async def test_documented_json_submission_works_against_admission(bus: Bus) -> N
     finally:
         await service.stop()
         await projection.stop()
+
+
+def _admission_accepts(body: dict) -> bool:
+    """Admission's own verdict on a JSON submission, short of what depends on the
+    cluster or the operator (GPU types, size, allowed commands): the command decoder
+    (types, ranges, unknown fields) and the spec's cross-field checks."""
+    from shoal import codec
+
+    try:
+        cmd = codec.decode_command(json.dumps(body).encode(), json=True)
+    except codec.MalformedMessage:
+        return False
+    return not admission.validate_spec(cmd.spec)
+
+
+def test_the_schema_and_admission_agree_on_submissions() -> None:
+    """A client that validates against `schemas/SubmitJob.json` (and `JobSpec.json`)
+    before sending gets the verdict admission gives: both accept the same specs and both
+    refuse an unknown field, a control character in a name, a job with no length, a
+    wrong type or range. (What depends on the cluster or the operator, like min_gpus >
+    max_gpus across fields, is admission's alone: the schema cannot state it.)"""
+    from jsonschema import Draft202012Validator
+
+    submit = Draft202012Validator(json.loads((SCHEMAS / "SubmitJob.json").read_text()))
+    spec_schema = Draft202012Validator(json.loads((SCHEMAS / "JobSpec.json").read_text()))
+    good = {"user": "alice", "model": "resnet50", "max_gpus": 2, "total_iterations": 100}
+    cases = {
+        "plain": ({}, True),
+        "unknown length": ({"total_iterations": None, "convergence_target": 0.5}, True),
+        "a name": ({"name": "nightly sweep #3"}, True),
+        "misspelt field": ({"max_gpu": 4}, False),
+        "newline in name": ({"name": "a\nfake row"}, False),
+        "escape in model": ({"model": "resnet\x1b[2J"}, False),
+        "no length": ({"total_iterations": None}, False),
+        "both lengths": ({"convergence_target": 0.5}, False),
+        "zero gpus": ({"max_gpus": 0}, False),
+        "negative target": ({"total_iterations": None, "convergence_target": -1.0}, False),
+        "text for a number": ({"max_gpus": "two"}, False),
+    }
+    for case, (override, expected) in cases.items():
+        spec = {k: v for k, v in {**good, **override}.items() if v is not None}
+        body = {"type": "cmd.submit_job", "spec": spec}
+        verdicts = {
+            "admission": _admission_accepts(body),
+            "SubmitJob.json": submit.is_valid(body),
+            "JobSpec.json": spec_schema.is_valid(spec),
+        }
+        assert set(verdicts.values()) == {expected}, (case, verdicts)
+    # An unknown field beside the spec, too.
+    body = {"type": "cmd.submit_job", "spec": good, "jobid": "x"}
+    assert not _admission_accepts(body) and not submit.is_valid(body)

@@ -71,11 +71,28 @@ JOB_LENGTH_RULE: dict[str, Any] = {
 """Added to every ``JobSpec`` definition: a rule msgspec's generated schema cannot state."""
 
 
-def _standalone(name: str, tp: Any) -> dict[str, Any]:
+NO_CONTROL_CHARACTERS = "^[^\\u0000-\\u001f\\u007f-\\u009f]*$"
+"""The pattern of a ``JobSpec``'s ``name`` and ``model`` in what a client sends:
+admission refuses control characters there (:func:`shoal.admission.validate_spec`)."""
+
+
+def _standalone(name: str, tp: Any, kind: str = "") -> dict[str, Any]:
+    """The schema of ``tp`` as its own file. What a client sends (a command, the command
+    union, a ``JobSpec``) is strict as admission is: no field it does not know
+    (``additionalProperties: false``) and no control character in a job's name or model.
+    Events and envelopes stay open: a reader ignores the fields of a newer writer."""
     schema = msgspec.json.schema(tp)
-    job_spec = schema.get("$defs", {}).get("JobSpec")
+    defs = schema.get("$defs", {})
+    job_spec = defs.get("JobSpec")
     if job_spec is not None:
         job_spec.update(JOB_LENGTH_RULE)
+    if kind == "command" or name in ("AnyCommand", "JobSpec"):
+        for definition in defs.values():
+            if definition.get("type") == "object" and "properties" in definition:
+                definition["additionalProperties"] = False
+        if job_spec is not None:
+            for field in ("name", "model"):
+                job_spec["properties"][field]["pattern"] = NO_CONTROL_CHARACTERS
     out: dict[str, Any] = {"$schema": SCHEMA_DIALECT, "$id": f"{name}.json", "title": name}
     out.update(schema)
     return out
@@ -98,7 +115,7 @@ def generate(prefix: str = "shoal") -> dict[str, str]:
     index: dict[str, Any] = {}
     for name, kind, tp in _types():
         file = f"{name}.json"
-        files[file] = _dump(_standalone(name, tp))
+        files[file] = _dump(_standalone(name, tp, kind))
         entry: dict[str, Any] = {"file": file, "kind": kind}
         if kind != "union":
             tag = _tag(tp)
