@@ -107,6 +107,22 @@ def test_one_submission_is_one_trace_from_the_client_to_the_sidecar(tmp_path: Pa
             s["node"] for s in spans(jsonl) if s["trace_id"] == trace_id and s["service"] != "test-client"
         }
         assert "node0" in nodes, nodes
+        # `shoal submit` starts the trace the same way when the user exports spans.
+        cli = subprocess.run(
+            [*CLI_ARGV, "submit", "--user", "alice", "--max-gpus", "1", "--iterations", "1000000",
+             "--job-id", "cli-traced", "--nats-url", url, "--creds", admin],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert cli.returncode == 0, cli.stderr
+        [cli_root] = [
+            s for s in spans(jsonl) if s["service"] == "shoal-cli" and s["name"] == "client.submit_job"
+        ]
+        deadline = time.monotonic() + 30
+        while not any(
+            s["service"] == "admission" and s["trace_id"] == cli_root["trace_id"] for s in spans(jsonl)
+        ):
+            assert time.monotonic() < deadline, "admission did not continue the CLI's trace"
+            time.sleep(0.2)
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGTERM)

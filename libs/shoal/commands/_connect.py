@@ -205,6 +205,15 @@ def run(args: argparse.Namespace, body: Callable[[Client], Awaitable[int]]) -> i
         finally:
             await client.close()
 
+    # The trace of a command begins in this process when the user exports spans as the
+    # services do (OTEL_EXPORTER_OTLP_ENDPOINT, SHOAL_TRACE_JSONL): admission, the
+    # decision and the reconfiguration then continue the CLI's trace.
+    tracing = None
+    jsonl = os.environ.get("SHOAL_TRACE_JSONL", "").strip()
+    if jsonl or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip():
+        from shoal.telemetry import setup_tracing
+
+        tracing = setup_tracing("shoal-cli", trace_jsonl=jsonl or None)
     try:
         return asyncio.run(main())
     except BrokenPipeError:
@@ -220,6 +229,9 @@ def run(args: argparse.Namespace, body: Callable[[Client], Awaitable[int]]) -> i
         raise CommandError(str(exc), code=1) from None
     except sdk.ClientError as exc:
         raise CommandError(str(exc), code=3) from None
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
 
 
 def rejection_text(exc: Exception) -> str:
