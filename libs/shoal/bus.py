@@ -1453,11 +1453,18 @@ class Bus:
             raise nats.js.errors.BadObjectMetaError
         if not info.size:
             return b""
-        sub = await self.js.pull_subscribe(
-            f"$O.{bucket}.C.{info.nuid}",
-            stream=f"OBJ_{bucket}",
-            config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=5.0),
+        # Created unnamed ($JS.API.CONSUMER.CREATE.<stream>, the only form a reader may
+        # use, shoal.auth), then bound; the server removes it 5 s after the last pull.
+        consumer = await self.js.add_consumer(
+            f"OBJ_{bucket}",
+            api.ConsumerConfig(
+                ack_policy=api.AckPolicy.NONE,
+                inactive_threshold=5.0,
+                deliver_policy=api.DeliverPolicy.ALL,
+                filter_subject=f"$O.{bucket}.C.{info.nuid}",
+            ),
         )
+        sub = await self.js.pull_subscribe_bind(consumer=consumer.name, stream=f"OBJ_{bucket}")
         parts: list[bytes] = []
         sha = hashlib.sha256()
         try:
