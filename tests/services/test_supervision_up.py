@@ -94,6 +94,16 @@ async def test_exhausted_budget_is_loud(tmp_path: Path) -> None:
         err = (tmp_path / "up.err").read_text()
         assert "shoal up: gave up restarting admission" in err, err[-2000:]
         assert "child_gave_up" in err
+        # Every CLI command on this installation says so too.
+        import subprocess
+
+        from shoal.commands.run import CLI_ARGV
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
+        env["SHOAL_STATE_DIR"] = str(tmp_path / "state")
+        nodes = subprocess.run([*CLI_ARGV, "nodes"], env=env, capture_output=True, text=True, timeout=60)
+        assert nodes.returncode == 0, nodes.stderr
+        assert "shoal up gave up restarting admission" in nodes.stderr, nodes.stderr
 
 
 async def test_an_identity_added_with_shoal_creds_is_admitted_without_restarting_nats(tmp_path: Path) -> None:

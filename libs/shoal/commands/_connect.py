@@ -125,6 +125,20 @@ def resolve_url(flag: str | None = None, env: Mapping[str, str] | None = None) -
     raise CommandError(NO_SERVER)
 
 
+def warn_gave_up(url: str, env: Mapping[str, str] | None = None) -> None:
+    """One line on stderr per service that the local ``shoal up`` (whose server ``url``
+    is) gave up restarting: it stays down until ``shoal up`` is restarted, and every
+    command of the CLI says so rather than only ``shoal up``'s own stderr."""
+    info = read_up_info(state_dir(os.environ if env is None else env))
+    if not info or info.get("url") != url:
+        return
+    for name in info.get("gave_up") or []:
+        print(
+            f"shoal: warning: shoal up gave up restarting {name}; it stays down until shoal up is restarted",
+            file=sys.stderr,
+        )
+
+
 def resolve_creds(
     flag: str | None = None, env: Mapping[str, str] | None = None, *, url_given: bool = False
 ) -> str | None:
@@ -181,6 +195,7 @@ async def connect(args: argparse.Namespace) -> Client:
     flag_url = getattr(args, "nats_url", None)
     creds = resolve_creds(getattr(args, "creds", None), url_given=bool(flag_url))
     url = resolve_url(flag_url)
+    warn_gave_up(url)
     prefix = resolve_prefix(getattr(args, "prefix", None))
     try:
         return await Client.connect(url, prefix, timeout_s=getattr(args, "timeout", 10.0), creds=creds)
