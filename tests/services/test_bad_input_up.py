@@ -1,0 +1,61 @@
+"""Bad submissions against an installation started as a user starts it (`shoal up`),
+sent as a client in another language would send them (plain NATS, JSON): each gets its
+specific code and message back, and nothing reaches the log. The same cases run
+against a hand-built admission service in tests/clients/test_bad_specs.py; here the
+shipped command wires admission, its settings and the cluster it judges against."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import nats
+import pytest
+
+from tests.clients.test_bad_specs import BAD_SPECS, GOOD
+from tests.services.test_liveness import shoal_up
+
+pytestmark = pytest.mark.integration
+
+# Cases whose expectation depends on the hand-built fixture (its registered users, its
+# one 4-GPU V100 node) or that need a payload past the server's limit.
+FIXTURE_ONLY = {"unknown_user", "beyond_nats_limit", "unknown_gpu_type", "too_big_for_cluster"}
+
+
+async def test_every_bad_submission_is_refused_specifically_through_shoal_up(tmp_path: Any) -> None:
+    async with shoal_up(tmp_path, nodes=2) as up:
+        nc = await nats.connect(up.url, nkeys_seed=str(up.creds / "admin.nk"))
+        js = nc.jetstream()
+        headers = {"Content-Type": "application/json"}
+
+        async def jobs_in_log() -> int:
+            info = await js.stream_info("SHOAL_EVENTS", subjects_filter="shoal.job.>")
+            return sum((info.state.subjects or {}).values())
+
+        async def submit(spec: dict[str, Any], job_id: str) -> dict[str, Any]:
+            body = {"type": "cmd.submit_job", "job_id": job_id, "spec": spec}
+            msg = await nc.request(
+                "shoal.cmd.submit_job.@admin", json.dumps(body).encode(), timeout=10, headers=headers
+            )
+            return dict(json.loads(msg.data))
+
+        try:
+            before = await jobs_in_log()
+            cases = [c for c in BAD_SPECS if c[0] not in FIXTURE_ONLY]
+            cases += [
+                ("too_big_for_cluster", {"min_gpus": 8, "max_gpus": 8, "requested_gpus": 8}, "invalid_spec",
+                 "exceeds the cluster's 4 GPUs"),
+                ("unknown_gpu_type", {"gpu_type": "H100"}, "invalid_spec", "unknown gpu_type 'H100'"),
+            ]  # fmt: skip
+            for case, override, code, fragment in cases:
+                spec = {k: v for k, v in {**GOOD, **override}.items() if v is not None}
+                reply = await submit(spec, f"bad-{case.replace('_', '-')}")
+                assert reply["type"] == "reply.rejected", (case, reply)
+                assert reply["code"] == code, (case, reply)
+                text = " ".join([reply["message"], *reply.get("errors", [])])
+                assert fragment in text, (case, reply)
+            assert await jobs_in_log() == before, "a refused submission reached the log"
+            good = await submit(GOOD, "good-one")  # and the installation still takes a good one
+            assert good["type"] == "reply.accepted", good
+        finally:
+            await nc.close()
