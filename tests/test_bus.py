@@ -32,7 +32,7 @@ async def test_declare_is_idempotent(bus: Bus) -> None:
     assert sorted(info.config.subjects or []) == sorted(bus.names.event_subjects)
     # Dead letters, which every role but a client may write, are bounded in age and size.
     dlq = (await bus.js.stream_info(bus.names.dlq_stream)).config
-    assert (dlq.max_age, dlq.max_bytes) == (30 * 24 * 3600.0, 1 << 30)
+    assert (dlq.max_age, dlq.max_msgs) == (30 * 24 * 3600.0, 10_000)
     # The sidecars' rendezvous bucket exists before any sidecar (which may not create it).
     await bus.js.key_value(bus.names.train_meta_bucket)
 

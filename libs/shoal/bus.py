@@ -125,10 +125,12 @@ BEATS_MAX_AGE_S = 24 * 3600.0
 """Seconds a node's newest heartbeat stays in the beats stream (a node that is gone
 leaves nothing behind after that; a live one replaces its heartbeat every second)."""
 DLQ_MAX_AGE_S = 30 * 24 * 3600.0
-DLQ_MAX_BYTES = 1 << 30
-"""Dead letters are kept 30 days, and at most 1 GiB of them (the oldest go first): every
-role but a client may write ``dlq.>`` (a reader dead-letters what it cannot decode), so
-without a bound one such identity could fill the servers' disks."""
+DLQ_MAX_MSGS = 10_000
+"""Dead letters are kept 30 days, and at most the newest 10,000 (about 10 GiB at the
+largest dead letter, a few MiB at a typical one): every role but a client may write
+``dlq.>`` (a reader dead-letters what it cannot decode), so without a bound one such
+identity could fill the servers' disks. A count, not ``max_bytes``: JetStream reserves
+a stream's ``max_bytes`` up front against the server's storage, per installation."""
 BEAT_MAX_BYTES = 4096
 """Largest message the beats stream takes (a heartbeat envelope is ~200 bytes)."""
 
@@ -605,7 +607,7 @@ class Bus:
                 # A dead letter carries the original message plus headers; allow a margin.
                 max_msg_size=MAX_MESSAGE_BYTES * 4 + 64 * 1024,
                 max_age=DLQ_MAX_AGE_S,
-                max_bytes=DLQ_MAX_BYTES,
+                max_msgs=DLQ_MAX_MSGS,
                 discard=api.DiscardPolicy.OLD,
             )
         )
