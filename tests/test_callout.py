@@ -777,3 +777,58 @@ async def test_revocation_reaches_a_sidecar_on_another_server_of_a_cluster(tmp_p
             for b in (side, revoker, bus, admin):
                 if b is not None:
                     await b.close()
+
+
+_KP = nkeys.from_seed(bytearray(nkeys.encode_seed(bytes(range(32)), nkeys.PREFIX_BYTE_USER)))
+
+
+def _mutations() -> Any:
+    """Tokens an unauthenticated client could send: arbitrary text, and valid sidecar
+    tokens and JWTs with one part replaced, truncated or re-encoded."""
+    from hypothesis import strategies as hs
+
+    grant = callout.SidecarGrant(job_id="j1", node_id="n1")
+    valid = callout.mint_sidecar_token(_KP, grant)
+    jwt = callout.encode_jwt({"iss": "x", "nats": {"type": "authorization_request"}}, _KP)
+    parts = valid.split(".")
+    b64 = hs.binary(max_size=300).map(lambda b: callout._b64(b))
+    json_part = hs.recursive(
+        hs.none() | hs.booleans() | hs.integers() | hs.floats(allow_nan=True) | hs.text(max_size=20),
+        lambda kids: hs.lists(kids, max_size=4) | hs.dictionaries(hs.text(max_size=10), kids, max_size=4),
+        max_leaves=12,
+    ).map(lambda v: callout._b64(json.dumps(v).encode()))
+    replaced = hs.tuples(hs.integers(0, 2), b64 | json_part | hs.text(max_size=40)).map(
+        lambda t: ".".join(p if i != t[0] else t[1] for i, p in enumerate(parts))
+    )
+    return (
+        hs.text(max_size=200)
+        | replaced
+        | hs.integers(0, len(valid)).map(lambda n: valid[:n])
+        | hs.integers(0, len(jwt)).map(lambda n: jwt[:n])
+        | hs.just(valid)
+    )
+
+
+def test_the_callout_parsers_refuse_any_token_with_a_callout_error() -> None:
+    """Fuzzing: whatever a connecting client sends as its token (or the request a server
+    wraps it in), the parsers answer or raise ``CalloutError``; nothing else escapes to
+    the authorizer's loop."""
+    from hypothesis import given, settings
+
+    keys = {"n1": callout.public_key(_KP)}
+
+    @settings(max_examples=400, deadline=None)
+    @given(_mutations())
+    def check(token: str) -> None:
+        for parse in (
+            lambda t: callout.decode_jwt(t),
+            callout.token_grant,
+            lambda t: callout.verify_sidecar_token(t, keys),
+            callout.parse_request,
+        ):
+            try:
+                parse(token)
+            except callout.CalloutError:
+                pass
+
+    check()

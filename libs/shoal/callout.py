@@ -143,6 +143,8 @@ def decode_jwt(token: str, *, issuer: str | None = None, now: float | None = Non
         _verify_key(iss).verify(f"{parts[0]}.{parts[1]}".encode(), _unb64(parts[2]))
     except nacl.exceptions.BadSignatureError:
         raise CalloutError("bad JWT signature") from None
+    except ValueError as exc:  # nacl's own: a signature that is not 64 bytes
+        raise CalloutError(f"bad JWT signature: {exc}") from None
     t = time.time() if now is None else now
     exp, nbf = claims.get("exp"), claims.get("nbf")
     if isinstance(exp, int | float) and exp and t > exp:
