@@ -260,7 +260,12 @@ class RemoteWorkers:
                     f"{waited_for} within {self.spawn_timeout_s}s"
                 )
             await asyncio.sleep(0.2)
-        reply = msgspec.json.decode(msg.data, type=SpawnReply)
+        try:
+            reply = msgspec.json.decode(msg.data, type=SpawnReply)
+        except msgspec.DecodeError as exc:
+            raise RemoteSpawnError(
+                f"node {node} answered the start of worker {request.worker} with {exc}"
+            ) from None
         if reply.error:
             raise RemoteSpawnError(f"node {node} refused worker {request.worker}: {reply.error}")
         proc = RemoteProcess(self, node, request.worker, reply.pid)
@@ -309,7 +314,12 @@ class RemoteWorkers:
                 "remote_signal_failed", job_id=self.job_id, node=proc.node, worker=proc.worker, error=str(exc)
             )
             return
-        self._settle(proc.node, msgspec.json.decode(msg.data, type=StatusReply), only=(proc.worker,))
+        try:
+            reply = msgspec.json.decode(msg.data, type=StatusReply)
+        except msgspec.DecodeError as exc:  # the poll settles it
+            log.warning("remote_signal_bad_reply", job_id=self.job_id, node=proc.node, error=str(exc))
+            return
+        self._settle(proc.node, reply, only=(proc.worker,))
 
     async def _on_exit(self, msg: Msg) -> None:
         try:
@@ -363,8 +373,17 @@ class RemoteWorkers:
                 except Exception as exc:  # the connection is reconnecting: try again next round
                     log.warning("remote_poll_failed", job_id=self.job_id, node=node, error=str(exc))
                     continue
+                try:
+                    reply = msgspec.json.decode(msg.data, type=StatusReply)
+                except msgspec.DecodeError as exc:
+                    # Not an answer: counted as a missed poll, never the end of the poller.
+                    log.warning("remote_poll_bad_reply", job_id=self.job_id, node=node, error=str(exc))
+                    self._misses[node] = self._misses.get(node, 0) + 1
+                    if self._misses[node] >= self.lost_after:
+                        self._lost(node, f"its sidecar did not answer {self.lost_after} polls")
+                    continue
                 self._misses.pop(node, None)
-                self._settle(node, msgspec.json.decode(msg.data, type=StatusReply))
+                self._settle(node, reply)
 
 
 # -- the follower's side --------------------------------------------------------------------
