@@ -1021,10 +1021,12 @@ FULL: tuple[Fault, ...] = (
     Fault(name="kill -9 node daemon", target="node-daemon"),
     Fault(name="kill -9 sidecar (emulated trainer)", target="sidecar"),
     Fault(name="kill -9 NATS server", target="nats"),
+    Fault(name="kill -9 authorizer", target="authorizer"),
     Fault(name="SIGSTOP allocator leader (with standby)", target="allocator-leader", stop_s=5.0),
     Fault(name="SIGSTOP placer", target="placer", stop_s=5.0),
     Fault(name="SIGSTOP admission", target="admission", stop_s=5.0),
     Fault(name="SIGSTOP node daemon", target="node-daemon", stop_s=5.0),
+    Fault(name="SIGSTOP authorizer", target="authorizer", stop_s=5.0),
 )
 """Every fault of the issue that runs with emulated nodes (lease TTL 3 s: pauses of 5 s)."""
 
@@ -1062,6 +1064,7 @@ def pauses(stop_s: float = 60.0) -> tuple[Fault, ...]:
         Fault(name=f"SIGSTOP {stop_s:g} s node daemon", target="node-daemon", stop_s=stop_s),
         Fault(name=f"SIGSTOP {stop_s:g} s sidecar (emulated trainer)", target="sidecar", stop_s=stop_s),
         Fault(name=f"SIGSTOP {stop_s:g} s NATS server", target="nats", stop_s=stop_s),
+        Fault(name=f"SIGSTOP {stop_s:g} s authorizer", target="authorizer", stop_s=stop_s),
     )
 
 
