@@ -462,7 +462,7 @@ class RealSidecar:
         return f"the sidecar on {self.node_id} leads job {self.job_id}" if self._leading else ""
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.load()
+        spec = await self.load()
         # Serve the leader's worker starts at once: it may be waiting for this node.
         self.host = WorkerHost(
             self.bus.nc,
@@ -472,8 +472,8 @@ class RealSidecar:
             resolve=self.own_gpu_index,
             log_dir=self.workdir / self.job_id / self.holder / "logs",
             refuse=self._refuse_spawn,
-            argv=self.spec.entrypoint if self.spec is not None else (),
-            env=self.spec.env if self.spec is not None else {},
+            argv=spec.entrypoint,
+            env=spec.env,
         )
         await self.host.start()
         # torch's import takes seconds: do it before campaigning, off the event loop.

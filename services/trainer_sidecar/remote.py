@@ -351,6 +351,12 @@ class RemoteWorkers:
             proc.lost = True
             proc.exited(LOST)
 
+    def _missed(self, node: str) -> None:
+        """One more poll of ``node`` without an answer; its workers are lost at ``lost_after``."""
+        self._misses[node] = self._misses.get(node, 0) + 1
+        if self._misses[node] >= self.lost_after:
+            self._lost(node, f"its sidecar did not answer {self.lost_after} polls")
+
     async def _poll(self) -> None:
         while True:
             await asyncio.sleep(self.poll_s)
@@ -366,9 +372,7 @@ class RemoteWorkers:
                     self._lost(node, "no sidecar of the job answers on the node")
                     continue
                 except nats.errors.TimeoutError:
-                    self._misses[node] = self._misses.get(node, 0) + 1
-                    if self._misses[node] >= self.lost_after:
-                        self._lost(node, f"its sidecar did not answer {self.lost_after} polls")
+                    self._missed(node)
                     continue
                 except Exception as exc:  # the connection is reconnecting: try again next round
                     log.warning("remote_poll_failed", job_id=self.job_id, node=node, error=str(exc))
@@ -378,9 +382,7 @@ class RemoteWorkers:
                 except msgspec.DecodeError as exc:
                     # Not an answer: counted as a missed poll, never the end of the poller.
                     log.warning("remote_poll_bad_reply", job_id=self.job_id, node=node, error=str(exc))
-                    self._misses[node] = self._misses.get(node, 0) + 1
-                    if self._misses[node] >= self.lost_after:
-                        self._lost(node, f"its sidecar did not answer {self.lost_after} polls")
+                    self._missed(node)
                     continue
                 self._misses.pop(node, None)
                 self._settle(node, reply)
