@@ -521,7 +521,7 @@ class Client:
                 parts[index] = msg.data
             try:
                 reply = queries.decode_reply(b"".join(parts[i] for i in range(count)))
-            except (msgspec.DecodeError, msgspec.ValidationError, KeyError) as exc:
+            except (msgspec.DecodeError, UnicodeDecodeError, KeyError) as exc:
                 return None, f"an unreadable answer: {exc}"
             if reply.error or reply.state is None:
                 return None, f"the view answered {reply.error or 'nothing'}: {reply.message}"

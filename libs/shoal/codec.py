@@ -105,6 +105,14 @@ def encode(envelope: Envelope) -> bytes:
     return _ENC.encode(envelope)
 
 
+def _not_utf8(exc: UnicodeDecodeError) -> str:
+    """The reason for a message holding a string that is not UTF-8. msgspec raises
+    :class:`UnicodeDecodeError` there, which is neither of its own errors: every
+    decoder here turns it into a :class:`MalformedMessage` (else one such message on
+    the log would stop every reader, and one such request would get an internal error)."""
+    return f"a string is not valid UTF-8 (byte {exc.start} of it: {exc.reason})"
+
+
 def decode(data: bytes) -> Envelope:
     """msgpack bytes -> Envelope.
 
@@ -123,6 +131,8 @@ def decode(data: bytes) -> Envelope:
         first_error = exc
     except msgspec.DecodeError as exc:
         raise MalformedMessage(f"not a msgpack envelope: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise MalformedMessage(_not_utf8(exc)) from None
     else:
         known = type(env.event).version
         if env.v > known:
@@ -132,6 +142,8 @@ def decode(data: bytes) -> Envelope:
         raw = _DEC_RAW.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise MalformedMessage(f"invalid envelope: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise MalformedMessage(_not_utf8(exc)) from None
     if raw.type not in EVENT_BY_TAG:
         raise UnknownEventType(raw.type, raw)
     if raw.v > EVENT_BY_TAG[raw.type].version:
@@ -145,6 +157,8 @@ def decode_json(data: bytes | str) -> Envelope:
         return _JSON_DEC_ENVELOPE.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise MalformedMessage(str(exc)) from None
+    except UnicodeDecodeError as exc:
+        raise MalformedMessage(_not_utf8(exc)) from None
 
 
 def to_json(obj: Any) -> bytes:
@@ -210,6 +224,8 @@ def decode_command(data: bytes, *, json: bool = False) -> Any:
         cmd = (_JSON_DEC_COMMAND if json else _DEC_COMMAND).decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise MalformedMessage(str(exc)) from None
+    except UnicodeDecodeError as exc:
+        raise MalformedMessage(_not_utf8(exc)) from None
     _unknown_fields(cmd, data, json)
     return cmd
 
@@ -223,3 +239,5 @@ def decode_reply(data: bytes, *, json: bool = False) -> Any:
         return (_JSON_DEC_REPLY if json else _DEC_REPLY).decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise MalformedMessage(str(exc)) from None
+    except UnicodeDecodeError as exc:
+        raise MalformedMessage(_not_utf8(exc)) from None

@@ -76,7 +76,7 @@ def check_snapshot(snap: Snapshot, *, stream_last_seq: int) -> tuple[st.ClusterS
         return None, "no digest"
     try:
         state = st.decode_state(snap.state)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         return None, f"state does not decode: {exc}"
     actual = st.digest(state)
     if actual != snap.digest:
@@ -194,7 +194,7 @@ class Projection:
         assert name is not None
         try:
             return await self.bus.load_snapshot(name)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             log.warning("snapshot_ignored", snapshot=name, reason=f"unreadable: {exc}")
             return None
         except Exception as exc:  # cannot read it (permissions, store unavailable): replay

@@ -117,7 +117,10 @@ def decode_query(data: bytes, *, json: bool = False) -> Query:
     """
     if not data:
         return Query()
-    return (_QUERY_JSON if json else _QUERY_MSGPACK).decode(data)
+    try:
+        return (_QUERY_JSON if json else _QUERY_MSGPACK).decode(data)
+    except UnicodeDecodeError as exc:  # msgpack: a string that is not UTF-8
+        raise msgspec.DecodeError(f"a string is not valid UTF-8: {exc.reason}") from None
 
 
 def encode_reply(reply: ViewReply, *, json: bool = False) -> bytes:

@@ -325,6 +325,6 @@ def trace_fields(line: bytes) -> dict[str, str]:
     there are none or the line is not a JSON object."""
     try:
         got = _TRACE_FIELDS_DEC.decode(line)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except (msgspec.DecodeError, UnicodeDecodeError):  # UnicodeDecodeError: a string not UTF-8
         return {}
     return {k: v for k in TRACE_FIELDS if (v := getattr(got, k))}

@@ -262,7 +262,7 @@ class RemoteWorkers:
             await asyncio.sleep(0.2)
         try:
             reply = msgspec.json.decode(msg.data, type=SpawnReply)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             raise RemoteSpawnError(
                 f"node {node} answered the start of worker {request.worker} with {exc}"
             ) from None
@@ -316,7 +316,7 @@ class RemoteWorkers:
             return
         try:
             reply = msgspec.json.decode(msg.data, type=StatusReply)
-        except msgspec.DecodeError as exc:  # the poll settles it
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # the poll settles it
             log.warning("remote_signal_bad_reply", job_id=self.job_id, node=proc.node, error=str(exc))
             return
         self._settle(proc.node, reply, only=(proc.worker,))
@@ -324,7 +324,7 @@ class RemoteWorkers:
     async def _on_exit(self, msg: Msg) -> None:
         try:
             note = msgspec.json.decode(msg.data, type=ExitNote)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, UnicodeDecodeError):
             return
         if note.leader == self.leader and (proc := self.procs.pop((note.node, note.worker), None)):
             proc.exited(note.returncode)
@@ -379,7 +379,7 @@ class RemoteWorkers:
                     continue
                 try:
                     reply = msgspec.json.decode(msg.data, type=StatusReply)
-                except msgspec.DecodeError as exc:
+                except (msgspec.DecodeError, UnicodeDecodeError) as exc:
                     # Not an answer: counted as a missed poll, never the end of the poller.
                     log.warning("remote_poll_bad_reply", job_id=self.job_id, node=node, error=str(exc))
                     self._missed(node)
@@ -525,7 +525,7 @@ class WorkerHost:
     async def _on_spawn(self, msg: Msg) -> None:
         try:
             req = msgspec.json.decode(msg.data, type=SpawnRequest)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             await self._reply(msg, SpawnReply(error=f"malformed spawn request: {exc}"))
             return
         launch = req.request
@@ -599,7 +599,7 @@ class WorkerHost:
     async def _on_signal(self, msg: Msg) -> None:
         try:
             req = msgspec.json.decode(msg.data, type=SignalRequest)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, UnicodeDecodeError):
             return
         hosted = self.hosted.get((req.leader, req.worker))
         if hosted is not None and hosted.proc.returncode is None:
@@ -610,7 +610,7 @@ class WorkerHost:
     async def _on_adopt(self, msg: Msg) -> None:
         try:
             req = msgspec.json.decode(msg.data, type=AdoptRequest)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             await self._reply(msg, SpawnReply(error=f"malformed adopt request: {exc}"))
             return
         async with self._lock:
@@ -627,6 +627,6 @@ class WorkerHost:
     async def _on_status(self, msg: Msg) -> None:
         try:
             req = msgspec.json.decode(msg.data, type=StatusRequest)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, UnicodeDecodeError):
             return
         await self._reply(msg, self._status(req.leader))
