@@ -1,5 +1,6 @@
 """Issue 20, end to end with `shoal up`: 32 random bytes published with plain nats-py
-on the allocator's decision subject must not stop scheduling, neither at once, nor
+on the allocator's decision subject, and a decision envelope holding a string that is
+not UTF-8, must not stop scheduling, neither at once, nor
 after the allocator is killed and restarted by the supervisor, nor after `shoal up`
 is restarted on the same state directory (every service then replays the garbage).
 The garbage is dead-lettered once, however many processes replayed it."""
@@ -16,6 +17,7 @@ from typing import Any
 
 import nats
 import pytest
+from shoal import codec
 from shoal import events as ev
 from shoal.bus import Header
 from shoal.client import Client, NoAdmissionError
@@ -82,14 +84,23 @@ def allocator_pids(up_pid: int) -> set[int]:
     return out
 
 
+def not_utf8_decision() -> bytes:
+    """A well-formed decision envelope whose id holds bytes that are not UTF-8 (the
+    decoder raised UnicodeDecodeError past every reader's guard before)."""
+    env = codec.wrap(ev.SharesDecided(epoch=10**6, shares={}), event_id="BADUTF8X")
+    return codec.encode(env).replace(b"BADUTF8X", b"BAD\xffUTF8")
+
+
 async def publish_garbage(url: str, state_dir: Path) -> int:
-    """What the attacker did: plain nats-py, 32 random bytes, acked by JetStream."""
+    """What the attacker did: plain nats-py, 32 random bytes, acked by JetStream; then
+    a decision envelope with a string that is not UTF-8."""
     kwargs: dict[str, Any] = {}
     if creds := credentials(state_dir):
         kwargs = {"nkeys_seed": creds["creds"], "inbox_prefix": "_INBOX.admin"}
     nc = await nats.connect(url, **kwargs)
     try:
-        ack = await nc.jetstream().publish(SUBJECT, os.urandom(32))
+        await nc.jetstream().publish(SUBJECT, os.urandom(32))
+        ack = await nc.jetstream().publish(SUBJECT, not_utf8_decision())
         return int(ack.seq)
     finally:
         await nc.close()
@@ -153,8 +164,9 @@ def test_garbage_on_the_decision_subject_does_not_stop_scheduling(tmp_path: Path
         async with await connect(url, state_dir) as client:
             await placed_within(client, "after-up-again", 30)
             letters = [h for h, _ in await client.bus.dead_letters() if h.get(Header.DLQ_SUBJECT) == SUBJECT]
-            assert len(letters) == 1, letters
-            assert letters[0][Header.DLQ_CODE] == "malformed" and letters[0][Header.DLQ_REASON]
+            assert len(letters) == 2, letters
+            assert all(h[Header.DLQ_CODE] == "malformed" and h[Header.DLQ_REASON] for h in letters), letters
+            assert "not valid UTF-8" in letters[1][Header.DLQ_REASON], letters
 
     proc, url = start_up(env, log)
     try:
