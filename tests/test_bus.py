@@ -128,6 +128,18 @@ async def test_leader_lease_is_exclusive_and_expires(bus: Bus) -> None:
     assert await a.try_acquire()
 
 
+async def test_a_lease_of_another_ttl_than_the_bucket_is_refused(bus: Bus) -> None:
+    """One lease bucket per installation (its name, without the TTL, is what the NATS
+    permissions name): a process configured with another SHOAL_LEASE_TTL_S would renew
+    too rarely for the bucket, so it gets a clear error instead of a lease."""
+    from shoal.bus import BusError
+
+    await bus.lease("allocator", "a", ttl_s=3.0)
+    with pytest.raises(BusError, match=r"keeps leases 3.0 s, but this process was given a 1.0 s lease"):
+        await bus.lease("placer", "b", ttl_s=1.0)
+    assert (await bus.lease("placer", "b", ttl_s=3.0)).ttl_s == 3.0
+
+
 async def test_a_lease_write_nobody_answers_is_no_lease_and_no_crash(bus: Bus) -> None:
     """While the bucket's stream has no leader (here: no stream at all) a lease write
     meets no responders: acquiring and renewing say no instead of raising, so a service

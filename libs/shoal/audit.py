@@ -376,7 +376,7 @@ async def _sidecar_lease(t: Target, job_id: str) -> tuple[bool, str]:
     """The sidecar of :data:`SIDECAR_JOB` writes ``job_id``'s leader lease key; refused
     unless its value is the newest of that key afterwards."""
     node = sorted(await _placed_nodes(t, SIDECAR_JOB))[0]
-    bucket = f"{_token(t.prefix)}_LEASES_{3000}MS"
+    bucket = f"{_token(t.prefix)}_LEASES"
     subject = f"$KV.{bucket}.train.{job_id}"
     value = f"audit-{SIDECAR_JOB}".encode()
     why, stored = await _publish_and_read_back(
@@ -544,7 +544,7 @@ def attacks(t: Target) -> list[Attack]:
     """(name, identity, run) of every attack, in the issue's order."""
     user, node = name_of_creds(t.user), name_of_creds(t.node)
     ev_prefix = _token(t.prefix)
-    lease_bucket = f"{ev_prefix}_LEASES_{3000}MS"  # the services' default 3 s lease
+    lease_bucket = f"{ev_prefix}_LEASES"
     h100 = tuple(ev.GpuInfo(index=i, gpu_type="H100") for i in range(64))
     out: list[Attack] = [
         ("connect without credentials", "(none)", _no_credentials),
@@ -719,6 +719,11 @@ def attacks(t: Target) -> list[Attack]:
                 lambda t: _as_sidecar(t, _delete_consumer),
             ),
             ("sidecar keeps a durable consumer", sidecar, lambda t: _as_sidecar(t, _durable_consumer)),
+            (
+                "service (allocator) captures admission's requests in a new stream",
+                "allocator",
+                lambda t: _create_capturing_stream(t, f"{t.creds_dir}/allocator.nk"),
+            ),
             (
                 "node signs a sidecar token for a job not placed on it",
                 "a node's sidecar key",

@@ -220,12 +220,46 @@ _JS_WORKER = ["$JS.API.CONSUMER.NAMES.*", "$JS.FC.>"]
 ordered (KV watch) consumer. No stream creation (the services create the buckets its
 lease and rendezvous use, :meth:`shoal.bus.Bus.declare`), no consumer deletion."""
 
-_JS_SERVICE = ["$JS.API.STREAM.CREATE.*", *_JS_WORKER]
-"""What a service needs besides reading: also create a stream or bucket that is not
-there yet (never update, purge or delete one). No service keeps a durable consumer or
-deletes one: its replay consumers are ephemeral and the server removes them after 30 s
-without a pull (:meth:`shoal.bus.Bus.replay_batches`), so neither durable creation nor
-``CONSUMER.DELETE`` is granted (a service could otherwise delete another's consumer)."""
+
+def _js_service(prefix: str) -> list[str]:
+    """What a service needs besides reading: also create the installation's own streams
+    and buckets when they are not there yet (never update, purge or delete one), each by
+    its exact name (:func:`stream_names`). So a service identity cannot create a stream of
+    another name, such as one capturing ``<prefix>.cmd.>`` (whose ack would answer every
+    client's command, and which would keep the commands for it to read); the installation's
+    own names exist from the first start on, and a create of an existing name with another
+    configuration is refused by the server. With the ``*`` prefix (one server shared by
+    many installations: the test suite's) no exact name can be written, so any stream
+    name is allowed there.
+
+    No service keeps a durable consumer or deletes one: its replay consumers are ephemeral
+    and the server removes them after 30 s without a pull
+    (:meth:`shoal.bus.Bus.replay_batches`), so neither durable creation nor
+    ``CONSUMER.DELETE`` is granted (a service could otherwise delete another's consumer)."""
+    if prefix == "*":
+        return ["$JS.API.STREAM.CREATE.*", *_JS_WORKER]
+    return [*(f"$JS.API.STREAM.CREATE.{name}" for name in stream_names(prefix)), *_JS_WORKER]
+
+
+def stream_names(prefix: str) -> list[str]:
+    """The JetStream stream names of every stream and bucket of the installation with
+    subject ``prefix``: the event, control, beats and dead-letter streams, the leader
+    leases' and the sidecars' rendezvous KV buckets (``KV_``), and the two snapshot object
+    stores (``OBJ_``); see :class:`shoal.bus.Names`."""
+    from shoal.bus import Names
+
+    n = Names(prefix)
+    return [
+        n.events_stream,
+        n.ctl_stream,
+        n.beats_stream,
+        n.dlq_stream,
+        f"KV_{n.lease_bucket}",
+        f"KV_{n.train_meta_bucket}",
+        f"OBJ_{n.snapshot_bucket}",
+        f"OBJ_{n.profiler_snapshot_bucket}",
+    ]
+
 
 _JS_DENY = [
     "$JS.API.STREAM.PURGE.*",
@@ -282,10 +316,10 @@ def permissions(identity: Identity, prefix: str = "shoal") -> dict[str, Any]:
         pub.append(f"{p}.beat.{node}")  # its own heartbeats (beats stream, one kept per node)
         pub.append(f"{p}.dlq.>")  # a reader dead-letters what it cannot decode (shoal.bus)
     else:
-        pub += _JS_WORKER if role == "sidecar" else _JS_SERVICE
+        pub += _JS_WORKER if role == "sidecar" else _js_service(p)
         pub += [event_subject(cls, p) for cls in EVENT_OWNERS[role]]
         pub.append(f"{p}.dlq.>")
-        # Leader leases (KV bucket <TOKEN>_LEASES_<ttl>MS), one key per role.
+        # Leader leases (KV bucket <TOKEN>_LEASES), one key per role.
         lease_key = "train.>" if role == "sidecar" else role
         pub.append(f"$KV.*.{lease_key}")
         if role == "sidecar":

@@ -572,8 +572,8 @@ class Bus:
         A node, sidecar or client identity may not create streams (:mod:`shoal.auth`):
         for them this does nothing; the admin (``shoal up``) or a service creates them,
         the sidecars' rendezvous bucket (:attr:`Names.train_meta_bucket`) among them.
-        (The leases' buckets are made by the first service that campaigns with that
-        TTL, before any job runs.)"""
+        (The leases' bucket is made by the first service that campaigns, with its
+        ``SHOAL_LEASE_TTL_S``, before any job runs: :meth:`lease`.)"""
         if not self.may_create_streams:
             return
         n = self.names
@@ -1339,11 +1339,31 @@ class Bus:
     # -- leases and snapshots ----------------------------------------------------
 
     async def lease(self, name: str, holder: str, ttl_s: float = 5.0) -> LeaderLease:
-        """A leader lease ``name`` for ``holder`` in the lease bucket (TTL = ``ttl_s``)."""
-        bucket = f"{self.names.lease_bucket}_{int(ttl_s * 1000)}MS"
+        """A leader lease ``name`` for ``holder`` in the lease bucket
+        (:attr:`Names.lease_bucket`, made with TTL ``ttl_s`` by the first who asks).
+
+        One bucket per installation, its name without the TTL, so that the NATS
+        permissions can name it exactly (:func:`shoal.auth.stream_names`). Every party of
+        an installation must then use one TTL (``SHOAL_LEASE_TTL_S``): a lease renewed
+        every ``ttl_s / 3`` in a bucket that keeps entries for less would lapse between
+        renewals, so a bucket of another TTL is refused here, never used.
+
+        Raises:
+            BusError: the bucket keeps its entries for another TTL (or is missing, for an
+                identity that may not create it).
+        """
+        bucket = self.names.lease_bucket
         kv = await self.key_value(
             api.KeyValueConfig(bucket=bucket, ttl=ttl_s, history=1, storage=api.StorageType.FILE)
         )
+        kept = (await kv.status()).ttl
+        if kept is None or abs(kept - ttl_s) > 1e-3:
+            raise BusError(
+                f"the lease bucket {bucket} keeps leases {kept} s, but this process was given a "
+                f"{ttl_s} s lease: every service and node of an installation must use the same "
+                "SHOAL_LEASE_TTL_S (to change it, stop the installation and have the admin delete "
+                "the bucket)"
+            )
         return LeaderLease(kv, name, holder, ttl_s)
 
     async def key_value(self, config: api.KeyValueConfig) -> Any:

@@ -245,7 +245,8 @@ def subjects_markdown(prefix: str = "shoal") -> str:
         "| durable commands to node daemons and sidecars |",
         f"| `{n.dlq_stream}` | JetStream stream (file) | {', '.join(f'`{s}`' for s in n.dlq_subjects)} "
         "| dead letters, with `Shoal-Dlq-Code`/`-Reason`/`-Subject`/`-Stream-Seq`/`-Consumer` headers |",
-        f"| `{n.lease_bucket}_<ttl>MS` | KV bucket | | leader leases (`allocator`, `placer`); the TTL is the lease |",
+        f"| `{n.lease_bucket}` | KV bucket | | leader leases (`allocator`, `placer`, `profiler`, `trader`, "
+        "and `train.<job>` of real-mode jobs); its TTL is the lease (`SHOAL_LEASE_TTL_S`, one per installation) |",
         f"| `{n.snapshot_bucket}` | object store | | state snapshots (state + last applied stream sequence) |",
         f"| `{n.profiler_snapshot_bucket}` | object store | | the profiler's snapshot (its measurements, "
         "the state it folds, the last applied stream sequence) |",

@@ -160,7 +160,8 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     lease_ttl_s: PositiveFloat = 3.0
     """Leader lease TTL (wall seconds) of the leader-elected services (allocator, placer,
     profiler, trader) and of a real-mode job's leading sidecar: a standby takes over
-    about this long after the leader stops renewing."""
+    about this long after the leader stops renewing. One value per installation: the
+    leases share one bucket whose TTL this is, and a process given another is refused."""
     node_timeout_s: PositiveFloat = 10.0
     """Wall seconds by which the log's tail may pass a node's newest heartbeat before the
     allocator, caught up with the log, declares the node lost (:func:`shoal.cluster.lost_nodes`)."""

@@ -120,7 +120,7 @@ async def test_leader_kill9_reelects_and_the_job_continues(
             send(s, order_line(job_id, 1, gpus(2)))
         await wait_event(bus, ev.ReconfigurationCompleted, lambda e: e.epoch == 1)
         await wait_event(bus, ev.ProgressReported, lambda e: e.iteration >= 60)
-        lease_kv = await bus.js.key_value(f"{bus.names.lease_bucket}_1500MS")
+        lease_kv = await bus.js.key_value(bus.names.lease_bucket)
         holder = (await lease_kv.get(f"train.{job_id}")).value.decode()
         leader = next(s for s in sides if holder.endswith(f"-{s.pid}"))
         follower = next(s for s in sides if s is not leader)

@@ -65,7 +65,7 @@ def start_node_sidecar(bus: Bus, nats_url: str, job_id: str, node: str, workdir:
 
 async def lease_holder(bus: Bus, job_id: str) -> str:
     with contextlib.suppress(Exception):  # no bucket or no key yet: nobody leads
-        kv = await bus.js.key_value(f"{bus.names.lease_bucket}_{int(LEASE_TTL_S * 1000)}MS")
+        kv = await bus.js.key_value(bus.names.lease_bucket)
         return (await kv.get(f"train.{job_id}")).value.decode()
     return ""
 
