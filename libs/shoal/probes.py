@@ -48,7 +48,7 @@ import contextlib
 import contextvars
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram, generate_latest
@@ -264,10 +264,29 @@ class _StateCollector:
             yield leader
 
 
-class ProbeServer:
-    """The HTTP listener of :class:`Health` (see the module docstring)."""
+class Verdict(Protocol):
+    """What ``/readyz`` answers from: :class:`~shoal.health.Readiness` or another."""
 
-    def __init__(self, health: Health, host: str, port: int) -> None:
+    @property
+    def ready(self) -> bool: ...
+
+    def body(self) -> str: ...
+
+
+class Probed(Protocol):
+    """What a :class:`ProbeServer` serves: :class:`Health` for a service, or
+    ``shoal up``'s own (:class:`shoal.commands.up.UpHealth`)."""
+
+    async def readiness(self) -> Verdict: ...
+
+    async def metrics(self) -> bytes: ...
+
+
+class ProbeServer:
+    """The HTTP listener of :class:`Health` or any other :class:`Probed` (see the module
+    docstring)."""
+
+    def __init__(self, health: Probed, host: str, port: int) -> None:
         self.health = health
         self.host = host
         self.port = port

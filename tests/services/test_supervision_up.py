@@ -78,8 +78,26 @@ async def test_service_is_restarted_beyond_the_old_lifetime_budget(tmp_path: Pat
     assert "gave up" not in (tmp_path / "up.err").read_text()
 
 
+def child_metric(base: str, name: str, child: str) -> float:
+    """One per-child sample of `shoal up`'s own /metrics."""
+    from tests.services.test_probes_up import get, samples
+
+    status, text = get(base + "/metrics")
+    assert status == 200, text
+    return next(v for labels, v in samples(text)[name] if labels.get("child") == child)
+
+
 async def test_exhausted_budget_is_loud(tmp_path: Path) -> None:
+    """...and `shoal up`'s own probes say it: /readyz turns 503 naming the child, and
+    /metrics counts its restarts and marks it given up."""
+    from tests.services.test_probes_up import get, wait_status
+
     async with shoal_up(tmp_path, nodes=0, SHOAL_RESTART_BUDGET="1", SHOAL_RESTART_WINDOW_S="600") as up:
+        own = up_info(tmp_path)["probes"]
+        assert get(own + "/healthz") == (200, "ok\n")
+        assert await asyncio.to_thread(wait_status, own + "/readyz", 200, 30) == "ready\n"
+        assert child_metric(own, "shoal_up_child_running", "admission") == 1
+        assert child_metric(own, "shoal_up_child_restarts_total", "admission") == 0
         first = admission_pid(up)
         assert first is not None
         os.kill(first, signal.SIGKILL)  # the one restart of the budget
@@ -90,6 +108,12 @@ async def test_exhausted_budget_is_loud(tmp_path: Path) -> None:
         os.kill(second, signal.SIGKILL)  # over the budget
         await wait_until(lambda: up_info(tmp_path)["gave_up"] == ["admission"], 30, "gave_up in up.json")
         assert admission_pid(up) is None
+        status, body = get(own + "/readyz")
+        assert status == 503 and "admission: given up" in body, (status, body)
+        assert child_metric(own, "shoal_up_child_given_up", "admission") == 1
+        assert child_metric(own, "shoal_up_child_running", "admission") == 0
+        assert child_metric(own, "shoal_up_child_restarts_total", "admission") == 1
+        assert child_metric(own, "shoal_up_child_given_up", "allocator") == 0
         assert up.proc.poll() is None
         err = (tmp_path / "up.err").read_text()
         assert "shoal up: gave up restarting admission" in err, err[-2000:]

@@ -198,6 +198,82 @@ async def wait_ready(probes: dict[str, str], timeout_s: float, stop: asyncio.Eve
     return {n: reasons.get(n, "not asked") for n in pending}
 
 
+class UpVerdict:
+    """``shoal up``'s own ``/readyz`` verdict: ready, or each reason it is not."""
+
+    def __init__(self, reasons: list[str]) -> None:
+        self.reasons = reasons
+        self.ready = not reasons
+
+    def body(self) -> str:
+        return "ready\n" if self.ready else "not ready:\n" + "".join(f"- {r}\n" for r in self.reasons)
+
+
+class UpHealth:
+    """``shoal up``'s own probes (:class:`shoal.probes.ProbeServer`), for whoever
+    supervises ``shoal up`` itself (systemd, a container runtime, a monitoring check):
+
+    * ``/healthz``: 200 while the supervising process's event loop answers;
+    * ``/readyz``: 200 when the embedded server runs (when there is one), no child was
+      given up, and every child answers its own ``/readyz`` with 200 (asked
+      concurrently, 2 s each); else 503 with one line per reason;
+    * ``/metrics``: the process's default collectors, and per child
+      ``shoal_up_child_running``, ``shoal_up_child_given_up`` and
+      ``shoal_up_child_restarts_total``, and ``shoal_up_server_running`` (1 or 0; absent
+      without an embedded server).
+    """
+
+    def __init__(self, supervisor: Any, probes: dict[str, str], server: Any, gave_up: list[str]) -> None:
+        self.supervisor = supervisor
+        self.probes = probes
+        self.server = server
+        self.gave_up = gave_up
+
+    async def readiness(self) -> UpVerdict:
+        reasons = []
+        if self.server is not None and not self.server.alive():
+            reasons.append("the embedded nats-server is not running")
+        reasons += [f"{name}: given up (restart shoal up)" for name in self.gave_up]
+        asked = [n for n in self.probes if n not in self.gave_up]
+        answers = await asyncio.gather(*(asyncio.to_thread(_readyz, self.probes[n]) for n in asked))
+        for name, (status, body) in zip(asked, answers, strict=True):
+            if status != 200:
+                first = body.splitlines()[0] if body else f"HTTP {status}"
+                reasons.append(f"{name}: {first}")
+        return UpVerdict(reasons)
+
+    async def metrics(self) -> bytes:
+        from prometheus_client import REGISTRY, generate_latest
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        running = GaugeMetricFamily(
+            "shoal_up_child_running", "1 while the child process runs.", labels=["child"]
+        )
+        given_up = GaugeMetricFamily(
+            "shoal_up_child_given_up", "1 once shoal up gave up restarting the child.", labels=["child"]
+        )
+        restarts = CounterMetricFamily(
+            "shoal_up_child_restarts", "Restarts of the child since shoal up started.", labels=["child"]
+        )
+        for name, child in self.supervisor.children.items():
+            alive = child.proc is not None and child.proc.returncode is None
+            running.add_metric([name], 1 if alive else 0)
+            given_up.add_metric([name], 1 if child.gave_up else 0)
+            restarts.add_metric([name], child.restarts)
+        families = [running, given_up, restarts]
+        if self.server is not None:
+            server = GaugeMetricFamily("shoal_up_server_running", "1 while the embedded nats-server runs.")
+            server.add_metric([], 1 if self.server.alive() else 0)
+            families.append(server)
+
+        class _Collect:
+            def collect(self) -> Any:
+                yield from REGISTRY.collect()
+                yield from families
+
+        return generate_latest(_Collect())  # type: ignore[arg-type]
+
+
 class Installation:
     """A running installation (see :func:`installation`)."""
 
@@ -225,6 +301,9 @@ class Installation:
         """Child name -> base URL of its probes (``/healthz``, ``/readyz``, ``/metrics``)."""
         self.gave_up: list[str] = []
         """Children the supervisor gave up restarting (also ``gave_up`` in ``up.json``)."""
+        self.own_probes: str | None = None
+        """Base URL of ``shoal up``'s own probes (:class:`UpHealth`; ``probes`` in
+        ``up.json``); None when they could not be served."""
 
     def unclean_exits(self) -> dict[str, int]:
         """Children whose last exit status was neither 0 nor still running."""
@@ -442,6 +521,8 @@ async def installation(
         }
         gave_up: list[str] = []
 
+        own_probes: list[str] = []
+
         def record() -> None:
             write_up_info(
                 state_dir,
@@ -451,6 +532,7 @@ async def installation(
                 mqtt_port=server.mqtt_listen_port if server is not None else None,
                 creds_dir=str(creds_dir) if creds_dir is not None else None,
                 metrics=metrics,
+                probes=own_probes[0] if own_probes else None,
                 gave_up=gave_up,
             )
 
@@ -476,14 +558,22 @@ async def installation(
         )
         record()
         watcher = asyncio.create_task(_watch_server(server, record)) if server is not None else None
+        own = None
         try:
             await supervisor.start()
             inst = Installation(settings, url, server, supervisor, specs, skipped)
             inst.admin_creds = admin_creds
             inst.metrics = metrics
             inst.gave_up = gave_up
+            own = await _serve_own_probes(settings, inst)
+            if own is not None:
+                inst.own_probes = own.url
+                own_probes.append(own.url)
+                record()
             yield inst
         finally:
+            if own is not None:
+                await own.stop()
             await supervisor.stop(timeout_s=settings.drain_timeout_s + 5.0)
             if watcher is not None:
                 watcher.cancel()
@@ -586,6 +676,8 @@ async def _up(args: argparse.Namespace, settings: Any) -> int:
             print(f"state dir: {state_dir}")
             if inst.admin_creds:
                 print(f"credentials: {Path(inst.admin_creds).parent} (admin: {inst.admin_creds})")
+            if inst.own_probes:
+                print(f"supervisor probes: {inst.own_probes} (/healthz /readyz /metrics)", flush=True)
             late = await wait_ready(inst.metrics, READY_TIMEOUT_S, stop)
             for name, reason in sorted(late.items() if not stop.is_set() else ()):
                 print(
@@ -604,6 +696,28 @@ async def _up(args: argparse.Namespace, settings: Any) -> int:
         print(f"children that did not exit cleanly: {unclean}", file=sys.stderr, flush=True)
     print("stopped", flush=True)
     return 0
+
+
+async def _serve_own_probes(settings: Any, inst: Installation) -> Any:
+    """Serve ``shoal up``'s own probes (:class:`UpHealth`) on ``settings.metrics_host``,
+    port ``settings.metrics_port`` + the number of children when that is set (the port
+    after the children's), else a free one. None, with a note on stderr, when the
+    address cannot be bound: the installation runs on without them."""
+    from shoal.probes import ProbeServer
+
+    port = settings.metrics_port + len(inst.specs) if settings.metrics_port else 0
+    health = UpHealth(inst.supervisor, inst.metrics, inst.server, inst.gave_up)
+    server = ProbeServer(health, settings.metrics_host, port)
+    try:
+        await server.start()
+    except OSError as exc:
+        print(
+            f"shoal up: its own probes not served on {settings.metrics_host}:{port}: {exc.strerror or exc}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    return server
 
 
 async def _declare(
