@@ -1366,6 +1366,29 @@ class Bus:
             )
         return LeaderLease(kv, name, holder, ttl_s)
 
+    async def leases(self) -> dict[str, str]:
+        """Lease name -> holder, for every lease held now in the lease bucket (empty when
+        the bucket does not exist yet). Read with a stream info and one get per key, both
+        open to every identity; a released lease (a delete marker) is left out, and an
+        expired one is gone from the bucket."""
+        bucket = self.names.lease_bucket
+        stream = f"KV_{bucket}"
+        head = f"$KV.{bucket}."
+        try:
+            info = await self.js.stream_info(stream, subjects_filter=f"{head}>")
+        except nats.js.errors.NotFoundError:
+            return {}
+        out: dict[str, str] = {}
+        for subject in sorted(info.state.subjects or {}):
+            try:
+                msg = await self.js.get_last_msg(stream, subject)
+            except nats.js.errors.NotFoundError:
+                continue  # expired between the two reads
+            if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not msg.data:
+                continue
+            out[subject.removeprefix(head)] = msg.data.decode(errors="replace")
+        return out
+
     async def key_value(self, config: api.KeyValueConfig) -> Any:
         """The KV bucket of ``config``, created with :attr:`replicas` when missing; an
         existing bucket is used as it is (whatever its replicas).
