@@ -1,9 +1,10 @@
 """Issue 20, end to end with `shoal up`: 32 random bytes published with plain nats-py
-on the allocator's decision subject, and a decision envelope holding a string that is
-not UTF-8, must not stop scheduling, neither at once, nor
+on the allocator's decision subject, a decision envelope holding a string that is not
+UTF-8, and every other kind of bad message of tests/test_poison.py on its own subject
+(invalid payloads, unknown types, future versions) must not stop scheduling, neither at once, nor
 after the allocator is killed and restarted by the supervisor, nor after `shoal up`
 is restarted on the same state directory (every service then replays the garbage).
-The garbage is dead-lettered once, however many processes replayed it."""
+Each bad message is dead-lettered once, however many processes replayed it."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from shoal.client import Client, NoAdmissionError
 from shoal.commands.run import CLI_ARGV as CLI
 
 from tests.services.test_up import alive, descendants, usable_policy, wait_line
+from tests.test_poison import poison
 
 pytestmark = pytest.mark.integration
 
@@ -101,6 +103,9 @@ async def publish_garbage(url: str, state_dir: Path) -> int:
     try:
         await nc.jetstream().publish(SUBJECT, os.urandom(32))
         ack = await nc.jetstream().publish(SUBJECT, not_utf8_decision())
+        for subject, data, _, _ in poison("shoal"):  # every other kind, on its own subject
+            if subject != SUBJECT:
+                ack = await nc.jetstream().publish(subject, data)
         return int(ack.seq)
     finally:
         await nc.close()
@@ -167,6 +172,12 @@ def test_garbage_on_the_decision_subject_does_not_stop_scheduling(tmp_path: Path
             assert len(letters) == 2, letters
             assert all(h[Header.DLQ_CODE] == "malformed" and h[Header.DLQ_REASON] for h in letters), letters
             assert "not valid UTF-8" in letters[1][Header.DLQ_REASON], letters
+            others = {h.get(Header.DLQ_SUBJECT): h for h, _ in await client.bus.dead_letters()}
+            for subject, _, code, word in poison("shoal"):
+                if subject != SUBJECT:
+                    assert others[subject][Header.DLQ_CODE] == code, others[subject]
+                    assert word in others[subject][Header.DLQ_REASON], others[subject]
+            assert len(await client.bus.dead_letters()) == 2 + len(poison("shoal")) - 1
 
     proc, url = start_up(env, log)
     try:

@@ -3,8 +3,8 @@ maintenance and bring it back (admin only), as ``kubectl drain`` / ``uncordon`` 
 Slurm's ``scontrol update state=drain|resume`` do.
 
 ``drain`` appends :class:`~shoal.events.NodeDrained` to the log. The fold marks the
-node ``drained``, and the cluster view the policies and placement use leaves it out
-(:func:`shoal.view.cluster_view`: only ``up`` nodes count). So the allocator's next
+node ``drained``, and what the policies and placement see leaves it out: only ``up``
+nodes count (:func:`shoal.view.cluster_gpus`, :func:`shoal.cluster.topology_from_state`). So the allocator's next
 decision shares the GPUs that remain, the placer moves the node's jobs elsewhere, and
 its node daemon stops their workers: an elastic job shrinks or moves (checkpoint and
 restart) instead of being killed. ``drain`` then waits until no job holds a GPU on the
