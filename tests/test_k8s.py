@@ -297,10 +297,14 @@ def test_every_pod_is_locked_down_and_probed(rendered: dict[str, list[dict[str, 
                 assert sc["capabilities"] == {"drop": ["ALL"]}, where
                 assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, where
                 assert {"cpu", "memory"} <= set(c["resources"]["limits"]), where
-                assert c["livenessProbe"]["httpGet"]["path"].startswith("/healthz"), where
-                assert c["readinessProbe"]["httpGet"]["path"].startswith(
-                    "/readyz" if c["name"] != "nats" else "/healthz"
-                ), where
+                if c["name"] == "nats-exporter":  # it serves its scrape path and nothing else
+                    assert c["livenessProbe"]["httpGet"]["path"] == "/metrics", where
+                    assert c["readinessProbe"]["httpGet"]["path"] == "/metrics", where
+                else:
+                    assert c["livenessProbe"]["httpGet"]["path"].startswith("/healthz"), where
+                    assert c["readinessProbe"]["httpGet"]["path"].startswith(
+                        "/readyz" if c["name"] != "nats" else "/healthz"
+                    ), where
                 assert ":" in c["image"] and not c["image"].endswith(":latest"), where
         assert _objects(docs, "Role") == [] and _objects(docs, "ClusterRole") == []
         nets = {n["metadata"]["name"]: n for n in _objects(docs, "NetworkPolicy")}
@@ -605,7 +609,7 @@ def test_the_dashboards_service_label_exists_on_kubernetes(rendered: dict[str, l
     import re
 
     docs = rendered["prod-monitoring"]
-    (monitor,) = _objects(docs, "ServiceMonitor")
+    (monitor,) = [m for m in _objects(docs, "ServiceMonitor") if m["metadata"]["name"] == "shoal"]
     (relabel,) = monitor["spec"]["endpoints"][0]["relabelings"]
     assert relabel["sourceLabels"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_name"]
     assert relabel["targetLabel"] == "service"
@@ -619,3 +623,38 @@ def test_the_dashboards_service_label_exists_on_kubernetes(rendered: dict[str, l
     dashboard = (ROOT / "deploy/compose/grafana/dashboards/shoal.json").read_text()
     wanted = set(re.findall(r'service=\\"([a-z-]+)\\"', dashboard))
     assert wanted and wanted <= derived, (wanted, derived)
+
+
+def test_the_nats_servers_own_metrics_are_scraped_with_monitoring(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """With the monitoring component each NATS server pod runs prometheus-nats-exporter
+    beside the server, reading its monitoring port over the pod's loopback; a Service and
+    a ServiceMonitor scrape it, and a NetworkPolicy lets only the monitoring namespace
+    reach that port. Without the component the pod is the server alone."""
+
+    def nats_pod(variant: str) -> dict[str, Any]:
+        (sts,) = [w for w in _workloads(rendered[variant]) if w["metadata"]["name"] == "nats"]
+        return dict(sts["spec"]["template"])
+
+    assert [c["name"] for c in nats_pod("prod")["spec"]["containers"]] == ["nats"]
+    pod = nats_pod("prod-monitoring")
+    containers = {c["name"]: c for c in pod["spec"]["containers"]}
+    assert sorted(containers) == ["nats", "nats-exporter"]
+    exporter = containers["nats-exporter"]
+    monitor_port = next(p["containerPort"] for p in containers["nats"]["ports"] if p["name"] == "monitor")
+    assert exporter["args"][-1] == f"http://localhost:{monitor_port}"
+    assert "-connz" not in exporter["args"]  # no per-client names and addresses
+    (port,) = exporter["ports"]
+    docs = rendered["prod-monitoring"]
+    (service,) = [s for s in _objects(docs, "Service") if s["metadata"]["name"] == "nats-metrics"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert service["spec"]["ports"][0]["targetPort"] == port["name"]
+    (monitor,) = [m for m in _objects(docs, "ServiceMonitor") if m["metadata"]["name"] == "nats"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
+    (policy,) = [
+        n for n in _objects(docs, "NetworkPolicy") if n["metadata"]["name"] == "allow-prometheus-nats"
+    ]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert policy["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": port["containerPort"]}]

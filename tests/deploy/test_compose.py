@@ -81,6 +81,9 @@ STARTED = [
     "trace-sink",
 ]
 NOT_STARTED = {
+    "nats-exporter-1": "natsio/prometheus-nats-exporter",
+    "nats-exporter-2": "natsio/prometheus-nats-exporter",
+    "nats-exporter-3": "natsio/prometheus-nats-exporter",
     "otel-collector": "otel/opentelemetry-collector-contrib",
     "jaeger": "jaegertracing/all-in-one",
     "grafana": "grafana/grafana",

@@ -380,3 +380,23 @@ async def test_nats_config_keeps_tls_and_sync_interval_when_run_again(tmp_path: 
     finally:
         server.terminate()
         server.wait(10)
+
+
+def test_every_nats_server_has_an_exporter_prometheus_scrapes() -> None:
+    """The NATS servers' own metrics: a prometheus-nats-exporter in each server's network
+    namespace (its monitoring port listens on that namespace's 127.0.0.1 only) reads it,
+    without per-connection detail, and Prometheus's job "nats" scrapes each of them."""
+    services = compose()["services"]
+    servers = sorted(n for n in services if re.fullmatch(r"nats-\d", n))
+    exporters = {n: s for n, s in services.items() if n.startswith("nats-exporter-")}
+    assert len(servers) == 3 and sorted(s["network_mode"] for s in exporters.values()) == [
+        f"service:{n}" for n in servers
+    ]
+    for name, svc in exporters.items():
+        assert svc["command"][-1] == "http://127.0.0.1:8222", name
+        assert "-connz" not in svc["command"] and "-jsz=streams" in svc["command"], name
+        assert svc["image"].startswith("natsio/prometheus-nats-exporter:"), name
+    config = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "nats"]
+    targets = [t for sc in job["static_configs"] for t in sc["targets"]]
+    assert targets == [f"{n}:7777" for n in servers]
