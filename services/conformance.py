@@ -128,7 +128,12 @@ class ConformanceConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 def share_sequence(envs: Sequence[ev.Envelope], trigger: str | None = None) -> list[dict[str, int]]:
     """The distinct successive share maps of a log (epochs renumbered away); with
-    ``trigger``, only the decisions that trigger caused.
+    ``trigger``, only the decisions that trigger caused (:func:`decision_trail`)."""
+    return [shares for _, cause, shares in decision_trail(envs) if trigger is None or cause == trigger]
+
+
+def decision_trail(envs: Sequence[ev.Envelope]) -> list[tuple[float, str, dict[str, int]]]:
+    """(virtual instant, trigger, shares) of each distinct successive share map of a log.
 
     Of several decisions stamped with the same virtual instant only the last counts:
     the others were in force for no virtual time (the emulated allocator decided on
@@ -148,15 +153,39 @@ def share_sequence(envs: Sequence[ev.Envelope], trigger: str | None = None) -> l
             if decisions and abs(decisions[-1][0] - env.at) < 1e-6:
                 decisions.pop()
             decisions.append((env.at, e, frozenset(finished)))
-    out: list[dict[str, int]] = []
+    out: list[tuple[float, str, dict[str, int]]] = []
     last: dict[str, int] = {}
-    for _, event, done in decisions:
+    for at, event, done in decisions:
         shares = dict(event.shares)
         implied = {j: s for j, s in last.items() if j not in done}
-        if shares != implied and (trigger is None or event.trigger == trigger):
-            out.append(shares)
+        if shares != implied:
+            out.append((at, event.trigger, shares))
         last = shares
     return out
+
+
+def arrival_difference(
+    sim_envs: Sequence[ev.Envelope], emu_envs: Sequence[ev.Envelope]
+) -> dict[str, Any] | None:
+    """Where the arrival-triggered decisions of the two logs first differ, with what
+    locates it: the index among arrival decisions, each side's (instant, trigger) there,
+    and the (instant, trigger) of every decision of the other side with the same shares
+    (the same decision labelled with another trigger shows up there). None if equal."""
+    a, b = decision_trail(sim_envs), decision_trail(emu_envs)
+    arr_a = [d for d in a if d[1] == "arrival"]
+    arr_b = [d for d in b if d[1] == "arrival"]
+    for i in range(max(len(arr_a), len(arr_b))):
+        x = arr_a[i] if i < len(arr_a) else None
+        y = arr_b[i] if i < len(arr_b) else None
+        if x is None or y is None or x[2] != y[2]:
+            return {
+                "index": i,
+                "sim": None if x is None else (x[0], x[1]),
+                "emu": None if y is None else (y[0], y[1]),
+                "sim_shares_in_emu": [] if x is None else [(at, t) for at, t, sh in b if sh == x[2]],
+                "emu_shares_in_sim": [] if y is None else [(at, t) for at, t, sh in a if sh == y[2]],
+            }
+    return None
 
 
 def sequence_agreement(a: Sequence[dict[str, int]], b: Sequence[dict[str, int]]) -> float:
@@ -329,6 +358,7 @@ def compare(cfg: ConformanceConfig, nats_url: str | None = None, creds: str | No
         "decision_agreement": sequence_agreement(a, b),
         "arrival_decisions": len(arr_a),
         "arrivals_agree": arr_a == arr_b,
+        "arrival_difference": None if arr_a == arr_b else arrival_difference(sim_envs, emu_envs),
         "sim_model_updates": model_updates(sim_envs),
         "emu_model_updates": model_updates(emu_envs),
         "sim_probe_decisions": len(share_sequence(sim_envs, "model_update")),

@@ -19,6 +19,7 @@ from shoal import events as ev
 from shoal.profiling import OVERESTIMATE_KIND
 from shoal_services.conformance import (
     ConformanceConfig,
+    arrival_difference,
     compare,
     first_difference,
     model_updates,
@@ -58,6 +59,27 @@ def test_share_sequence_drops_repeats_and_filters_by_trigger() -> None:
     ]
     assert sequence_agreement([{"a": 1}, {"b": 1}], [{"a": 1}, {"c": 1}, {"b": 1}]) == pytest.approx(2 / 3)
     assert sequence_agreement([], []) == 1.0
+
+
+def test_arrival_difference_names_a_decision_labelled_with_another_trigger() -> None:
+    """The same decisions in both logs, one of them caused by an arrival on one side and
+    labelled a completion on the other: the decision sequences agree, the arrival ones do
+    not, and the report says where and how each side labelled it."""
+    sim = [decided(0.0, "arrival", a=2), decided(6.0, "arrival", a=1, b=1), decided(9.0, "completion", b=2)]
+    emu = [
+        decided(0.0, "arrival", a=2),
+        decided(6.0, "completion", a=1, b=1),
+        decided(9.0, "completion", b=2),
+    ]
+    assert share_sequence(sim) == share_sequence(emu)
+    assert arrival_difference(sim, sim) is None
+    assert arrival_difference(sim, emu) == {
+        "index": 1,
+        "sim": (6.0, "arrival"),
+        "emu": None,
+        "sim_shares_in_emu": [(6.0, "completion")],
+        "emu_shares_in_sim": [],
+    }
 
 
 def test_fifty_jobs_agree_one_for_one_on_the_synchronized_clock(nats_url: str) -> None:
