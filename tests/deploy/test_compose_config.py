@@ -95,7 +95,9 @@ def test_promtool_accepts_the_prometheus_config() -> None:
             pytest.fail("promtool missing (.ci/run installs Debian's prometheus package)")
         pytest.skip("promtool not installed (apt-get install prometheus)")
     out = subprocess.run(
-        [promtool, "check", "config", "--syntax-only", str(COMPOSE_DIR / "prometheus.yml")],
+        # The full check (the files the config names, its rule files) and the lint of
+        # the scrape configs, not --syntax-only.
+        [promtool, "check", "config", "--lint=all", "--lint-fatal", str(COMPOSE_DIR / "prometheus.yml")],
         capture_output=True,
         text=True,
         timeout=60,
