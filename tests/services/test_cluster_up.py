@@ -1,6 +1,8 @@
 """`shoal up` against a real 3-node NATS cluster given as a seed list in ``NATS_URL``:
-the server leading the event stream is killed (``kill -9``) while jobs run; the
-installation goes on (submissions accepted, jobs completed, `shoal jobs` answers)."""
+the server leading the event stream is killed (``kill -9``) while jobs run and a client
+keeps submitting (a load, one job every 0.2 s, each retried with its own id until
+accepted, as a user's script would); the installation goes on: every accepted job
+completes, none is submitted twice, and `shoal jobs` answers."""
 
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ from shoal.nats_server import LocalCluster
 from tests.services.test_up import usable_policy, wait_line
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MAX_LOAD = 60
+"""At most this many jobs of the load (one node of 2 GPUs runs them at time scale 20)."""
 
 
 async def submit_until_accepted(client: Client, job_id: str, timeout_s: float = 30.0) -> None:
@@ -63,6 +68,16 @@ def test_up_on_a_cluster_survives_killing_the_event_stream_leader(
         start_new_session=True,
     )
 
+    accepted: list[str] = []
+
+    async def load(client: Client, stop: asyncio.Event) -> None:
+        """One job every 0.2 s until ``stop``, each retried with its own id (idempotent)."""
+        while not stop.is_set() and len(accepted) < MAX_LOAD:
+            job_id = f"load-{len(accepted)}"
+            await submit_until_accepted(client, job_id, timeout_s=90)
+            accepted.append(job_id)
+            await asyncio.sleep(0.2)
+
     async def scenario() -> None:
         async with await Client.connect(nats_cluster.url, prefix, creds=admin) as client:
             events = await client.bus.js.stream_info(client.bus.names.events_stream)
@@ -71,12 +86,31 @@ def test_up_on_a_cluster_survives_killing_the_event_stream_leader(
             await wait_completed(client, "before")
             assert events.cluster is not None and events.cluster.leader
             victim = nats_cluster.index_of(events.cluster.leader)
+            stop = asyncio.Event()
+            loader = asyncio.create_task(load(client, stop))
+            await asyncio.sleep(2)  # the load runs before the kill, across it and after it
+            kills_at = len(accepted)
             nats_cluster.kill(victim)
             try:
                 await submit_until_accepted(client, "after")
                 await wait_completed(client, "after")
+                await asyncio.sleep(2)
             finally:
+                stop.set()
+                await loader
                 nats_cluster.restart(victim)
+            assert 0 < kills_at < len(accepted), (kills_at, accepted)
+            for job_id in accepted:
+                await wait_completed(client, job_id, timeout_s=180)
+            submitted = [
+                env.event.job_id
+                async for _, env in client.bus.replay()
+                if isinstance(env.event, ev.JobSubmitted)
+            ]
+            assert sorted(submitted) == sorted(["before", "after", *accepted]), (
+                "a job lost or submitted twice"
+            )
+            print(f"{len(accepted)} jobs under load, {kills_at} before the kill; all completed once")
         jobs = await asyncio.create_subprocess_exec(
             *CLI, "jobs", env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
         )
