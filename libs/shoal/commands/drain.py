@@ -111,18 +111,14 @@ def _node(state: st.ClusterState, node_id: str) -> st.NodeState:
 
 def holding(state: st.ClusterState, node_id: str) -> list[str]:
     """The unfinished jobs placed on a GPU of ``node_id``, sorted."""
+    from shoal.state import FINISHED_STATUSES
+
     return sorted(
         job_id
         for job_id in state.placed
-        if state.jobs[job_id].status not in _finished()
+        if state.jobs[job_id].status not in FINISHED_STATUSES
         and any(ref.node_id == node_id for ref in state.jobs[job_id].placement)
     )
-
-
-def _finished() -> frozenset[str]:
-    from shoal.state import FINISHED_STATUSES
-
-    return frozenset(FINISHED_STATUSES)
 
 
 async def _stamp(client: Client) -> float:
