@@ -362,10 +362,23 @@ async def test_a_follower_runs_only_the_jobs_entrypoint_and_env(
     trainer's and torchrun's variables pass the check (and fail only later, on a GPU
     index n1 does not have)."""
     import msgspec
+    from shoal.bus import Campaign
     from shoal.train.launch import LaunchRequest
     from shoal_services.trainer_sidecar.remote import SpawnReply, SpawnRequest, subject
 
     await setup_job(bus, job_id, tmp_path / "trace")
+    # The job's leader is on another node (here: this test, as "mallory" on n0), holding
+    # the job's lease all along: a sidecar with no leader would take the lease itself
+    # after its TTL and then refuse every spawn as the leader.
+    campaign = Campaign(await bus.lease(f"train.{job_id}", "n0-mallory", ttl_s=LEASE_TTL_S))
+    assert await campaign.poll() == "elected"
+
+    async def keep_leading() -> None:
+        while True:
+            await asyncio.sleep(campaign.until_due())
+            await campaign.poll()
+
+    leading = asyncio.create_task(keep_leading())
     follower = start_node_sidecar(bus, nats_url, job_id, "n1", tmp_path / "work")
     marker = tmp_path / "pwned"
     spec = (sys.executable, str(CNN), "--max-steps", "1000000")
@@ -397,5 +410,8 @@ async def test_a_follower_runs_only_the_jobs_entrypoint_and_env(
         assert own.pid == 0 and own.error and "entrypoint" not in own.error and "variable" not in own.error
         await asyncio.sleep(0.5)
         assert not marker.exists()
+        assert campaign.is_leader, "the lease left the job's leader during the test"
     finally:
         stop_all([follower])
+        leading.cancel()
+        await campaign.release()
