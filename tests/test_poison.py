@@ -61,7 +61,7 @@ def poison(prefix: str) -> list[tuple[str, bytes, str, str]]:
             "version 2",
         ),
         # A well-formed envelope whose string holds bytes that are not UTF-8: msgspec
-        # raises UnicodeDecodeError there, which is neither of its own errors.
+        # before 0.23 raises UnicodeDecodeError there, which is neither of its own errors.
         (
             f"{prefix}.job.j1.cancelled",
             envelope_bytes("job.cancelled", {"job_id": "j1", "reason": "REASON"}).replace(

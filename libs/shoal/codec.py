@@ -106,10 +106,12 @@ def encode(envelope: Envelope) -> bytes:
 
 
 def _not_utf8(exc: UnicodeDecodeError) -> str:
-    """The reason for a message holding a string that is not UTF-8. msgspec raises
-    :class:`UnicodeDecodeError` there, which is neither of its own errors: every
+    """The reason for a message holding a string that is not UTF-8. msgspec before 0.23
+    raises :class:`UnicodeDecodeError` there, which is neither of its own errors: every
     decoder here turns it into a :class:`MalformedMessage` (else one such message on
-    the log would stop every reader, and one such request would get an internal error)."""
+    the log would stop every reader, and one such request would get an internal error).
+    msgspec 0.23 raises its own ``DecodeError`` ("Invalid UTF-8 encoded string"), which
+    the decoders' other branch already turns into one."""
     return f"a string is not valid UTF-8 (byte {exc.start} of it: {exc.reason})"
 
 

@@ -18,6 +18,7 @@ directory with what the code generates now; the drift test fails on any differen
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -76,12 +77,27 @@ NO_CONTROL_CHARACTERS = "^[^\\u0000-\\u001f\\u007f-\\u009f]*$"
 admission refuses control characters there (:func:`shoal.admission.validate_spec`)."""
 
 
+def _clean_descriptions(node: Any) -> Any:
+    """``node`` with every ``description`` (a class's docstring) indented as
+    :func:`inspect.cleandoc` leaves it. msgspec 0.23 began cleaning docstrings so and
+    earlier versions kept their indentation: without this, the committed schemas would be
+    stale under whichever version did not write them."""
+    if isinstance(node, dict):
+        return {
+            k: inspect.cleandoc(v) if k == "description" and isinstance(v, str) else _clean_descriptions(v)
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_clean_descriptions(v) for v in node]
+    return node
+
+
 def _standalone(name: str, tp: Any, kind: str = "") -> dict[str, Any]:
     """The schema of ``tp`` as its own file. What a client sends (a command, the command
     union, a ``JobSpec``) is strict as admission is: no field it does not know
     (``additionalProperties: false``) and no control character in a job's name or model.
     Events and envelopes stay open: a reader ignores the fields of a newer writer."""
-    schema = msgspec.json.schema(tp)
+    schema = _clean_descriptions(msgspec.json.schema(tp))
     defs = schema.get("$defs", {})
     job_spec = defs.get("JobSpec")
     if job_spec is not None:

@@ -171,7 +171,7 @@ def test_garbage_on_the_decision_subject_does_not_stop_scheduling(tmp_path: Path
             letters = [h for h, _ in await client.bus.dead_letters() if h.get(Header.DLQ_SUBJECT) == SUBJECT]
             assert len(letters) == 2, letters
             assert all(h[Header.DLQ_CODE] == "malformed" and h[Header.DLQ_REASON] for h in letters), letters
-            assert "not valid UTF-8" in letters[1][Header.DLQ_REASON], letters
+            assert "UTF-8" in letters[1][Header.DLQ_REASON], letters
             others = {h.get(Header.DLQ_SUBJECT): h for h, _ in await client.bus.dead_letters()}
             for subject, _, code, word in poison("shoal"):
                 if subject != SUBJECT:
