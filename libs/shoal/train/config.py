@@ -33,6 +33,9 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     checkpoint_every: int = 200
     """Steps between the leader's periodic checkpoints (consistent recovery, EDL §4.2); 0 = never."""
     collective_timeout_s: float = 30.0
+    """How long one collective waits for its peers: a hung or dead peer is noticed within
+    it. The all-reduce retried after an approximate regroup waits twice this, so that a
+    survivor that noticed at once waits for one that notices only by this timeout."""
     rendezvous_timeout_s: float = 120.0
     recovery: str = "consistent"
     """When a worker dies: ``consistent`` restarts the survivors from the last checkpoint;

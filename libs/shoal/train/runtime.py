@@ -58,13 +58,13 @@ class _Comm:
         self.timeout = dt.timedelta(seconds=timeout_s)
         self.default_group = default_group
 
-    def allreduce(self, t: torch.Tensor) -> None:
+    def allreduce(self, t: torch.Tensor, timeout_s: float | None = None) -> None:
         if self.default_group:
             dist.all_reduce(t)
             return
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
-        opts.timeout = self.timeout
+        opts.timeout = dt.timedelta(seconds=timeout_s) if timeout_s else self.timeout
         self.pg.allreduce([t], opts).wait()
 
     def broadcast(self, t: torch.Tensor, src: int, timeout_s: float | None = None) -> None:
@@ -421,7 +421,12 @@ class ElasticJob:
                 self._regroup_after_failure(str(exc))
                 buf.copy_(local)
                 try:
-                    self._comm.allreduce(buf)
+                    # Twice the collective timeout: a survivor told of the failure at once
+                    # (its peer's connection reset) retries here while another survivor,
+                    # waiting on a peer that left the collective, learns of it only when
+                    # its own timeout ends, up to one collective timeout later. With one
+                    # timeout the first one gave up just as the other arrived.
+                    self._comm.allreduce(buf, timeout_s=2 * self.cfg.collective_timeout_s)
                 except RuntimeError as again:
                     self._fail(f"all-reduce failed again after regrouping: {again}")
         total = float(buf[numel + _SLOT_SAMPLES])
