@@ -832,13 +832,18 @@ def _wait_admitted(url: str, creds: str, timeout_s: float = 20.0) -> None:
 
 @contextlib.contextmanager
 def local_installation(
-    state_dir: str, *, nodes: int = 2, mqtt: bool = True, revoke_after_s: float | None = None
+    state_dir: str,
+    *,
+    nodes: int = 2,
+    mqtt: bool = True,
+    revoke_after_s: float | None = None,
+    env_extra: dict[str, str] | None = None,
 ) -> Any:
     """Start ``shoal up`` (the command a user runs) on ``state_dir``, add the audit's
     identities with ``shoal creds add`` (a user ``mallory`` with an MQTT password, a
     user ``alice``), yield the :class:`Target`, then stop it (SIGTERM).
     ``revoke_after_s``: the installation's ``SHOAL_SIDECAR_REVOKE_AFTER_S`` (None: its
-    default)."""
+    default). ``env_extra``: more ``SHOAL_*`` settings of the installation."""
     import os
     import signal
     import subprocess
@@ -851,6 +856,7 @@ def local_installation(
     env["SHOAL_STATE_DIR"] = state_dir
     if revoke_after_s is not None:
         env["SHOAL_SIDECAR_REVOKE_AFTER_S"] = str(revoke_after_s)
+    env.update(env_extra or {})
     argv = [*CLI_ARGV, "up", "--nodes", str(nodes), "--time-scale", "10", *(["--mqtt"] if mqtt else [])]
     err = open(Path(state_dir).parent / f"{Path(state_dir).name}-up.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(

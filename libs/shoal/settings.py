@@ -184,7 +184,13 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Regulate an elastic policy's shares to server sizes (AFS appendix E); rigid
     policies' shares are never regulated."""
     report_every_s: PositiveFloat = 0.25
-    """Wall seconds between progress reports of an emulated trainer."""
+    """Wall seconds from a job's start or change of shape to its trainer sidecar's first
+    progress report; each later interval doubles, up to ``report_max_every_s``
+    (:mod:`shoal.reporting`)."""
+    report_max_every_s: PositiveFloat = 30.0
+    """The largest interval between a running job's progress reports, wall seconds (each
+    is an event in the log, kept for ever); at or below ``report_every_s``: a fixed
+    interval of ``report_every_s``, as before this setting."""
     profiler_min_interval_s: PositiveFloat = 30.0
     """The profiler's least virtual seconds between two models of one job
     (:mod:`shoal.profiling.ratelimit`); so also how long a job runs on each GPU count

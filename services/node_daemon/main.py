@@ -111,6 +111,7 @@ def sidecar_argv(
             "--job", job_id, "--node", node_id, "--nats-url", nats_url, "--prefix", settings.prefix,
             "--devices", devices, "--device", device, "--gpu-type", gpu_type, "--workdir", workdir,
             "--lease-ttl", repr(settings.lease_ttl_s), "--report-every", repr(settings.report_every_s),
+            "--report-max-every", repr(settings.report_max_every_s),
             "--advertise-host", settings.sidecar_host,
         ]  # fmt: skip
 

@@ -204,6 +204,7 @@ async def main_async(args: argparse.Namespace) -> int:
         costs=get_costs(args.costs),
         catalog=catalog,
         report_every_s=args.report_every,
+        report_max_every_s=args.report_max_every,
     )
     reader = asyncio.create_task(_read_orders(trainer, stop, stdin))
     runner = asyncio.create_task(trainer.run(stop))
@@ -252,6 +253,7 @@ async def _run_real(
         ),
         lease_ttl_s=args.lease_ttl,
         report_every_s=args.report_every,
+        report_max_every_s=args.report_max_every,
         advertise_host=args.advertise_host,
     )
     try:
@@ -281,7 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--costs", default="coddl")
     p.add_argument("--catalog", default="afs")
-    p.add_argument("--report-every", type=float, default=0.25)
+    p.add_argument("--report-every", type=float, default=0.25, help="first progress-report interval, s")
+    p.add_argument(
+        "--report-max-every",
+        type=float,
+        default=None,
+        help="largest progress-report interval, s (doubling from --report-every; default: fixed)",
+    )
     p.add_argument("--mode", choices=("emulated", "real"), default="emulated")
     real = p.add_argument_group("real mode (shoal.train workers)")
     real.add_argument("--devices", default="1", help="local device indices (0,1,3) or a count of CPU slots")

@@ -57,8 +57,9 @@ the simulator charges one.
 Leadership (emulated mode): of the job's sidecars, the one on the node that holds
 the job's lowest ``GpuRef`` drives it: it advances, reports and completes; the
 others only hold the GPUs. A new leader resumes from the newest
-``ProgressReported`` in the log, so at most one report interval of progress is
-redone when leadership moves (the real sidecar elects a leader in KV instead).
+``ProgressReported`` in the log, so at most one report interval (up to
+``report_max_every_s``) of progress is redone when leadership moves (the real sidecar
+elects a leader in KV instead).
 
 Tracing: each order is a span ``sidecar.reconfigure`` that continues the trace the
 node daemon sent with it (the ``traceparent`` field of the order line, see
@@ -93,6 +94,7 @@ from shoal.log import bound_job
 from shoal.models import Catalog, interpolate
 from shoal.profiling import PROFILER_KINDS
 from shoal.profiling.convergence import ConvergenceModel, curve_reaching
+from shoal.reporting import ReportBackoff
 from shoal.sim.costs import ReconfigCosts, classify
 from shoal.telemetry import extract, trace_fields
 
@@ -150,6 +152,7 @@ class EmulatedTrainer:
         costs: ReconfigCosts,
         catalog: Catalog | None = None,
         report_every_s: float = 0.25,
+        report_max_every_s: float | None = None,
         tracer: trace.Tracer | None = None,
         gpu_type: str = "",
     ) -> None:
@@ -167,6 +170,9 @@ class EmulatedTrainer:
         self.costs = costs
         self.catalog = catalog
         self.report_every_s = report_every_s
+        self.reports = ReportBackoff(report_every_s, report_max_every_s)
+        """The periodic reports' interval: ``report_every_s`` after each change of shape,
+        doubling up to ``report_max_every_s`` (unset: a fixed interval; :mod:`shoal.reporting`)."""
         self.commands: asyncio.Queue[ev.Reconfigure] = asyncio.Queue()
         self.spec: ev.JobSpec | None = None
         self.curve: tuple[float, ...] = (0.0, 1.0)
@@ -451,6 +457,7 @@ class EmulatedTrainer:
             return
         epoch, started, stop = self.in_flight
         self.in_flight = None
+        self.reports.changed()
         spans = self._flight_spans
         resume = spans[1] if spans is not None else trace.INVALID_SPAN
         try:
@@ -495,7 +502,7 @@ class EmulatedTrainer:
 
     def _seconds_to_next_wake(self, now: float) -> float:
         """Wall seconds until something is due: the end of a stop, completion or a report."""
-        waits = [self.report_every_s]
+        waits = [self.reports.interval_s]
         scale = getattr(self.clock, "scale", 1.0)
         if self.in_flight is not None:
             waits.append((self.stopped_until - now) / scale)
@@ -580,12 +587,13 @@ class EmulatedTrainer:
             elif (
                 self.world
                 and now > self.segment_at + _EPS
-                and loop.time() - self._last_report_wall >= self.report_every_s
+                and self.reports.due(loop.time() - self._last_report_wall)
             ):
                 # Not at the instant the current shape began: such a report would tell a
                 # leader taking over at that instant that the job ran on this shape
                 # before it (a move), where it started or changed only then.
                 await self._report(now)
+                self.reports.reported()
         # Orders sent just before the end of stdin (the node daemon's last word on a
         # job leaving this node) still hand the progress over.
         while not self.completed and not self.commands.empty():

@@ -130,6 +130,7 @@ def configure(argv: Sequence[str]) -> Serve:
                 costs=costs,
                 catalog=catalog,
                 report_every_s=settings.report_every_s,
+                report_max_every_s=settings.report_max_every_s,
                 gpu_type=args.gpu_type,
             )
             reader = critical(asyncio.create_task(_read_orders(trainer, stop, stdin)))

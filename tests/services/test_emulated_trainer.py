@@ -10,6 +10,7 @@ import pytest
 from shoal import codec
 from shoal import events as ev
 from shoal.bus import Bus
+from shoal.reporting import ReportBackoff
 from shoal.sim.costs import get_costs
 from shoal_services.trainer_sidecar.emulated import EmulatedTrainer
 
@@ -110,7 +111,7 @@ async def test_a_job_moved_at_the_instant_it_started_starts_on_its_new_node(bus:
     clock = ManualClock()
     clock.advance(10.0)
     a = await trainer(bus, clock)
-    a.report_every_s = 0.001
+    a.reports = ReportBackoff(0.001)
     b = EmulatedTrainer(bus, "j", "n1", clock=clock, costs=get_costs("migrate=30,scale_out=30,scale_in=30"))
     await b.load()
     stop = asyncio.Event()
@@ -149,3 +150,62 @@ async def test_the_profilers_model_is_not_taken_for_the_jobs_truth(bus: Bus) -> 
     )
     await t.load()
     assert t.curve[1:] == (5.0, 10.0, 15.0, 20.0)
+
+
+async def test_periodic_reports_back_off_and_start_over_at_each_change(bus: Bus) -> None:
+    """The periodic ``ProgressReported`` interval doubles from ``report_every_s`` up to
+    ``report_max_every_s`` and starts over when a reconfiguration completes
+    (:mod:`shoal.reporting`); with no maximum it stays fixed, as before."""
+
+    async def reports_in(
+        window_s: float, max_every_s: float | None, change_at_s: float | None = None
+    ) -> list[float]:
+        clock = ManualClock()
+        spec = ev.JobSpec(user="u", min_gpus=1, max_gpus=4, requested_gpus=2, total_iterations=10**9)
+        job = f"j{len(await events_of(bus, ev.JobSubmitted))}"
+        await bus.publish(codec.wrap(ev.JobSubmitted(job_id=job, spec=spec), at=0.0))
+        t = EmulatedTrainer(
+            bus,
+            job,
+            "n0",
+            clock=clock,
+            costs=get_costs("free"),
+            report_every_s=0.02,
+            report_max_every_s=max_every_s,
+        )
+        await t.load()
+        stop = asyncio.Event()
+        running = asyncio.create_task(t.run(stop))
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await t.commands.put(ev.Reconfigure(job_id=job, epoch=2, gpus=refs(1), effective_at=0.0))
+        changed = False
+        while (elapsed := loop.time() - t0) < window_s:
+            clock.advance(elapsed * 100)  # virtual time moves on, so reports are due
+            if change_at_s is not None and not changed and elapsed >= change_at_s:
+                changed = True
+                await t.commands.put(
+                    ev.Reconfigure(job_id=job, epoch=3, gpus=refs(2), effective_at=clock.now())
+                )
+            await asyncio.sleep(0.005)
+        stop.set()
+        await running
+        return [
+            e.at
+            for _, e in [x async for x in bus.replay()]
+            if isinstance(e.event, ev.ProgressReported) and e.event.job_id == job
+        ]
+
+    fixed = await reports_in(1.6, None)
+    backoff = await reports_in(1.6, 0.32)
+    # Fixed 20 ms: about 80 reports in 1.6 s. Backoff: 20, 40, 80, 160, 320, 320, ... ms:
+    # 4 reports in the first 0.3 s, then one per 0.32 s (about 8 in all).
+    assert len(fixed) >= 40, len(fixed)
+    assert 5 <= len(backoff) <= 11, len(backoff)
+    # A change of shape at 1.0 s starts the intervals over: more reports after it than
+    # in the same stretch without one.
+    changed = await reports_in(1.6, 0.32, change_at_s=1.0)
+    assert len([at for at in changed if at >= 100.0]) > len([at for at in backoff if at >= 100.0]), (
+        changed,
+        backoff,
+    )

@@ -34,6 +34,7 @@ import structlog
 
 from shoal import events as ev
 from shoal.events import GpuRef
+from shoal.reporting import ReportBackoff
 from shoal.train import protocol as pr
 from shoal.train.config import TrainConfig
 from shoal.train.launch import Launcher, LaunchRequest, WorkerProcess, launch_local
@@ -147,6 +148,7 @@ class Controller:
         restart_only: bool = False,
         allowance_s: float = 0.5,
         report_every_s: float = 1.0,
+        report_max_every_s: float | None = None,
         gpu_type: str = "cpu",
         host: str = "127.0.0.1",
         launch: Launcher | None = None,
@@ -167,6 +169,11 @@ class Controller:
         self.restart_only = restart_only
         self.allowance_s = allowance_s
         self.report_every_s = report_every_s
+        self.reports = ReportBackoff(report_every_s, report_max_every_s)
+        """The interval of ``ProgressReported``: ``report_every_s`` after each new
+        generation (a change of shape, a recovery), doubling up to ``report_max_every_s``
+        (unset: a fixed interval; :mod:`shoal.reporting`)."""
+        self._reported_gen = -1
         self.gpu_type = gpu_type
         self.host = host
         self.launch: Launcher = launch or self.launch_local
@@ -1104,9 +1111,15 @@ class Controller:
         now = time.monotonic()
         if isinstance(msg, pr.Progress):
             self.progress = msg
-            if now - self._last_report >= self.report_every_s:
+            if msg.gen != self._reported_gen:
+                # A new generation runs (a change of shape, a recovery): report often
+                # again, for the profiler's measurements of the shape.
+                self._reported_gen = msg.gen
+                self.reports.changed()
+            if self.reports.due(now - self._last_report):
                 self._last_report = now
                 await self.emit(self.progress_event())
+                self.reports.reported()
             return
         if isinstance(msg, pr.Ready):
             w = self.workers.get(msg.worker)
