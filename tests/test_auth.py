@@ -9,6 +9,7 @@ from pathlib import Path
 
 import msgspec
 import nats.errors
+import nats.js.errors
 import pytest
 from shoal import admission, auth, codec
 from shoal import events as ev
@@ -356,3 +357,69 @@ async def test_a_sidecar_answers_the_requests_of_another_nodes_sidecar(
     finally:
         await leader.close()
         await follower.close()
+
+
+@pytest.mark.integration
+async def test_a_reader_may_not_keep_a_consumer_past_the_streams_inactivity_bound(
+    nats_server: EmbeddedNats, bus: Bus, prefix: str
+) -> None:
+    """Every identity may create ephemeral consumers (it reads that way); the event,
+    control, beats and dead-letter streams bound how long one may outlive its last pull
+    (``READER_MAX_INACTIVE_S``): a day is refused by the server, shoal's own 30 s is
+    accepted, and a consumer that asks for nothing gets the bound."""
+    from nats.js import api
+    from shoal.bus import READER_MAX_INACTIVE_S
+
+    from tests.conftest import add_identity
+
+    client = await Bus.connect(
+        nats_server.url, prefix=prefix, creds=add_identity(nats_server, "client", "lazyreader")
+    )
+    n = bus.names
+    try:
+        for stream in (n.events_stream, n.ctl_stream, n.beats_stream, n.dlq_stream):
+            with pytest.raises(nats.js.errors.BadRequestError, match="inactive threshold exceeds"):
+                await client.js.add_consumer(
+                    stream, api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=86400.0)
+                )
+            ok = await client.js.add_consumer(
+                stream, api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=30.0)
+            )
+            assert ok.config.inactive_threshold == 30.0
+            unset = await client.js.add_consumer(stream, api.ConsumerConfig(ack_policy=api.AckPolicy.NONE))
+            assert unset.config.inactive_threshold == READER_MAX_INACTIVE_S
+            for name in (ok.name, unset.name):
+                await bus.js.delete_consumer(stream, name)
+    finally:
+        await client.close()
+
+
+@pytest.mark.integration
+async def test_a_stream_whose_consumer_exceeds_the_bound_is_still_updated(
+    nats_server: EmbeddedNats, prefix: str, admin_creds: str
+) -> None:
+    """A stream declared before the inactivity bound, with a consumer asking for longer:
+    the declare does not fail (it would stop `shoal up` at the upgrade); it updates the
+    rest and leaves the bound to a later declare, once that consumer is gone."""
+    from nats.js import api
+    from shoal.bus import READER_MAX_INACTIVE_S
+
+    old = f"{prefix}x"
+    bus = await Bus.connect(nats_server.url, prefix=old, creds=admin_creds)
+    try:
+        events = bus.names.events_stream
+        info = await bus.js.stream_info(events)
+        info.config.consumer_limits = None
+        await bus.js.update_stream(info.config)  # as an older shoal declared it
+        lazy = await bus.js.add_consumer(
+            events, api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=86400.0)
+        )
+        await bus.declare()
+        deferred = (await bus.js.stream_info(events)).config.consumer_limits
+        assert deferred is None or deferred.inactive_threshold is None
+        await bus.js.delete_consumer(events, lazy.name)
+        await bus.declare()
+        limits = (await bus.js.stream_info(events)).config.consumer_limits
+        assert limits is not None and limits.inactive_threshold == READER_MAX_INACTIVE_S
+    finally:
+        await bus.close()

@@ -117,6 +117,15 @@ class Header(StrEnum):
 ERR_WRONG_LAST_SEQUENCE = 10071
 ERR_MESSAGE_TOO_LARGE = 10054
 ERR_STREAM_NAME_IN_USE = 10058
+ERR_LIMITS_VIOLATE_CONSUMERS = 10069
+"""JetStream's refusal of a stream update whose limits an existing consumer exceeds."""
+
+READER_MAX_INACTIVE_S = 300.0
+"""The longest inactivity threshold a consumer of the event, control, beats or
+dead-letter stream may ask for, and the one a consumer that asks for none gets (the
+streams' ``consumer_limits``). Every identity may create ephemeral consumers (that is how
+it reads, :mod:`shoal.auth`); without this bound one could keep any number of them on
+the server for as long as it asked. shoal's own readers ask for 30 s."""
 
 _DLQ_PAUSE_S = 30.0
 """After a failed dead letter of a skipped message, seconds before the next try."""
@@ -565,6 +574,15 @@ class Bus:
                 # Only the admin may update a stream (shoal.auth): the server dropped the
                 # request. The stream exists, which is what a service needs.
                 log.warning("stream_update_not_permitted", stream=config.name)
+            except nats.js.errors.APIError as refused:
+                if refused.err_code != ERR_LIMITS_VIOLATE_CONSUMERS or config.consumer_limits is None:
+                    raise
+                # A consumer made before the bound asks for a longer inactivity (a
+                # stream declared by an older shoal): update the rest now; the bound
+                # applies at a later declare, once that consumer is gone.
+                log.warning("stream_consumer_limits_deferred", stream=config.name, error=str(refused))
+                config.consumer_limits = None
+                await self.js.update_stream(config)
 
     async def declare(self) -> None:
         """Create (or update to the current config) the streams and buckets. Idempotent.
@@ -580,6 +598,7 @@ class Bus:
         await self._ensure_stream(
             api.StreamConfig(
                 name=n.events_stream,
+                consumer_limits=api.StreamConsumerLimits(inactive_threshold=READER_MAX_INACTIVE_S),
                 subjects=n.event_subjects,
                 storage=api.StorageType.FILE,
                 retention=api.RetentionPolicy.LIMITS,
@@ -591,6 +610,7 @@ class Bus:
         await self._ensure_stream(
             api.StreamConfig(
                 name=n.ctl_stream,
+                consumer_limits=api.StreamConsumerLimits(inactive_threshold=READER_MAX_INACTIVE_S),
                 subjects=n.ctl_subjects,
                 storage=api.StorageType.FILE,
                 retention=api.RetentionPolicy.LIMITS,
@@ -602,6 +622,7 @@ class Bus:
         await self._ensure_stream(
             api.StreamConfig(
                 name=n.dlq_stream,
+                consumer_limits=api.StreamConsumerLimits(inactive_threshold=READER_MAX_INACTIVE_S),
                 subjects=n.dlq_subjects,
                 storage=api.StorageType.FILE,
                 # A dead letter carries the original message plus headers; allow a margin.
@@ -614,6 +635,7 @@ class Bus:
         await self._ensure_stream(
             api.StreamConfig(
                 name=n.beats_stream,
+                consumer_limits=api.StreamConsumerLimits(inactive_threshold=READER_MAX_INACTIVE_S),
                 subjects=n.beat_subjects,
                 storage=api.StorageType.FILE,
                 retention=api.RetentionPolicy.LIMITS,
