@@ -108,7 +108,7 @@ def measure(
                 time.sleep(0.5)
             _submit(target, jobs)
             while jobs and asyncio.run(_count(target.url, target.admin))["kinds"].get(
-                "job.*.reconfiguration_completed", 0
+                "job.*.reconf.completed", 0
             ) < min(jobs, 4 * nodes):
                 if time.monotonic() > deadline + 120:
                     raise RuntimeError(f"the {jobs} jobs did not start within 120 s")
