@@ -441,6 +441,39 @@ async def _durable_consumer(t: Target, creds: str) -> tuple[bool, str]:
     return True, "; ".join(whys)
 
 
+async def _lingering_consumer(t: Target, creds: str) -> tuple[bool, str]:
+    """Keep an ephemeral consumer on each of the event, control, beats and dead-letter
+    streams for a day after its last pull (the unnamed create every reader may use);
+    refused unless one exists afterwards with a threshold past the streams' bound
+    (the admin then deletes it)."""
+    from shoal.bus import READER_MAX_INACTIVE_S
+
+    token = _token(t.prefix)
+    whys = []
+    for stream in (f"{token}_EVENTS", f"{token}_CTL", f"{token}_BEATS", f"{token}_DLQ"):
+        config = {"ack_policy": "none", "deliver_policy": "new", "inactive_threshold": 86400 * 10**9}
+        _, why = await _js_api(
+            t,
+            creds,
+            f"$JS.API.CONSUMER.CREATE.{stream}",
+            json.dumps({"stream_name": stream, "config": config}).encode(),
+        )
+        whys.append(f"{stream}: {why}")
+        admin = await _Conn.open(t.url, t.admin)
+        try:
+            js = admin.nc.jetstream()
+            for info in await js.consumers_info(stream):
+                if (info.config.inactive_threshold or 0) > READER_MAX_INACTIVE_S:
+                    await js.delete_consumer(stream, info.name)
+                    return (
+                        False,
+                        f"consumer {info.name} on {stream} kept for {info.config.inactive_threshold:g} s",
+                    )
+        finally:
+            await admin.close()
+    return True, "; ".join(whys)
+
+
 async def _delete_consumer(t: Target, creds: str) -> tuple[bool, str]:
     """Delete another identity's consumer (one the admin made for the audit, as a
     service's replay consumer is); refused unless it is gone afterwards."""
@@ -690,6 +723,11 @@ def attacks(t: Target) -> list[Attack]:
         ),
         ("keep a durable consumer on the event stream", user, lambda t: _durable_consumer(t, t.user)),
         ("delete another identity's consumer", user, lambda t: _delete_consumer(t, t.user)),
+        (
+            "keep a reader's consumer for a day after its last pull",
+            user,
+            lambda t: _lingering_consumer(t, t.user),
+        ),
         ("read other identities' replies", user, lambda t: _subscribe(t, t.user, "_INBOX.>")),
     ]
     if t.mqtt_port:
