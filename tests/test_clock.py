@@ -28,9 +28,11 @@ def test_it_runs_scaled_and_stops_at_a_barrier(clock: SharedClock) -> None:
     t0 = clock.now()
     time.sleep(0.02)
     assert clock.now() - t0 >= 0.02 * SCALE * 0.9
-    at = clock.now() + 5.0
+    # 200 ms of wall time ahead: a barrier only 5 ms ahead had passed once before the
+    # hold was set (a loaded CI machine), and a hold never moves time back.
+    at = clock.now() + 200.0
     clock.hold("next-arrival", at, ttl_s=None)
-    time.sleep(0.03)  # 30 virtual seconds of wall time: the clock waits at the barrier
+    time.sleep(0.3)  # 300 virtual seconds of wall time: the clock waits at the barrier
     assert clock.now() == pytest.approx(at)
     assert clock.barriers() == {"next-arrival": pytest.approx(at)}
 

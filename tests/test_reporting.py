@@ -28,3 +28,18 @@ def test_no_maximum_or_one_below_the_first_is_a_fixed_interval() -> None:
 def test_a_first_interval_that_is_not_positive_is_refused() -> None:
     with pytest.raises(ValueError, match="> 0"):
         ReportBackoff(0.0)
+
+
+def test_a_report_is_due_at_the_end_of_the_measurement_window_whatever_the_interval() -> None:
+    r = ReportBackoff(1.0, 30.0)
+    for _ in range(4):
+        r.reported()
+    r.changed(window_at=100.0)
+    assert r.interval_s == 1.0
+    for _ in range(4):
+        r.reported(now=50.0)  # reports before the window's end keep it due
+    assert r.interval_s == 16.0 and r.window_at == 100.0
+    assert not r.due(10.0, now=99.0)
+    assert r.due(10.0, now=100.0), "due at the window's end though the interval is 16 s"
+    r.reported(now=100.0)
+    assert r.window_at is None and not r.due(10.0, now=101.0)

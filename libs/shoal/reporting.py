@@ -14,6 +14,14 @@ reconfiguration completed), doubles after each report and stays at ``max_s``. A 
 that runs ``T`` seconds on one shape reports about ``log2(max_s/first_s) + T/max_s``
 times instead of ``T/first_s``. ``max_s == first_s`` is the old fixed interval.
 
+One report more is due at the end of the profiler's measurement window of the new
+shape (``window_at``, given with :meth:`ReportBackoff.changed`): the profiler counts a
+GPU count as measured only from a report made after that window
+(``SHOAL_PROFILER_MIN_INTERVAL_S``), and in an emulated installation it holds the
+shared clock there until one comes. Without it, the doubling put that report up to
+``max_s`` late, and for a shape shorter than that never (a Gandiva_fair trading test
+through ``shoal up`` stalled so on a loaded machine).
+
 Chosen over a side stream of progress outside the log: the fold, the profiler and a
 replay keep reading progress from one ordered log. The log still grows with job-hours,
 by one report per ``max_s`` per running job.
@@ -33,15 +41,25 @@ class ReportBackoff:
         """The largest interval; one below ``first_s`` is ``first_s`` (a fixed interval)."""
         self.interval_s = first_s
         """Seconds from the newest report to the next one."""
+        self.window_at: float | None = None
+        """An instant at which a report is due whatever the interval (the end of the
+        newest shape's measurement window), on the clock the caller passes as ``now``;
+        None once a report at or after it went out."""
 
-    def changed(self) -> None:
-        """The job changed shape (or started): report often again."""
+    def changed(self, window_at: float | None = None) -> None:
+        """The job changed shape (or started): report often again, and at ``window_at``."""
         self.interval_s = self.first_s
+        self.window_at = window_at
 
-    def reported(self) -> None:
-        """A periodic report went out: the next one is due twice as late, up to ``max_s``."""
+    def reported(self, now: float | None = None) -> None:
+        """A periodic report went out (at ``now``): the next one is due twice as late,
+        up to ``max_s``."""
         self.interval_s = min(self.max_s, self.interval_s * 2)
+        if self.window_at is not None and now is not None and now >= self.window_at:
+            self.window_at = None
 
-    def due(self, since_last_s: float) -> bool:
-        """Whether a report is due ``since_last_s`` seconds after the newest one."""
-        return since_last_s >= self.interval_s
+    def due(self, since_last_s: float, now: float | None = None) -> bool:
+        """Whether a report is due ``since_last_s`` seconds after the newest one, at ``now``."""
+        if since_last_s >= self.interval_s:
+            return True
+        return self.window_at is not None and now is not None and now >= self.window_at

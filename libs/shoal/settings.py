@@ -190,7 +190,8 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     report_max_every_s: PositiveFloat = 30.0
     """The largest interval between a running job's progress reports, wall seconds (each
     is an event in the log, kept for ever); at or below ``report_every_s``: a fixed
-    interval of ``report_every_s``, as before this setting."""
+    interval of ``report_every_s``, as before this setting. One report more comes when
+    the profiler's measurement window (``profiler_min_interval_s``) of a new shape ends."""
     profiler_min_interval_s: PositiveFloat = 30.0
     """The profiler's least virtual seconds between two models of one job
     (:mod:`shoal.profiling.ratelimit`); so also how long a job runs on each GPU count

@@ -112,6 +112,7 @@ def sidecar_argv(
             "--devices", devices, "--device", device, "--gpu-type", gpu_type, "--workdir", workdir,
             "--lease-ttl", repr(settings.lease_ttl_s), "--report-every", repr(settings.report_every_s),
             "--report-max-every", repr(settings.report_max_every_s),
+            "--measure-window", repr(settings.profiler_min_interval_s),
             "--advertise-host", settings.sidecar_host,
         ]  # fmt: skip
 

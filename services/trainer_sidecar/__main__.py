@@ -205,6 +205,7 @@ async def main_async(args: argparse.Namespace) -> int:
         catalog=catalog,
         report_every_s=args.report_every,
         report_max_every_s=args.report_max_every,
+        measure_window_s=args.measure_window,
     )
     reader = asyncio.create_task(_read_orders(trainer, stop, stdin))
     runner = asyncio.create_task(trainer.run(stop))
@@ -254,6 +255,7 @@ async def _run_real(
         lease_ttl_s=args.lease_ttl,
         report_every_s=args.report_every,
         report_max_every_s=args.report_max_every,
+        measure_window_s=args.measure_window,
         advertise_host=args.advertise_host,
     )
     try:
@@ -289,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         help="largest progress-report interval, s (doubling from --report-every; default: fixed)",
+    )
+    p.add_argument(
+        "--measure-window",
+        type=float,
+        default=None,
+        help="the profiler's measurement window, s: a report is due at its end after each change",
     )
     p.add_argument("--mode", choices=("emulated", "real"), default="emulated")
     real = p.add_argument_group("real mode (shoal.train workers)")

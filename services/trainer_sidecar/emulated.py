@@ -153,6 +153,7 @@ class EmulatedTrainer:
         catalog: Catalog | None = None,
         report_every_s: float = 0.25,
         report_max_every_s: float | None = None,
+        measure_window_s: float | None = None,
         tracer: trace.Tracer | None = None,
         gpu_type: str = "",
     ) -> None:
@@ -173,6 +174,9 @@ class EmulatedTrainer:
         self.reports = ReportBackoff(report_every_s, report_max_every_s)
         """The periodic reports' interval: ``report_every_s`` after each change of shape,
         doubling up to ``report_max_every_s`` (unset: a fixed interval; :mod:`shoal.reporting`)."""
+        self.measure_window_s = measure_window_s
+        """The profiler's measurement window (virtual seconds, ``SHOAL_PROFILER_MIN_INTERVAL_S``):
+        a report is due at its end after each reconfiguration (None: no such report)."""
         self.commands: asyncio.Queue[ev.Reconfigure] = asyncio.Queue()
         self.spec: ev.JobSpec | None = None
         self.curve: tuple[float, ...] = (0.0, 1.0)
@@ -457,7 +461,10 @@ class EmulatedTrainer:
             return
         epoch, started, stop = self.in_flight
         self.in_flight = None
-        self.reports.changed()
+        # The profiler's window_end of this shape (services/profiler: whole seconds from
+        # the ReconfigurationCompleted stamp published below).
+        window = self.measure_window_s
+        self.reports.changed(None if not window else float(math.ceil(started + stop + window - 1e-6)))
         spans = self._flight_spans
         resume = spans[1] if spans is not None else trace.INVALID_SPAN
         try:
@@ -504,6 +511,8 @@ class EmulatedTrainer:
         """Wall seconds until something is due: the end of a stop, completion or a report."""
         waits = [self.reports.interval_s]
         scale = getattr(self.clock, "scale", 1.0)
+        if self.reports.window_at is not None and self.is_leader and now < self.reports.window_at:
+            waits.append((self.reports.window_at - now) / scale)
         if self.in_flight is not None:
             waits.append((self.stopped_until - now) / scale)
         finish = self.finish_at() if self.is_leader else None
@@ -587,13 +596,13 @@ class EmulatedTrainer:
             elif (
                 self.world
                 and now > self.segment_at + _EPS
-                and self.reports.due(loop.time() - self._last_report_wall)
+                and self.reports.due(loop.time() - self._last_report_wall, now)
             ):
                 # Not at the instant the current shape began: such a report would tell a
                 # leader taking over at that instant that the job ran on this shape
                 # before it (a move), where it started or changed only then.
                 await self._report(now)
-                self.reports.reported()
+                self.reports.reported(now)
         # Orders sent just before the end of stdin (the node daemon's last word on a
         # job leaving this node) still hand the progress over.
         while not self.completed and not self.commands.empty():

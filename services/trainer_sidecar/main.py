@@ -131,6 +131,7 @@ def configure(argv: Sequence[str]) -> Serve:
                 catalog=catalog,
                 report_every_s=settings.report_every_s,
                 report_max_every_s=settings.report_max_every_s,
+                measure_window_s=settings.profiler_min_interval_s,
                 gpu_type=args.gpu_type,
             )
             reader = critical(asyncio.create_task(_read_orders(trainer, stop, stdin)))

@@ -113,6 +113,7 @@ class RealSidecar:
         lease_ttl_s: float = 3.0,
         report_every_s: float = 1.0,
         report_max_every_s: float | None = None,
+        measure_window_s: float | None = None,
         allowance_s: float = 0.5,
         advertise_host: str = "127.0.0.1",
         drain_s: float = 5.0,
@@ -130,6 +131,7 @@ class RealSidecar:
         self.lease_ttl_s = lease_ttl_s
         self.report_every_s = report_every_s
         self.report_max_every_s = report_max_every_s
+        self.measure_window_s = measure_window_s
         self.allowance_s = allowance_s
         self.advertise_host = advertise_host
         self.drain_s = drain_s
@@ -307,6 +309,7 @@ class RealSidecar:
             allowance_s=self.allowance_s,
             report_every_s=self.report_every_s,
             report_max_every_s=self.report_max_every_s,
+            measure_window_s=self.measure_window_s,
             gpu_type=self.gpu_type,
             host=self.advertise_host,
             launch=self._launch,

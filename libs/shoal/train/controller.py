@@ -149,6 +149,7 @@ class Controller:
         allowance_s: float = 0.5,
         report_every_s: float = 1.0,
         report_max_every_s: float | None = None,
+        measure_window_s: float | None = None,
         gpu_type: str = "cpu",
         host: str = "127.0.0.1",
         launch: Launcher | None = None,
@@ -173,6 +174,10 @@ class Controller:
         """The interval of ``ProgressReported``: ``report_every_s`` after each new
         generation (a change of shape, a recovery), doubling up to ``report_max_every_s``
         (unset: a fixed interval; :mod:`shoal.reporting`)."""
+        self.measure_window_s = measure_window_s
+        """The profiler's measurement window (seconds): a report is due once it has passed
+        since a new generation's first step, plus 1 s for the profiler's rounding up to a
+        whole second (None: no such report)."""
         self._reported_gen = -1
         self.gpu_type = gpu_type
         self.host = host
@@ -1115,11 +1120,12 @@ class Controller:
                 # A new generation runs (a change of shape, a recovery): report often
                 # again, for the profiler's measurements of the shape.
                 self._reported_gen = msg.gen
-                self.reports.changed()
-            if self.reports.due(now - self._last_report):
+                window = self.measure_window_s
+                self.reports.changed(now + window + 1.0 if window else None)
+            if self.reports.due(now - self._last_report, now):
                 self._last_report = now
                 await self.emit(self.progress_event())
-                self.reports.reported()
+                self.reports.reported(now)
             return
         if isinstance(msg, pr.Ready):
             w = self.workers.get(msg.worker)
