@@ -209,3 +209,45 @@ async def test_periodic_reports_back_off_and_start_over_at_each_change(bus: Bus)
         changed,
         backoff,
     )
+
+
+async def test_a_report_comes_when_the_measurement_window_ends(bus: Bus) -> None:
+    """With ``measure_window_s`` the leader reports at the profiler's window end of its
+    new shape (whole seconds from the ``ReconfigurationCompleted`` stamp) though its
+    backed-off interval is long by then: the profiler, which holds a shared clock there,
+    needs a report made at or after that instant."""
+    clock = ManualClock()
+    clock.advance(5.0)
+    spec = ev.JobSpec(user="u", min_gpus=1, max_gpus=4, requested_gpus=1, total_iterations=10**9)
+    await bus.publish(codec.wrap(ev.JobSubmitted(job_id="w", spec=spec), at=0.0))
+    t = EmulatedTrainer(
+        bus,
+        "w",
+        "n0",
+        clock=clock,
+        costs=get_costs("free"),
+        report_every_s=0.02,
+        report_max_every_s=10.0,
+        measure_window_s=30.0,
+    )
+    await t.load()
+    stop = asyncio.Event()
+    running = asyncio.create_task(t.run(stop))
+    try:
+        await t.commands.put(ev.Reconfigure(job_id="w", epoch=2, gpus=refs(1), effective_at=5.0))
+        for step in range(20):  # 2 s of wall time, virtual time creeping towards 34
+            clock.advance(5.0 + step)
+            await asyncio.sleep(0.1)
+        assert t.reports.interval_s >= 0.64, "backed off by now"
+        assert t.reports.window_at == 35.0  # ceil(5 + 0 + 30)
+        before = len(await events_of(bus, ev.ProgressReported))
+        clock.advance(35.0)  # held there, as the profiler holds a shared clock
+        await asyncio.sleep(0.3)
+        reports = await events_of(bus, ev.ProgressReported)
+        assert len(reports) == before + 1, "one report at the window's end, not at the next interval"
+        assert t.reports.window_at is None
+    finally:
+        stop.set()
+        await running
+    at = [e.at async for _, e in bus.replay() if isinstance(e.event, ev.ProgressReported)]
+    assert at[-1] == 35.0
