@@ -170,7 +170,6 @@ class EmulatedTrainer:
         self.clock = clock
         self.costs = costs
         self.catalog = catalog
-        self.report_every_s = report_every_s
         self.reports = ReportBackoff(report_every_s, report_max_every_s)
         """The periodic reports' interval: ``report_every_s`` after each change of shape,
         doubling up to ``report_max_every_s`` (unset: a fixed interval; :mod:`shoal.reporting`)."""

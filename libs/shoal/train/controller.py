@@ -169,7 +169,6 @@ class Controller:
         self.api = api
         self.restart_only = restart_only
         self.allowance_s = allowance_s
-        self.report_every_s = report_every_s
         self.reports = ReportBackoff(report_every_s, report_max_every_s)
         """The interval of ``ProgressReported``: ``report_every_s`` after each new
         generation (a change of shape, a recovery), doubling up to ``report_max_every_s``
