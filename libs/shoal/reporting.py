@@ -29,6 +29,16 @@ by one report per ``max_s`` per running job.
 
 from __future__ import annotations
 
+import math
+
+
+def measurement_window_end(resumed_at: float, window_s: float) -> float:
+    """The end of the profiler's measurement window of a shape that began (its
+    reconfiguration completed) at ``resumed_at``: ``window_s`` later, rounded up to a
+    whole second. The profiler measures from reports at or after it; an emulated trainer
+    reports there."""
+    return float(math.ceil(resumed_at + window_s - 1e-6))
+
 
 class ReportBackoff:
     """The interval between a job's periodic progress reports (module docstring)."""

@@ -65,7 +65,6 @@ log to its end.
 from __future__ import annotations
 
 import asyncio
-import math
 import re
 import time
 
@@ -79,6 +78,7 @@ from shoal.profiling import ProfileBook, ProfileParams, Reason, convergence_upda
 from shoal.profiling.ratelimit import MIN_INTERVAL_S, TOO_SOON, is_publish, publish_decision, relative_change
 from shoal.profiling.snapshot import PROFILER_SNAPSHOT, check_profiler_snapshot, encode_profiler_snapshot
 from shoal.projection import Projection, snapshot_due
+from shoal.reporting import measurement_window_end
 from shoal.state import FINISHED_STATUSES, ClusterState
 
 log = structlog.get_logger("shoal.profiler")
@@ -236,7 +236,7 @@ class ProfilerService:
 
     def window_end(self, resumed_at: float) -> float:
         """The end of a measurement window that began at ``resumed_at`` (whole seconds)."""
-        return float(math.ceil(resumed_at + self.min_interval_s - 1e-6))
+        return measurement_window_end(resumed_at, self.min_interval_s)
 
     def _in_window(self, e: ev.ProgressReported, at: float, state: ClusterState) -> bool:
         """Whether the report's rate is no measurement: made before its GPU count's

@@ -94,7 +94,7 @@ from shoal.log import bound_job
 from shoal.models import Catalog, interpolate
 from shoal.profiling import PROFILER_KINDS
 from shoal.profiling.convergence import ConvergenceModel, curve_reaching
-from shoal.reporting import ReportBackoff
+from shoal.reporting import ReportBackoff, measurement_window_end
 from shoal.sim.costs import ReconfigCosts, classify
 from shoal.telemetry import extract, trace_fields
 
@@ -460,10 +460,10 @@ class EmulatedTrainer:
             return
         epoch, started, stop = self.in_flight
         self.in_flight = None
-        # The profiler's window_end of this shape (services/profiler: whole seconds from
-        # the ReconfigurationCompleted stamp published below).
+        # The profiler's window end of this shape, from the ReconfigurationCompleted
+        # stamp published below.
         window = self.measure_window_s
-        self.reports.changed(None if not window else float(math.ceil(started + stop + window - 1e-6)))
+        self.reports.changed(None if not window else measurement_window_end(started + stop, window))
         spans = self._flight_spans
         resume = spans[1] if spans is not None else trace.INVALID_SPAN
         try:
