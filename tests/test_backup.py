@@ -1,25 +1,30 @@
 """The event-log backups docs/deploy.md describes ("Backup and restore"): a copy of a
 stopped server's JetStream store directory, and `shoal backup`/`shoal restore` through
-the snapshot API of a running server; each restored log is the same, and shoal folds it
-to the same state."""
+the snapshot API of a running server or a three-server cluster (restored with three
+replicas); each restored log is the same, and shoal folds it to the same state."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import nats
 from shoal import codec, state
 from shoal import events as ev
 from shoal.auth import CredentialStore
 from shoal.bus import Bus
-from shoal.nats_server import EmbeddedNats
+from shoal.nats_server import EmbeddedNats, LocalCluster
 
 
-async def _log(url: str, admin: str) -> tuple[int, list[tuple[int, bytes]], str]:
-    bus = await Bus.connect(url, "shoal", creds=admin, declare=False)
+async def _log(url: str, admin: str, prefix: str = "shoal") -> tuple[int, list[tuple[int, bytes]], str]:
+    bus = await Bus.connect(url, prefix, creds=admin, declare=False)
     try:
         last = await bus.last_seq()
         got = [(seq, codec.encode(env)) async for seq, env in bus.replay()]
@@ -101,3 +106,105 @@ async def test_shoal_backup_and_restore_through_the_snapshot_api(tmp_path: Path)
         again = _cli("restore", str(backup), url=fresh.url, creds=admin)
         assert again.returncode != 0 and "already has" in again.stderr
     assert after == before
+
+
+async def _stream_replicas(bus: Bus, stream: str) -> tuple[int, str, list[bool]]:
+    """``stream``'s configured replicas, its leader and whether each follower is current."""
+    info = await bus.js.stream_info(stream)
+    assert info.cluster is not None
+    peers = info.cluster.replicas or []
+    return (
+        info.config.num_replicas or 1,
+        info.cluster.leader or "",
+        [p.current and not p.offline for p in peers],
+    )
+
+
+async def _until(check: Callable[[], Awaitable[bool]], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if await check():
+                return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s")
+        await asyncio.sleep(0.2)
+
+
+async def test_backup_of_a_three_replica_cluster_with_a_server_down_restores_replicated(
+    nats_cluster: LocalCluster, nats_server: EmbeddedNats, prefix: str, tmp_path: Path
+) -> None:
+    """deploy.md's backup at R3: `shoal backup` of a 3-server cluster whose first seed is
+    down (two of three servers still hold every stream), then `shoal restore` into a
+    fresh 3-server cluster. The restored streams have three replicas again, every
+    follower catches up, and the log reads the same, and folds to the same state, after
+    the restored event stream's leading server is killed."""
+    admin = os.environ["NATS_CREDS"]
+    bus = await Bus.connect(nats_cluster.url, prefix, creds=admin)
+    try:
+        for i in range(40):
+            await bus.publish(
+                ev.JobSubmitted(job_id=f"j{i}", spec=ev.JobSpec(user="alice", total_iterations=100))
+            )
+        await bus.publish(ev.JobCancelled(job_id="j3"))
+        events = bus.names.events_stream
+        assert (await _stream_replicas(bus, events))[0] == 3
+        await _until(lambda: _all_current(bus, events))
+    finally:
+        await bus.close()
+    before = await _log(nats_cluster.url, admin, prefix)
+    backup = tmp_path / "backup"
+    nats_cluster.kill(0)  # the seed list's first server
+    try:
+        made = _cli("backup", str(backup), "--prefix", prefix, url=nats_cluster.url, creds=admin)
+    finally:
+        nats_cluster.restart(0)
+    assert made.returncode == 0, made.stderr
+    assert f"{events}: 41 messages" in made.stdout
+    saved = json.loads((backup / f"{events}.json").read_text())
+    assert saved["config"]["num_replicas"] == 3
+
+    assert nats_server.creds_dir is not None
+    with LocalCluster(tmp_path / "fresh", creds_dir=nats_server.creds_dir, prefix="*") as fresh:
+        await _until(lambda: _jetstream_up(fresh.url, admin))
+        done = _cli("restore", str(backup), "--prefix", prefix, url=fresh.url, creds=admin)
+        assert done.returncode == 0, done.stderr
+        assert f"{events}: 41 messages restored" in done.stdout
+        bus = await Bus.connect(fresh.url, prefix, creds=admin, declare=False)
+        try:
+            for item in json.loads((backup / "backup.json").read_text())["streams"]:
+                assert (await _stream_replicas(bus, item["stream"]))[0] == 3, item
+            await _until(lambda: _all_current(bus, events))
+            leader = (await _stream_replicas(bus, events))[1]
+        finally:
+            await bus.close()
+        assert await _log(fresh.url, admin, prefix) == before
+        fresh.kill(fresh.index_of(leader))  # the restored copy lives on the other two as well
+        bus = await Bus.connect(fresh.url, prefix, creds=admin, declare=False)
+        try:
+            await _until(lambda: _has_leader_other_than(bus, events, leader))
+        finally:
+            await bus.close()
+        assert await _log(fresh.url, admin, prefix) == before
+
+
+async def _all_current(bus: Bus, stream: str) -> bool:
+    _, _, current = await _stream_replicas(bus, stream)
+    return len(current) == 2 and all(current)
+
+
+async def _has_leader_other_than(bus: Bus, stream: str, old: str) -> bool:
+    leader = (await _stream_replicas(bus, stream))[1]
+    return bool(leader) and leader != old
+
+
+async def _jetstream_up(url: str, admin: str) -> bool:
+    nc = await nats.connect(servers=url.split(","), nkeys_seed=admin)
+    try:
+        await nc.jetstream(timeout=1.0).account_info()
+        return True
+    finally:
+        await nc.close()
