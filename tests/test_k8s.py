@@ -241,7 +241,10 @@ def test_shoal_creds_k8s_without_the_callout_keeps_static_sidecars(tmp_path: Pat
 
 @pytest.mark.parametrize("version", check.VERSIONS)
 def test_every_overlay_validates_strictly(
-    rendered: dict[str, list[dict[str, Any]]], version: str, monkeypatch: pytest.MonkeyPatch
+    rendered: dict[str, list[dict[str, Any]]],
+    admission: dict[str, dict[str, Any]],
+    version: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import kubernetes_validate
     import kubernetes_validate.utils
@@ -253,7 +256,7 @@ def test_every_overlay_validates_strictly(
         functools.lru_cache(maxsize=None)(kubernetes_validate.utils.schema_contents),
     )
     seen: set[str] = set()
-    for variant, docs in rendered.items():
+    for variant, docs in [*rendered.items(), (check.CLUSTER_WIDE, list(admission.values()))]:
         for doc in docs:
             key = json.dumps(doc, sort_keys=True)
             if doc["apiVersion"].startswith("monitoring.coreos.com/") or key in seen:
@@ -658,3 +661,177 @@ def test_the_nats_servers_own_metrics_are_scraped_with_monitoring(
     ]
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     assert policy["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": port["containerPort"]}]
+
+
+# ---------------------------------------------------------------------------
+# Who may read the nodes' seeds: the admission policies of deploy/k8s/admission
+# ---------------------------------------------------------------------------
+
+DAEMONSET_CONTROLLER = "system:serviceaccount:kube-system:daemon-set-controller"
+
+
+@pytest.fixture(scope="module")
+def admission(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """The rendered cluster-wide objects (``check.CLUSTER_WIDE``): kind/name -> object."""
+    tmp = tmp_path_factory.mktemp("k8s-admission")
+    root = check.prepare(tmp)
+    docs = yaml.safe_load_all(check.render(_kubectl(), root, check.CLUSTER_WIDE, tmp).read_text())
+    return {f"{d['kind']}/{d['metadata']['name']}": d for d in docs}
+
+
+def _refusals(policy: dict[str, Any], operation: str, user: str, obj: Any, old: Any = None) -> list[str]:
+    """The messages of ``policy``'s validations that refuse the request, evaluated as the
+    API server does (each variable in order, then every validation; an expression that
+    fails to evaluate refuses, as ``failurePolicy: Fail`` does), with cel-python, a CEL
+    interpreter (the API server compiles the same expressions with cel-go)."""
+    import celpy
+    from celpy import celtypes
+
+    env = celpy.Environment()
+
+    def run(expr: str, act: dict[str, Any]) -> Any:
+        return env.program(env.compile(expr)).evaluate(act)
+
+    act: dict[str, Any] = {
+        "object": celpy.json_to_cel(obj),
+        "oldObject": celpy.json_to_cel(old),
+        "request": celpy.json_to_cel({"operation": operation, "userInfo": {"username": user}}),
+    }
+    variables = celtypes.MapType({})
+    for v in policy["spec"].get("variables", []):
+        act["variables"] = variables
+        variables = celtypes.MapType({**variables, celtypes.StringType(v["name"]): run(v["expression"], act)})
+    act["variables"] = variables
+    out = []
+    for check_ in policy["spec"]["validations"]:
+        try:
+            ok = run(check_["expression"], act)
+        except celpy.CELEvalError as exc:
+            ok = exc
+        if ok is not True and ok != celtypes.BoolType(True):
+            out.append(
+                str(run(check_["messageExpression"], act))
+                if "messageExpression" in check_
+                else check_["message"]
+            )
+    return out
+
+
+def _node_daemon_pod(rendered: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    ds = _objects(rendered["prod"], "DaemonSet")[0]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "n-1"},
+        "spec": ds["spec"]["template"]["spec"],
+    }
+
+
+def test_only_the_daemonset_controller_creates_a_pod_that_mounts_the_nodes_seeds(
+    admission: dict[str, dict[str, Any]], rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    """Anyone who may create pods in the namespace could mount the Secret that holds every
+    node's seeds. The pod policy admits a pod that mounts it only from the DaemonSet
+    controller: the same pod from a user, or through a Deployment (the ReplicaSet
+    controller), is refused, and so is a projected volume of it or an environment variable
+    from it; a pod that does not touch it is admitted from anyone."""
+    policy = admission["ValidatingAdmissionPolicy/shoal-node-seeds-pods"]
+    pod = _node_daemon_pod(rendered)
+    assert _refusals(policy, "CREATE", DAEMONSET_CONTROLLER, pod) == []
+    for outsider in (
+        "alice",
+        "system:serviceaccount:kube-system:replicaset-controller",
+        "system:kube-controller-manager",
+    ):
+        (why,) = _refusals(policy, "CREATE", outsider, pod)
+        assert "only the DaemonSet controller" in why and outsider in why
+    thief = {"name": "x", "image": "busybox"}
+    projected = {
+        "kind": "Pod",
+        "spec": {
+            "containers": [{**thief, "volumeMounts": [{"name": "s", "mountPath": "/s"}]}],
+            "volumes": [
+                {
+                    "name": "s",
+                    "projected": {
+                        "sources": [{"configMap": {"name": "c"}}, {"secret": {"name": NODES_SECRET}}]
+                    },
+                }
+            ],
+        },
+    }
+    assert len(_refusals(policy, "CREATE", "alice", projected)) == 1
+    for env in (
+        {
+            "env": [
+                {"name": "S", "valueFrom": {"secretKeyRef": {"name": NODES_SECRET, "key": "node-gpu-1.nk"}}}
+            ]
+        },
+        {"envFrom": [{"secretRef": {"name": NODES_SECRET}}]},
+    ):
+        for where in ("containers", "initContainers"):
+            spec: dict[str, Any] = {"containers": [thief], where: [{**thief, **env}]}
+            (why,) = _refusals(policy, "CREATE", DAEMONSET_CONTROLLER, {"kind": "Pod", "spec": spec})
+            assert "environment" in why
+    harmless = {
+        "kind": "Pod",
+        "spec": {"containers": [thief], "volumes": [{"name": "o", "secret": {"secretName": "other"}}]},
+    }
+    assert _refusals(policy, "CREATE", "alice", harmless) == []
+    assert NODES_SECRET == "shoal-creds-nodes"  # the name the policies hold
+
+
+def test_a_node_daemon_pod_gets_no_seed_reading_container_after_creation(
+    admission: dict[str, dict[str, Any]], rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    """An ephemeral (``kubectl debug``) container may not mount the seeds volume of a node
+    daemon's pod, and its init containers (the one that reads the Secret) may not change:
+    a new image there would read every node's seed at the pod's next start. Other updates
+    (an ephemeral container without that mount) are admitted."""
+    policy = admission["ValidatingAdmissionPolicy/shoal-node-seeds-pods"]
+    pod = _node_daemon_pod(rendered)
+    debug = {"name": "debug", "image": "busybox"}
+    ok = {**pod, "spec": {**pod["spec"], "ephemeralContainers": [debug]}}
+    assert _refusals(policy, "UPDATE", "alice", ok, pod) == []
+    mounting = {**debug, "volumeMounts": [{"name": "seeds", "mountPath": "/s"}]}
+    bad = {**pod, "spec": {**pod["spec"], "ephemeralContainers": [mounting]}}
+    assert _refusals(policy, "UPDATE", "alice", bad, pod) == [
+        "an ephemeral container may not mount the Secret shoal-creds-nodes"
+    ]
+    (init,) = pod["spec"]["initContainers"]
+    swapped = {**pod, "spec": {**pod["spec"], "initContainers": [{**init, "image": "evil"}]}}
+    (why,) = _refusals(policy, "UPDATE", "alice", swapped, pod)
+    assert "init containers" in why
+
+
+def test_only_an_init_container_of_a_daemonset_mounts_the_nodes_seeds(
+    admission: dict[str, dict[str, Any]], rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    """Every shipped node-daemon DaemonSet passes the DaemonSet policy; one whose node
+    daemon container mounts the Secret too is refused. The bindings deny (not warn) in
+    the namespace the overlays use."""
+    policy = admission["ValidatingAdmissionPolicy/shoal-node-seeds-daemonsets"]
+    for variant, docs in rendered.items():
+        namespaces = {d["metadata"].get("namespace") for d in docs} - {None}
+        for name in ("shoal-node-seeds-pods", "shoal-node-seeds-daemonsets"):
+            binding = admission[f"ValidatingAdmissionPolicyBinding/{name}"]["spec"]
+            assert binding["policyName"] == name and binding["validationActions"] == ["Deny"]
+            assert {
+                binding["matchResources"]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+            } == namespaces, variant
+        for ds in _objects(docs, "DaemonSet"):
+            assert _refusals(policy, "CREATE", "admin", ds) == [], (variant, ds["metadata"]["name"])
+    ds = _objects(rendered["prod"], "DaemonSet")[0]
+    spec = ds["spec"]["template"]["spec"]
+    (daemon,) = spec["containers"]
+    leaky = {**daemon, "volumeMounts": [*daemon["volumeMounts"], {"name": "seeds", "mountPath": "/all"}]}
+    bad = {
+        **ds,
+        "spec": {
+            **ds["spec"],
+            "template": {**ds["spec"]["template"], "spec": {**spec, "containers": [leaky]}},
+        },
+    }
+    assert len(_refusals(policy, "UPDATE", "admin", bad, ds)) == 1
+    for d in admission.values():  # cluster-scoped: no namespace
+        assert "namespace" not in d["metadata"]

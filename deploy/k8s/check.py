@@ -2,8 +2,8 @@
 
     python deploy/k8s/check.py [--tools DIR] [--versions 1.30.0,1.33.0] [--no-scan]
 
-For every variant (the ``dev`` overlay, the ``prod`` overlay, and ``prod`` with the
-``monitoring`` component) it
+For every variant (the ``dev`` overlay, the ``prod`` overlay, ``prod`` with the
+``monitoring`` component, and the cluster-wide ``admission`` policies) it
 
 1. renders the manifests with ``kubectl kustomize`` on a copy of ``deploy/k8s`` whose
    dev Secrets it has just made with ``shoal creds k8s`` (no seed is ever committed);
@@ -73,16 +73,20 @@ def prepare(workdir: Path) -> Path:
 
 
 def render(kubectl: str, root: Path, variant: str, out: Path) -> Path:
-    """``kubectl kustomize`` of overlay ``variant`` into ``out/<variant>.yaml``."""
-    text = subprocess.run(
-        [kubectl, "kustomize", str(root / "overlays" / variant)], check=True, capture_output=True, text=True
-    ).stdout
+    """``kubectl kustomize`` of overlay ``variant`` (or of ``root/<variant>`` when it is
+    not an overlay, as :data:`CLUSTER_WIDE`) into ``out/<variant>.yaml``."""
+    src = root / "overlays" / variant
+    if not src.exists():
+        src = root / variant
+    text = subprocess.run([kubectl, "kustomize", str(src)], check=True, capture_output=True, text=True).stdout
     path = out / f"{variant}.yaml"
     path.write_text(text)
     return path
 
 
 VARIANTS = ("dev", "prod", "prod-monitoring")
+CLUSTER_WIDE = "admission"
+"""Cluster-scoped objects applied apart from the overlays (``deploy/k8s/admission``)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(tmp) / "rendered"
         out.mkdir()
         files = []
-        for variant in VARIANTS:
+        for variant in (*VARIANTS, CLUSTER_WIDE):
             try:
                 files.append(render(kubectl, root, variant, out))
                 print(f"rendered {variant}")
