@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON="${PYTHON:-python3}"
-BASE="${BASE:-python:3.11-slim-bookworm}"
+BASE="${BASE:-python:3.11-slim-bookworm@sha256:fe556eaffd0d96abd8685b83bb8a69addd0dc730fa193669a7df0d49ddcfac02}"  # as the Dockerfile's
 TAG="${TAG:-0.1.0}"
 [ "$#" -gt 0 ] || set -- shoal
 wheels() {  # wheels() DIR EXTRAS: every dependency's wheel (and setuptools/wheel, to build

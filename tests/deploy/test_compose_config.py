@@ -402,3 +402,20 @@ def test_every_nats_server_has_an_exporter_prometheus_scrapes() -> None:
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "nats"]
     targets = [t for sc in job["static_configs"] for t in sc["targets"]]
     assert targets == [f"{n}:7777" for n in servers]
+
+
+def test_the_default_base_image_is_pinned_by_digest_everywhere() -> None:
+    """The Dockerfile's default ``BASE``, build.sh's and every build in compose.yaml name the
+    same official slim Python image by digest (a tag alone would build on whatever the tag
+    points at that day), and the deployment guide quotes that digest."""
+    (dockerfile,) = re.findall(r"^ARG BASE=(\S+)$", (COMPOSE_DIR / "Dockerfile").read_text(), re.M)
+    assert re.fullmatch(r"python:3\.11-slim-bookworm@sha256:[0-9a-f]{64}", dockerfile), dockerfile
+    (script,) = re.findall(r'^BASE="\$\{BASE:-(\S+)\}"', (COMPOSE_DIR / "build.sh").read_text(), re.M)
+    builds = [
+        svc["build"]["args"]["BASE"]
+        for svc in compose()["services"].values()
+        if isinstance(svc.get("build"), dict) and "BASE" in svc["build"].get("args", {})
+    ]
+    assert script == dockerfile
+    assert builds and set(builds) == {f"${{SHOAL_BASE_IMAGE:-{dockerfile}}}"}
+    assert dockerfile in (ROOT / "docs" / "deploy.md").read_text()
