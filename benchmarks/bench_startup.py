@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import os
 import shutil
@@ -175,22 +176,39 @@ async def measure(args: argparse.Namespace, root: Path) -> None:
                 store = await bus._snapshot_store(bus.names.profiler_snapshot_bucket)
                 await store.delete(PROFILER_SNAPSHOT)
             for name, more in SERVICES.items():
-                rec = start_once(name, {**env, **more}, root / f"{name}.log", args.timeout)
+                # In a thread: this process's own connection must keep answering the
+                # server's pings through a start of minutes (the server closed it once,
+                # during a 147 s full replay, when this waited on the event loop).
+                rec = await asyncio.to_thread(
+                    start_once, name, {**env, **more}, root / f"{name}.log", args.timeout
+                )
                 rows.append((name, mode, rec))
                 print(name, mode, {k: rec.get(k) for k in ("wall_s", "elapsed_s", "replayed", "error")})
         # The full fold's digest at each start's sequence (the starts appended to the log).
+        # Its replay is tried three times: a failure here must not lose the measurements
+        # above; a digest left uncomputed is reported as not checked.
         digests = {last: reference}
         wanted = sorted({rec["last_seq"] for _n, _m, rec in rows if rec.get("wall_s") is not None})
         if wanted and wanted[-1] > last:
-            async for batch in bus.replay_batches(start_seq=last + 1):
-                for seq, envelope in batch:
-                    if seq > wanted[-1]:
-                        break
-                    st.apply(state, envelope)
-                    if seq in wanted:
-                        digests[seq] = st.digest(state)
-                if batch.last_seq >= wanted[-1]:
-                    break
+            for attempt in range(3):
+                tail_state = copy.deepcopy(state)
+                found: dict[int, str] = {}
+                try:
+                    async for batch in bus.replay_batches(start_seq=last + 1):
+                        for seq, envelope in batch:
+                            if seq > wanted[-1]:
+                                break
+                            st.apply(tail_state, envelope)
+                            if seq in wanted:
+                                found[seq] = st.digest(tail_state)
+                        if batch.last_seq >= wanted[-1]:
+                            break
+                except Exception as exc:  # reported, then tried again
+                    print(f"digest check, try {attempt + 1}: {type(exc).__name__}: {exc}")
+                    await asyncio.sleep(5.0)
+                    continue
+                digests.update(found)
+                break
         await bus.close()
     command = f"python -m benchmarks.bench_startup --events {args.events} --tail {args.tail}"
     if args.modes != "snapshot,full":
