@@ -159,6 +159,9 @@ async def test_backup_of_a_three_replica_cluster_with_a_server_down_restores_rep
     backup = tmp_path / "backup"
     nats_cluster.kill(0)  # the seed list's first server
     try:
+        # Once the other two answer (a new JetStream meta leader, if it was on the killed
+        # server, is elected within seconds; meanwhile the command says so, see below).
+        await _until(lambda: _streams_listed(nats_cluster.url, admin))
         made = _cli("backup", str(backup), "--prefix", prefix, url=nats_cluster.url, creds=admin)
     finally:
         nats_cluster.restart(0)
@@ -169,7 +172,7 @@ async def test_backup_of_a_three_replica_cluster_with_a_server_down_restores_rep
 
     assert nats_server.creds_dir is not None
     with LocalCluster(tmp_path / "fresh", creds_dir=nats_server.creds_dir, prefix="*") as fresh:
-        await _until(lambda: _jetstream_up(fresh.url, admin))
+        await _until(lambda: _streams_listed(fresh.url, admin))  # a meta leader answers
         done = _cli("restore", str(backup), "--prefix", prefix, url=fresh.url, creds=admin)
         assert done.returncode == 0, done.stderr
         assert f"{events}: 41 messages restored" in done.stdout
@@ -188,7 +191,16 @@ async def test_backup_of_a_three_replica_cluster_with_a_server_down_restores_rep
             await _until(lambda: _has_leader_other_than(bus, events, leader))
         finally:
             await bus.close()
-        assert await _log(fresh.url, admin, prefix) == before
+        # Read as a service does: again while the servers left elect whatever leader the
+        # killed one held (the consumer create waits on the meta leader).
+        after: list[tuple[int, list[tuple[int, bytes]], str]] = []
+
+        async def read() -> bool:
+            after.append(await _log(fresh.url, admin, prefix))
+            return True
+
+        await _until(read, timeout_s=60.0)
+        assert after[-1] == before
 
 
 async def _all_current(bus: Bus, stream: str) -> bool:
@@ -201,10 +213,27 @@ async def _has_leader_other_than(bus: Bus, stream: str, old: str) -> bool:
     return bool(leader) and leader != old
 
 
-async def _jetstream_up(url: str, admin: str) -> bool:
+async def _streams_listed(url: str, admin: str) -> bool:
     nc = await nats.connect(servers=url.split(","), nkeys_seed=admin)
     try:
-        await nc.jetstream(timeout=1.0).account_info()
+        await nc.jetstream(timeout=1.0).streams_info()
         return True
     finally:
         await nc.close()
+
+
+def test_a_jetstream_that_does_not_answer_is_a_clear_error_not_a_traceback() -> None:
+    """While a cluster elects a new leader, JetStream's API requests time out: `shoal
+    backup` and `shoal restore` then exit 1 with a message that says so (they printed a
+    traceback)."""
+    import nats.errors
+    import pytest
+    from shoal.cli import CommandError
+    from shoal.commands.backup import _run
+
+    async def silent() -> int:
+        raise nats.errors.TimeoutError
+
+    with pytest.raises(CommandError, match=r"did not answer within 3 s .*run the command again") as info:
+        _run(silent, 3.0)
+    assert info.value.code == 1

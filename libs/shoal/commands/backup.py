@@ -169,7 +169,8 @@ def _backup(args: argparse.Namespace) -> int:
         bus = await _connect(args)
         try:
             token = bus.names.events_stream.removesuffix("_EVENTS")
-            names = [i.config.name for i in await bus.js.streams_info()]
+            js = bus.nc.jetstream(timeout=args.timeout)
+            names = [i.config.name for i in await js.streams_info()]
             streams = installation_streams(names, token)
             if not streams:
                 raise CommandError(f"no stream of installation {bus.names.prefix!r} on this server")
@@ -184,7 +185,22 @@ def _backup(args: argparse.Namespace) -> int:
             await bus.close()
         return 0
 
-    return asyncio.run(main())
+    return _run(main, args.timeout)
+
+
+def _run(main: Any, timeout: float) -> int:
+    """``asyncio.run(main())``, with JetStream's silence a clear error, not a traceback."""
+    import nats.errors
+
+    try:
+        return int(asyncio.run(main()))
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError) as exc:
+        raise CommandError(
+            f"JetStream did not answer within {timeout:g} s ({type(exc).__name__}): on a cluster "
+            "that is electing a new leader after losing a server, it answers again within "
+            "seconds; run the command again (--timeout sets the wait)",
+            code=1,
+        ) from None
 
 
 def _restore(args: argparse.Namespace) -> int:
@@ -197,7 +213,8 @@ def _restore(args: argparse.Namespace) -> int:
     async def main() -> int:
         bus = await _connect(args)
         try:
-            existing = {i.config.name for i in await bus.js.streams_info()}
+            js = bus.nc.jetstream(timeout=args.timeout)
+            existing = {i.config.name for i in await js.streams_info()}
             clash = sorted(s["stream"] for s in manifest["streams"] if s["stream"] in existing)
             if clash:
                 raise CommandError(
@@ -206,10 +223,10 @@ def _restore(args: argparse.Namespace) -> int:
                 )
             for item in manifest["streams"]:
                 await restore_stream(bus.nc, directory, item["stream"], args.replicas, args.timeout)
-                info = await bus.js.stream_info(item["stream"])
+                info = await js.stream_info(item["stream"])
                 print(f"{item['stream']}: {info.state.messages} messages restored")
         finally:
             await bus.close()
         return 0
 
-    return asyncio.run(main())
+    return _run(main, args.timeout)
