@@ -188,8 +188,9 @@ def _backup(args: argparse.Namespace) -> int:
     return _run(main, args.timeout)
 
 
-def _run(main: Any, timeout: float) -> int:
-    """``asyncio.run(main())``, with JetStream's silence a clear error, not a traceback."""
+def _run(main: Any, timeout: float, after: str = "") -> int:
+    """``asyncio.run(main())``, with JetStream's silence a clear error (``after`` appended
+    to it), not a traceback."""
     import nats.errors
 
     try:
@@ -198,7 +199,7 @@ def _run(main: Any, timeout: float) -> int:
         raise CommandError(
             f"JetStream did not answer within {timeout:g} s ({type(exc).__name__}): on a cluster "
             "that is electing a new leader after losing a server, it answers again within "
-            "seconds; run the command again (--timeout sets the wait)",
+            f"seconds; run the command again (--timeout sets the wait){after}",
             code=1,
         ) from None
 
@@ -229,4 +230,8 @@ def _restore(args: argparse.Namespace) -> int:
             await bus.close()
         return 0
 
-    return _run(main, args.timeout)
+    return _run(
+        main,
+        args.timeout,
+        "; the streams restored before it stay: delete them as the admin first (the next run names them)",
+    )
