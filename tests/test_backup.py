@@ -5,14 +5,11 @@ replicas); each restored log is the same, and shoal folds it to the same state."
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import nats
@@ -21,6 +18,8 @@ from shoal import events as ev
 from shoal.auth import CredentialStore
 from shoal.bus import Bus
 from shoal.nats_server import EmbeddedNats, LocalCluster
+
+from tests.test_cluster import eventually
 
 
 async def _log(url: str, admin: str, prefix: str = "shoal") -> tuple[int, list[tuple[int, bytes]], str]:
@@ -120,20 +119,6 @@ async def _stream_replicas(bus: Bus, stream: str) -> tuple[int, str, list[bool]]
     )
 
 
-async def _until(check: Callable[[], Awaitable[bool]], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if await check():
-                return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s} s")
-        await asyncio.sleep(0.2)
-
-
 async def test_backup_of_a_three_replica_cluster_with_a_server_down_restores_replicated(
     nats_cluster: LocalCluster, nats_server: EmbeddedNats, prefix: str, tmp_path: Path
 ) -> None:
@@ -152,7 +137,7 @@ async def test_backup_of_a_three_replica_cluster_with_a_server_down_restores_rep
         await bus.publish(ev.JobCancelled(job_id="j3"))
         events = bus.names.events_stream
         assert (await _stream_replicas(bus, events))[0] == 3
-        await _until(lambda: _all_current(bus, events))
+        await eventually(lambda: _all_current(bus, events))
     finally:
         await bus.close()
     before = await _log(nats_cluster.url, admin, prefix)
@@ -161,7 +146,7 @@ async def test_backup_of_a_three_replica_cluster_with_a_server_down_restores_rep
     try:
         # Once the other two answer (a new JetStream meta leader, if it was on the killed
         # server, is elected within seconds; meanwhile the command says so, see below).
-        await _until(lambda: _streams_listed(nats_cluster.url, admin))
+        await eventually(lambda: _streams_listed(nats_cluster.url, admin))
         made = _cli("backup", str(backup), "--prefix", prefix, url=nats_cluster.url, creds=admin)
     finally:
         nats_cluster.restart(0)
@@ -172,7 +157,7 @@ async def test_backup_of_a_three_replica_cluster_with_a_server_down_restores_rep
 
     assert nats_server.creds_dir is not None
     with LocalCluster(tmp_path / "fresh", creds_dir=nats_server.creds_dir, prefix="*") as fresh:
-        await _until(lambda: _streams_listed(fresh.url, admin))  # a meta leader answers
+        await eventually(lambda: _streams_listed(fresh.url, admin))  # a meta leader answers
         done = _cli("restore", str(backup), "--prefix", prefix, url=fresh.url, creds=admin)
         assert done.returncode == 0, done.stderr
         assert f"{events}: 41 messages restored" in done.stdout
@@ -180,7 +165,7 @@ async def test_backup_of_a_three_replica_cluster_with_a_server_down_restores_rep
         try:
             for item in json.loads((backup / "backup.json").read_text())["streams"]:
                 assert (await _stream_replicas(bus, item["stream"]))[0] == 3, item
-            await _until(lambda: _all_current(bus, events))
+            await eventually(lambda: _all_current(bus, events))
             leader = (await _stream_replicas(bus, events))[1]
         finally:
             await bus.close()
@@ -188,7 +173,7 @@ async def test_backup_of_a_three_replica_cluster_with_a_server_down_restores_rep
         fresh.kill(fresh.index_of(leader))  # the restored copy lives on the other two as well
         bus = await Bus.connect(fresh.url, prefix, creds=admin, declare=False)
         try:
-            await _until(lambda: _has_leader_other_than(bus, events, leader))
+            await eventually(lambda: _has_leader_other_than(bus, events, leader))
         finally:
             await bus.close()
         # Read as a service does: again while the servers left elect whatever leader the
@@ -199,7 +184,7 @@ async def test_backup_of_a_three_replica_cluster_with_a_server_down_restores_rep
             after.append(await _log(fresh.url, admin, prefix))
             return True
 
-        await _until(read, timeout_s=60.0)
+        await eventually(read, timeout_s=60.0)
         assert after[-1] == before
 
 
