@@ -63,10 +63,16 @@ def _kubectl() -> str:
 
 
 @pytest.fixture(scope="module")
-def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    """Every variant check.py checks, rendered: name -> objects."""
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A working directory and check.py's prepared copy of deploy/k8s in it."""
     tmp = tmp_path_factory.mktemp("k8s")
-    root = check.prepare(tmp)
+    return tmp, check.prepare(tmp)
+
+
+@pytest.fixture(scope="module")
+def rendered(prepared: tuple[Path, Path]) -> dict[str, list[dict[str, Any]]]:
+    """Every overlay check.py checks, rendered: name -> objects."""
+    tmp, root = prepared
     kubectl = _kubectl()
     return {
         v: list(yaml.safe_load_all(check.render(kubectl, root, v, tmp).read_text())) for v in check.VARIANTS
@@ -671,10 +677,9 @@ DAEMONSET_CONTROLLER = "system:serviceaccount:kube-system:daemon-set-controller"
 
 
 @pytest.fixture(scope="module")
-def admission(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def admission(prepared: tuple[Path, Path]) -> dict[str, dict[str, Any]]:
     """The rendered cluster-wide objects (``check.CLUSTER_WIDE``): kind/name -> object."""
-    tmp = tmp_path_factory.mktemp("k8s-admission")
-    root = check.prepare(tmp)
+    tmp, root = prepared
     docs = yaml.safe_load_all(check.render(_kubectl(), root, check.CLUSTER_WIDE, tmp).read_text())
     return {f"{d['kind']}/{d['metadata']['name']}": d for d in docs}
 

@@ -25,6 +25,7 @@ import asyncio
 import json
 import re
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -188,13 +189,13 @@ def _backup(args: argparse.Namespace) -> int:
     return _run(main, args.timeout)
 
 
-def _run(main: Any, timeout: float, after: str = "") -> int:
+def _run(main: Callable[[], Coroutine[Any, Any, int]], timeout: float, after: str = "") -> int:
     """``asyncio.run(main())``, with JetStream's silence a clear error (``after`` appended
     to it), not a traceback."""
     import nats.errors
 
     try:
-        return int(asyncio.run(main()))
+        return asyncio.run(main())
     except (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError) as exc:
         raise CommandError(
             f"JetStream did not answer within {timeout:g} s ({type(exc).__name__}): on a cluster "
