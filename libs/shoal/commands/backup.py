@@ -153,11 +153,29 @@ async def restore_stream(nc: Any, directory: Path, stream: str, replicas: int | 
     deliver = reply["deliver_subject"]
     with open(directory / f"{stream}.snap", "rb") as snap:
         while chunk := snap.read(CHUNK_SIZE):
-            await nc.request(deliver, chunk, timeout=timeout)
-    final = await nc.request(deliver, b"", timeout=timeout)
+            await _send_chunk(nc, deliver, chunk, timeout)
+    final = await _send_chunk(nc, deliver, b"", timeout)
     answer = json.loads(final.data)
     if answer.get("error"):
         raise CommandError(f"restore of {stream}: {answer['error'].get('description', answer['error'])}")
+
+
+async def _send_chunk(nc: Any, deliver: str, chunk: bytes, timeout: float) -> Any:
+    """One restore chunk, sent again while nobody listens on ``deliver`` yet, for up to
+    ``timeout`` seconds: on a cluster the server that takes the restore may subscribe to
+    it on another server than this client's, and the interest reaches this one over the
+    routes a moment after the API's answer (CI's R3 restore once got "no responders" so).
+    Nothing received a chunk that had no responder, so sending it again duplicates nothing."""
+    import nats.errors
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await nc.request(deliver, chunk, timeout=timeout)
+        except nats.errors.NoRespondersError:
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.1)
 
 
 def _backup(args: argparse.Namespace) -> int:
