@@ -153,7 +153,8 @@ def render(store: dict[str, Any]) -> str:
         "one-GPU jobs too long to finish running (0: idle), once every node has registered and sent its "
         "first GPU readings (and the jobs started) a settling pause, then the event stream's "
         "messages and bytes counted at the start and the end of the window. *beats stream* is the "
-        "bounded heartbeat stream (`SHOAL_BEATS`, at most one message per node); `-`: it does not exist. "
+        "bounded heartbeat stream (`SHOAL_BEATS`, at most one message per node until 2026-11-29, "
+        "at most two since: the per-node rate limit); `-`: it does not exist. "
         "*settings*: the installation's settings other than the defaults.",
         "",
         "| run | commit | nodes | jobs | settings | window s | events/s | bytes/s | events/day | MB/day "

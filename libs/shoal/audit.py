@@ -175,6 +175,68 @@ async def _forge_beat(t: Target, creds: str, node_id: str) -> tuple[bool, str]:
     return True, why or "not stored"
 
 
+async def _heartbeat_flood(t: Target, creds: str, count: int = 200_000) -> tuple[bool, str]:
+    """``count`` heartbeats of the node's own id (valid envelopes, stamped now), as fast as
+    plain nats-py sends them, on its own subject of the beats stream: issue 20's flood.
+    Accepted when the beats stream wrote more than :data:`shoal.bus.BEATS_PER_NODE`
+    heartbeats a second per node while it went on (every node's counted: the stream's
+    sequence). Afterwards, waits until the node's own daemon's heartbeats are stored
+    again (the flood may have had it declared lost; it registers again by itself)."""
+    import time
+
+    from shoal.bus import BEATS_PER_NODE, Names
+
+    names = Names(t.prefix)
+    node_id = name_of_creds(creds).removeprefix("node-")
+    subject = names.beat(node_id)
+    admin = await _Conn.open(t.url, t.admin)
+    js = admin.nc.jetstream()
+    try:
+        info = await js.stream_info(names.beats_stream, subjects_filter=f"{names.prefix}.beat.*")
+        nodes = max(1, len(info.state.subjects or {}))
+        before, started = int(info.state.last_seq), time.monotonic()
+        conn = await _Conn.open(t.url, creds)
+        try:
+            for i in range(count):
+                env = codec.wrap(ev.NodeHeartbeat(node_id=node_id, seq=FLOOD_SEQ + i))
+                await conn.nc.publish(subject, codec.encode(env))
+                if i % 1000 == 0:
+                    await asyncio.sleep(0)
+            await conn.nc.flush(timeout=30)
+            why = await conn.violation(timeout_s=0.5)
+        finally:
+            await conn.close()
+        await asyncio.sleep(1.0)  # what the server still had queued
+        elapsed = time.monotonic() - started
+        written = int((await js.stream_info(names.beats_stream)).state.last_seq) - before
+        bound = BEATS_PER_NODE * nodes * (elapsed + 1)
+        how = (
+            f"{written} heartbeats written in {elapsed:.1f}s while {count:,} were sent "
+            f"({nodes} nodes, at most {BEATS_PER_NODE} per node a second; the rest refused: "
+            "maximum messages per subject exceeded)"
+        )
+        if why:
+            how = why
+        # The node's daemon gets its heartbeats in again once the flood's have expired.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                msg = await js.get_last_msg(names.beats_stream, subject)
+                event = codec.decode(msg.data or b"").event
+                if isinstance(event, ev.NodeHeartbeat) and event.seq < FLOOD_SEQ:
+                    break
+            await asyncio.sleep(0.25)
+        else:
+            how += "; the node's own heartbeats were not stored again within 30 s"
+        return written <= bound, how
+    finally:
+        await admin.close()
+
+
+FLOOD_SEQ = 10**9
+"""Sequence numbers of the flood's heartbeats start here (a daemon's count from 1)."""
+
+
 async def _publish_and_read_back(
     t: Target, creds: str, subject: str, data: bytes, stream: str
 ) -> tuple[str | None, bytes | None]:
@@ -783,6 +845,15 @@ def attacks(t: Target) -> list[Attack]:
                 _sidecar_outlives_its_job,
             ),
         ]
+    # Last: it may have node0 declared lost for a few seconds (it waits until node0's own
+    # heartbeats are stored again).
+    out.append(
+        (
+            "node floods its own heartbeats (200,000)",
+            node,
+            lambda t: _heartbeat_flood(t, t.node),
+        )
+    )
     return out
 
 

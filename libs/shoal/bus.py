@@ -40,7 +40,8 @@ stream             subjects                                             use
                                                                          node daemons/sidecars
 ``P_DLQ``          ``p.dlq.>``                                          dead letters
 ``P_BEATS``        ``p.beat.<node>``                                    each node's newest
-                                                                         heartbeat (bounded)
+                                                                         heartbeats (two,
+                                                                         rate-limited)
 (no stream)        ``p.cmd.<name>.<sender>``                            request/reply commands
 =================  ===================================================  ======================
 
@@ -78,6 +79,7 @@ import itertools
 import math
 import os
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from enum import StrEnum
 from typing import Any
@@ -130,9 +132,35 @@ the server for as long as it asked. shoal's own readers ask for 30 s."""
 _DLQ_PAUSE_S = 30.0
 """After a failed dead letter of a skipped message, seconds before the next try."""
 
-BEATS_MAX_AGE_S = 24 * 3600.0
-"""Seconds a node's newest heartbeat stays in the beats stream (a node that is gone
-leaves nothing behind after that; a live one replaces its heartbeat every second)."""
+BEATS_PER_NODE = 2
+"""Heartbeats the beats stream holds per node. It refuses a node's next one while it
+holds this many (``discard_new_per_subject``): this is the per-node rate limit."""
+BEATS_MAX_AGE_S = 5.0
+"""Seconds a heartbeat stays in the beats stream at most: the lifetime of one sent
+without a ``Nats-TTL`` (a node daemon from before the rate limit, or a flood), and the
+longest TTL a node may ask for (JetStream does not keep a message past the stream's
+``max_age``, whatever its TTL). Short enough that a node whose heartbeats carry no TTL,
+sending every second, always has one stored that is at most about 4 s old."""
+ERR_MAX_MSGS_PER_SUBJECT = 10077
+"""JetStream's refusal of a message on a subject that holds its limit (``discard_new_per_subject``)."""
+ERR_MSG_TTL_DISABLED = 10166
+"""JetStream's refusal of a ``Nats-TTL`` header by a stream that does not allow them."""
+
+
+def beat_ttl_s(heartbeat_s: float) -> int:
+    """The ``Nats-TTL`` of a node's heartbeats, in whole seconds (JetStream expires
+    messages on a one-second wheel, and refuses a TTL under 1 s): twice the interval,
+    at least 1 s and at most :data:`BEATS_MAX_AGE_S`.
+
+    With :data:`BEATS_PER_NODE` = 2 the stream then holds a node's previous heartbeat
+    and refuses at most one sent early; one sent more than ``heartbeat_s`` late finds
+    none stored. Neither makes a node look lost: the allocator remembers the newest
+    stamp it read (:func:`shoal.cluster.remember_beats`). A node whose interval is over
+    half of :data:`BEATS_MAX_AGE_S` has gaps between its stored heartbeats every time.
+    """
+    return int(min(BEATS_MAX_AGE_S, max(1, math.ceil(2 * heartbeat_s))))
+
+
 DLQ_MAX_AGE_S = 30 * 24 * 3600.0
 DLQ_MAX_MSGS = 10_000
 """Dead letters are kept 30 days, and at most the newest 10,000 (about 10 GiB at the
@@ -211,6 +239,12 @@ class PermissionDenied(PublishRejected):
 
 class ConcurrencyConflict(PublishRejected):
     """``Nats-Expected-Last-Subject-Sequence`` did not match: someone appended first."""
+
+
+class RateLimited(PublishRejected):
+    """The beats stream holds its limit of this node's heartbeats (:data:`BEATS_PER_NODE`,
+    each kept for its TTL) and refused this one: the node sent them faster than its TTL.
+    Nothing was written; the node's newest stored heartbeat is at most one TTL old."""
 
 
 class PermanentError(Exception):
@@ -367,6 +401,9 @@ class Bus:
         """The name of the identity this connection authenticated as (:mod:`shoal.auth`)."""
         self.permission_errors: collections.deque[str] = collections.deque(maxlen=64)
         """The subjects of the latest permissions violations the server reported."""
+        self._beat_ttl_retry_at = -math.inf
+        """Monotonic instant before which heartbeats go without a ``Nats-TTL`` (the beats
+        stream refused one: an installation not upgraded yet)."""
 
     def on_permission_violation(self, subject: str) -> None:
         """Fail at once every pending publish to ``subject`` (the server dropped it).
@@ -639,12 +676,16 @@ class Bus:
                 subjects=n.beat_subjects,
                 storage=api.StorageType.FILE,
                 retention=api.RetentionPolicy.LIMITS,
-                # Bounded: the newest heartbeat of each node, for a day after it was sent
-                # (a node that is gone leaves nothing behind for long).
-                max_msgs_per_subject=1,
+                # Rate-limited per node: at most two heartbeats per node, each kept for
+                # its own TTL (twice its node's interval, beat_ttl_s) or max_age; while a
+                # node has two stored, its next one is refused without a write. So a
+                # node that floods gets at most two heartbeats a second stored.
+                max_msgs_per_subject=BEATS_PER_NODE,
+                discard=api.DiscardPolicy.NEW,
+                discard_new_per_subject=True,
+                allow_msg_ttl=True,
                 max_age=BEATS_MAX_AGE_S,
                 max_msg_size=BEAT_MAX_BYTES,
-                discard=api.DiscardPolicy.OLD,
                 allow_direct=True,
             )
         )
@@ -832,19 +873,37 @@ class Bus:
             raise cls(exc.description or str(exc), err_code=exc.err_code or 0, subject=subject) from None
         return PublishResult(ack.stream, ack.seq, bool(ack.duplicate))
 
-    async def publish_beat(self, env: Envelope, *, timeout_s: float = 5.0) -> PublishResult:
+    async def publish_beat(
+        self, env: Envelope, *, ttl_s: int | None = None, timeout_s: float = 5.0
+    ) -> PublishResult:
         """Store a node's heartbeat (``env``, a :class:`~shoal.events.NodeHeartbeat`) in the
-        beats stream, on :meth:`Names.beat` of its node, and wait for the ack. The stream
-        keeps only the newest heartbeat of each node: heartbeats never reach the event log.
+        beats stream, on :meth:`Names.beat` of its node, and wait for the ack. Heartbeats
+        never reach the event log.
+
+        ``ttl_s`` (whole seconds, :func:`beat_ttl_s`) goes in the ``Nats-TTL`` header:
+        the stream drops the heartbeat that long after storing it. A stream declared
+        before the rate limit refuses the header; the heartbeat is then sent without it,
+        and so are this bus's next ones for 60 s.
 
         Raises:
+            RateLimited: the stream holds its limit of this node's heartbeats.
             StreamUnavailable: no beats stream answered (not declared yet, or no leader).
             PublishRejected: any other refusal by JetStream.
         """
         node_id = getattr(env.event, "node_id", "")
         subject = self.names.beat(node_id)
+        data = codec.encode(env)
+        headers = None
+        if ttl_s is not None and time.monotonic() >= self._beat_ttl_retry_at:
+            headers = {"Nats-TTL": f"{int(ttl_s)}s"}
         try:
-            ack = await self.js.publish(subject, codec.encode(env), timeout=timeout_s)
+            try:
+                ack = await self.js.publish(subject, data, timeout=timeout_s, headers=headers)
+            except nats.js.errors.APIError as exc:
+                if headers is None or exc.err_code != ERR_MSG_TTL_DISABLED:
+                    raise
+                self._beat_ttl_retry_at = time.monotonic() + 60.0
+                ack = await self.js.publish(subject, data, timeout=timeout_s)
         except nats.errors.NoRespondersError:
             raise StreamUnavailable("no beats stream answered", subject=subject, event_id=env.id) from None
         except (TimeoutError, nats.errors.TimeoutError):
@@ -854,7 +913,8 @@ class Bus:
                 ) from None
             raise AckTimeout(f"no ack within {timeout_s}s", subject=subject, event_id=env.id) from None
         except nats.js.errors.APIError as exc:
-            raise PublishRejected(
+            cls = RateLimited if exc.err_code == ERR_MAX_MSGS_PER_SUBJECT else PublishRejected
+            raise cls(
                 exc.description or str(exc), err_code=exc.err_code or 0, subject=subject, event_id=env.id
             ) from None
         return PublishResult(ack.stream, ack.seq, bool(ack.duplicate))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from shoal.placement import NodeSlots, Topology
 from shoal.state import NODE_UP, ClusterState
@@ -24,6 +24,38 @@ def topology_from_state(state: ClusterState) -> Topology:
 def gpus_per_node(state: ClusterState) -> int:
     """Size of the largest node that is up (0 when there is none)."""
     return max((len(n.gpus) for n in state.nodes.values() if n.status == NODE_UP), default=0)
+
+
+def remember_beats(
+    remembered: dict[str, float], read: Mapping[str, float], up: Iterable[str], *, read_at: float
+) -> dict[str, float]:
+    """Fold one read of the beats stream into a reader's memory of each node's newest
+    heartbeat stamp, in place, and return the memory of the nodes in ``up``.
+
+    The beats stream keeps a heartbeat only for its TTL (:func:`shoal.bus.beat_ttl_s`),
+    so a read may find none for a live node (one sent late) as well as for a dead one.
+    Neither case can be told from the other at one read, so:
+
+    * a stamp read moves the node's memory up, never back (a heartbeat stamped earlier,
+      sent late or by a flood, does not undo a newer one);
+    * a node with nothing stored and nothing remembered (the reader's first look: a
+      new leader, or a node just registered) is remembered at ``read_at``. It gets a full
+      timeout from that look before :func:`lost_nodes` can declare it, where judging it
+      by its registration stamp would declare a live node lost whenever a new leader
+      first read between two of its heartbeats.
+
+    A node that died while no reader ran is therefore declared one timeout after the
+    new reader's first look, not at it.
+    """
+    nodes = list(up)
+    for node_id in nodes:
+        at = read.get(node_id)
+        if at is not None:
+            if at > remembered.get(node_id, -math.inf):
+                remembered[node_id] = at
+        elif node_id not in remembered:
+            remembered[node_id] = read_at
+    return {n: remembered[n] for n in nodes}
 
 
 def lost_nodes(

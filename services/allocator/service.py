@@ -35,14 +35,17 @@ whose heartbeats stopped.
 
 Node liveness is judged from the heartbeats' own stamps, not from when this allocator
 got round to reading them (:func:`shoal.cluster.lost_nodes`). Heartbeats are not in the
-log: each node daemon replaces its newest one in the bounded beats stream
-(:meth:`shoal.bus.Bus.publish_beat`), and the leader reads every node's newest one
-(:meth:`shoal.bus.Bus.latest_beats`, one direct get per node) at most every
-``min(1, node_timeout_s/4)`` wall seconds. A node is lost when its newest heartbeat (or
+log: each node daemon stores them in the beats stream, which keeps at most two per node,
+each for twice the node's interval, and refuses a node's next one while it holds two
+(the per-node rate limit, :meth:`shoal.bus.Bus.publish_beat`); the leader reads every
+node's newest one (:meth:`shoal.bus.Bus.latest_beats`, one direct get per node) at most
+every ``min(1, node_timeout_s/4)`` wall seconds and remembers the newest stamp of each
+(:func:`shoal.cluster.remember_beats`: a node with none stored at a new leader's first
+look gets a full timeout from that look). A node is lost when its newest heartbeat (or
 registration) is more than ``node_timeout_s`` older than the newest heartbeat of any
 node, read at once: an allocator that was stopped or lags reads every node's current
-heartbeat and declares nobody lost for that, and a flood of heartbeats only replaces
-one message per node (the rate a reader sees is its own). The decision, ``NodeLost``, is
+heartbeat and declares nobody lost for that, and a flood of heartbeats stores at most
+two a second (the rate a reader sees is its own). The decision, ``NodeLost``, is
 an event in the log, so a replay rebuilds the same state. A node declared lost comes
 back when its daemon re-registers (see ``shoal_services.node_daemon.service``).
 ``NodeHeartbeat`` events in the log (an installation from before the beats stream; only
@@ -79,7 +82,7 @@ from shoal import events as ev
 from shoal.allocation import next_tick, policy_tick
 from shoal.bus import Bus, Campaign, ConcurrencyConflict, SkippedMessage
 from shoal.clock import HOLD_TTL_S, Clock, hold, hold_key, measure_key, release
-from shoal.cluster import gpus_per_node, lost_nodes
+from shoal.cluster import gpus_per_node, lost_nodes, remember_beats
 from shoal.events import Envelope
 from shoal.log import bound_job
 from shoal.models import Catalog
@@ -465,8 +468,9 @@ class AllocatorService:
         At most every ``min(1, node_timeout_s/4)`` wall seconds, this reads the newest
         heartbeat of every node the folded log has up (one direct get each), with the
         clock instant read just before as ``read_at``; of each node it keeps the newest
-        stamp read so far. A node is declared once per heartbeat stamp (the ``NodeLost``
-        may not be folded by the next check).
+        stamp read so far, and a node it never read a heartbeat of gets one timeout from
+        its first look (:func:`shoal.cluster.remember_beats`). A node is declared once
+        per heartbeat stamp (the ``NodeLost`` may not be folded by the next check).
         """
         if self.node_timeout_s is None:
             return
@@ -479,12 +483,7 @@ class AllocatorService:
         if not up:
             return
         read_at = self.clock.now()
-        for node_id, at in (await self.bus.latest_beats(up)).items():
-            # The newest stamp read so far counts, as in the fold: a heartbeat stamped
-            # earlier (sent late, or replayed by a flood) does not move it back.
-            if at > self._beats.get(node_id, -math.inf):
-                self._beats[node_id] = at
-        beats = {n: self._beats[n] for n in up if n in self._beats}
+        beats = remember_beats(self._beats, await self.bus.latest_beats(up), up, read_at=read_at)
         state = self.projection.state
         timeout = self.node_timeout_s * getattr(self.clock, "scale", 1.0)
         for node_id in lost_nodes(state, beats, read_at=read_at, timeout_s=timeout):

@@ -12,8 +12,11 @@ level-triggered: a missed message is repaired by the next one.
 Publishes: ``NodeRegistered`` at start; ``NodeHeartbeat`` every ``heartbeat_s`` (never
 faster: the next one is sent ``heartbeat_s`` after the previous one went out; a failed
 publish, e.g. while the NATS server is down, restarts the heartbeat loop after a backoff,
-:func:`shoal.tasks.keep_running`) to the bounded beats stream, which keeps only each
-node's newest (:meth:`shoal.bus.Bus.publish_beat`), never to the event log;
+:func:`shoal.tasks.keep_running`) to the beats stream, which keeps at most two of each
+node's, each for ``Nats-TTL`` = twice ``heartbeat_s`` (:func:`shoal.bus.beat_ttl_s`), and
+refuses a node's next one while it holds two (the per-node rate limit; a refused
+heartbeat is logged at debug and the loop goes on: the previous one is still stored)
+(:meth:`shoal.bus.Bus.publish_beat`), never to the event log;
 ``GpuHealth`` for a GPU when its reading changed since the last one published (health,
 or utilisation by a step of :func:`utilisation_step`: NVML readings, or for emulated GPUs
 1.0 while a job holds the GPU and 0.0 otherwise), checked every ``health_every``
@@ -74,7 +77,7 @@ from opentelemetry.util.types import AnyValue
 from prometheus_client import Gauge
 from shoal import codec
 from shoal import events as ev
-from shoal.bus import Bus
+from shoal.bus import Bus, RateLimited, beat_ttl_s
 from shoal.clock import Clock, hold, release
 from shoal.events import Envelope, GpuRef
 from shoal.gpus import read_nvml
@@ -486,9 +489,15 @@ class NodeDaemon:
         while not stop.is_set():
             self._beat += 1
             beat = self._beat
-            await self.bus.publish_beat(
-                codec.wrap(ev.NodeHeartbeat(node_id=self.node_id, seq=beat), at=self.clock.now())
-            )
+            try:
+                await self.bus.publish_beat(
+                    codec.wrap(ev.NodeHeartbeat(node_id=self.node_id, seq=beat), at=self.clock.now()),
+                    ttl_s=beat_ttl_s(self.heartbeat_s),
+                )
+            except RateLimited:
+                # Sent early (after a restart of this loop, or a beat that came early on
+                # the stream's one-second wheel): the previous heartbeat is still stored.
+                log.debug("heartbeat_rate_limited", beat=beat)
             await self._register_again_if_lost()
             if beat % self.health_every == 1 or self.health_every == 1:
                 busy = {
