@@ -154,7 +154,7 @@ def render(store: dict[str, Any]) -> str:
         "first GPU readings (and the jobs started) a settling pause, then the event stream's "
         "messages and bytes counted at the start and the end of the window. *beats stream* is the "
         "bounded heartbeat stream (`SHOAL_BEATS`, at most one message per node until 2026-11-29, "
-        "at most two since: the per-node rate limit); `-`: it does not exist. "
+        "at most eight since: the per-node rate limit); `-`: it does not exist. "
         "*settings*: the installation's settings other than the defaults.",
         "",
         "| run | commit | nodes | jobs | settings | window s | events/s | bytes/s | events/day | MB/day "

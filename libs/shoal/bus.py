@@ -40,7 +40,7 @@ stream             subjects                                             use
                                                                          node daemons/sidecars
 ``P_DLQ``          ``p.dlq.>``                                          dead letters
 ``P_BEATS``        ``p.beat.<node>``                                    each node's newest
-                                                                         heartbeats (two,
+                                                                         heartbeats (eight,
                                                                          rate-limited)
 (no stream)        ``p.cmd.<name>.<sender>``                            request/reply commands
 =================  ===================================================  ======================
@@ -132,15 +132,20 @@ the server for as long as it asked. shoal's own readers ask for 30 s."""
 _DLQ_PAUSE_S = 30.0
 """After a failed dead letter of a skipped message, seconds before the next try."""
 
-BEATS_PER_NODE = 2
+BEATS_PER_NODE = 8
 """Heartbeats the beats stream holds per node. It refuses a node's next one while it
-holds this many (``discard_new_per_subject``): this is the per-node rate limit."""
+holds this many (``discard_new_per_subject``): this is the per-node rate limit, at most
+eight stored a second (a TTL is at least 1 s). Eight, so that a node beating every
+0.15 s or slower has every heartbeat stored: with two, a node beating every 0.2 s had
+three of five refused, its newest stored heartbeat up to 0.8 s older than its last
+one, and the allocator declared it lost that much early (measured by
+``tests/services/test_faults.py``: 1.47 s after its daemon was killed, timeout 2 s)."""
 BEATS_MAX_AGE_S = 5.0
 """Seconds a heartbeat stays in the beats stream at most: the lifetime of one sent
 without a ``Nats-TTL`` (a node daemon from before the rate limit, or a flood), and the
 longest TTL a node may ask for (JetStream does not keep a message past the stream's
 ``max_age``, whatever its TTL). Short enough that a node whose heartbeats carry no TTL,
-sending every second, always has one stored that is at most about 4 s old."""
+sending every second, has one stored that is at most about 2 s old."""
 ERR_MAX_MSGS_PER_SUBJECT = 10077
 """JetStream's refusal of a message on a subject that holds its limit (``discard_new_per_subject``)."""
 ERR_MSG_TTL_DISABLED = 10166
@@ -148,15 +153,16 @@ ERR_MSG_TTL_DISABLED = 10166
 
 
 def beat_ttl_s(heartbeat_s: float) -> int:
-    """The ``Nats-TTL`` of a node's heartbeats, in whole seconds (JetStream expires
-    messages on a one-second wheel, and refuses a TTL under 1 s): twice the interval,
-    at least 1 s and at most :data:`BEATS_MAX_AGE_S`.
+    """The ``Nats-TTL`` of a node's heartbeats: twice the interval in whole seconds, at
+    least 1 s and at most :data:`BEATS_MAX_AGE_S`. (JetStream refuses a TTL under 1 s and,
+    measured on nats-server 2.15, drops a fraction of a second: "1500ms" lives 1 s.)
 
-    With :data:`BEATS_PER_NODE` = 2 the stream then holds a node's previous heartbeat
-    and refuses at most one sent early; one sent more than ``heartbeat_s`` late finds
-    none stored. Neither makes a node look lost: the allocator remembers the newest
-    stamp it read (:func:`shoal.cluster.remember_beats`). A node whose interval is over
-    half of :data:`BEATS_MAX_AGE_S` has gaps between its stored heartbeats every time.
+    A node beating every ``heartbeat_s`` then has at most ``TTL / heartbeat_s`` heartbeats
+    stored when it sends the next one: under :data:`BEATS_PER_NODE` for every interval of
+    0.15 s or more, so each is stored. One sent more than ``heartbeat_s`` late may find
+    none stored; that does not make the node look lost, because the allocator remembers
+    the newest stamp it read (:func:`shoal.cluster.remember_beats`). A node whose interval
+    is over half of :data:`BEATS_MAX_AGE_S` has such gaps at every heartbeat.
     """
     return int(min(BEATS_MAX_AGE_S, max(1, math.ceil(2 * heartbeat_s))))
 
@@ -243,7 +249,7 @@ class ConcurrencyConflict(PublishRejected):
 
 class RateLimited(PublishRejected):
     """The beats stream holds its limit of this node's heartbeats (:data:`BEATS_PER_NODE`,
-    each kept for its TTL) and refused this one: the node sent them faster than its TTL.
+    each kept for its TTL) and refused this one: the node sent them too fast.
     Nothing was written; the node's newest stored heartbeat is at most one TTL old."""
 
 
@@ -676,10 +682,10 @@ class Bus:
                 subjects=n.beat_subjects,
                 storage=api.StorageType.FILE,
                 retention=api.RetentionPolicy.LIMITS,
-                # Rate-limited per node: at most two heartbeats per node, each kept for
-                # its own TTL (twice its node's interval, beat_ttl_s) or max_age; while a
-                # node has two stored, its next one is refused without a write. So a
-                # node that floods gets at most two heartbeats a second stored.
+                # Rate-limited per node: at most BEATS_PER_NODE heartbeats per node, each
+                # kept for its own TTL (twice its node's interval, beat_ttl_s) or max_age;
+                # while a node has that many stored, its next one is refused without a
+                # write. So a node that floods gets at most eight a second stored.
                 max_msgs_per_subject=BEATS_PER_NODE,
                 discard=api.DiscardPolicy.NEW,
                 discard_new_per_subject=True,

@@ -35,8 +35,8 @@ whose heartbeats stopped.
 
 Node liveness is judged from the heartbeats' own stamps, not from when this allocator
 got round to reading them (:func:`shoal.cluster.lost_nodes`). Heartbeats are not in the
-log: each node daemon stores them in the beats stream, which keeps at most two per node,
-each for twice the node's interval, and refuses a node's next one while it holds two
+log: each node daemon stores them in the beats stream, which keeps at most eight per node,
+each for twice the node's interval, and refuses a node's next one while it holds eight
 (the per-node rate limit, :meth:`shoal.bus.Bus.publish_beat`); the leader reads every
 node's newest one (:meth:`shoal.bus.Bus.latest_beats`, one direct get per node) at most
 every ``min(1, node_timeout_s/4)`` wall seconds and remembers the newest stamp of each
@@ -45,7 +45,7 @@ look gets a full timeout from that look). A node is lost when its newest heartbe
 registration) is more than ``node_timeout_s`` older than the newest heartbeat of any
 node, read at once: an allocator that was stopped or lags reads every node's current
 heartbeat and declares nobody lost for that, and a flood of heartbeats stores at most
-two a second (the rate a reader sees is its own). The decision, ``NodeLost``, is
+eight a second (the rate a reader sees is its own). The decision, ``NodeLost``, is
 an event in the log, so a replay rebuilds the same state. A node declared lost comes
 back when its daemon re-registers (see ``shoal_services.node_daemon.service``).
 ``NodeHeartbeat`` events in the log (an installation from before the beats stream; only

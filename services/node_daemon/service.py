@@ -12,10 +12,10 @@ level-triggered: a missed message is repaired by the next one.
 Publishes: ``NodeRegistered`` at start; ``NodeHeartbeat`` every ``heartbeat_s`` (never
 faster: the next one is sent ``heartbeat_s`` after the previous one went out; a failed
 publish, e.g. while the NATS server is down, restarts the heartbeat loop after a backoff,
-:func:`shoal.tasks.keep_running`) to the beats stream, which keeps at most two of each
+:func:`shoal.tasks.keep_running`) to the beats stream, which keeps at most eight of each
 node's, each for ``Nats-TTL`` = twice ``heartbeat_s`` (:func:`shoal.bus.beat_ttl_s`), and
-refuses a node's next one while it holds two (the per-node rate limit; a refused
-heartbeat is logged at debug and the loop goes on: the previous one is still stored)
+refuses a node's next one while it holds eight (the per-node rate limit; a refused
+heartbeat is logged at debug and the loop goes on: the previous ones are still stored)
 (:meth:`shoal.bus.Bus.publish_beat`), never to the event log;
 ``GpuHealth`` for a GPU when its reading changed since the last one published (health,
 or utilisation by a step of :func:`utilisation_step`: NVML readings, or for emulated GPUs

@@ -2,7 +2,7 @@
 (``shoal up``), with a short node timeout.
 
 1. A flood of valid heartbeats for one node (published with plain nats-py, as an
-   attacker with a node's credentials would) is refused by the server past two stored
+   attacker with a node's credentials would) is refused by the server past eight stored
    heartbeats, and never reaches the log: submissions during and after it are answered
    promptly, no other node is declared lost, the flooded node comes back by itself,
    the allocator keeps its lease, and a job submitted after it runs on both nodes.
@@ -33,7 +33,7 @@ import pytest
 from shoal import codec
 from shoal import events as ev
 from shoal import state as st
-from shoal.bus import Bus
+from shoal.bus import BEATS_PER_NODE, Bus
 from shoal.client import Client, NoAdmissionError
 from shoal.commands.run import CLI_ARGV as CLI
 from shoal.projection import Projection
@@ -226,13 +226,13 @@ async def lease_holder(bus: Bus) -> str | None:
 async def _flood(up: Up, bus: Bus, w: Watch, flood: int) -> None:
     """``flood`` valid heartbeats for node0 with node0's own credentials (a node taken
     over), as fast as plain nats-py publishes them, on the only heartbeat subject the
-    server lets it use: its key in the beats stream. The server stores at most two of
+    server lets it use: its key in the beats stream. The server stores at most eight of
     node0's heartbeats at a time (the flood's carry no TTL, so each stays the stream's
     ``max_age``) and refuses the rest unwritten. A submission sent while the flood goes
     on, and one right after it, are answered promptly; the log does not grow by the
     flood; the lease stays put and node1 is never declared lost.
 
-    node0's own daemon's heartbeats are refused while the flood holds node0's two
+    node0's own daemon's heartbeats are refused while the flood holds node0's eight
     places, so node0 may be declared lost: a node's identity can silence its own node,
     as by stopping its heartbeats (``docs/security.md``). It comes back by itself, stays
     up, and a job needing both nodes runs on both."""
@@ -300,14 +300,16 @@ async def _flood(up: Up, bus: Bus, w: Watch, flood: int) -> None:
         await asyncio.sleep(0.2)
     seq = await bus.last_seq()
     assert seq - before < 200, f"the flood reached the log: {seq - before} events"
-    # Rate-limited by the server: at most two heartbeats a second per node were written
+    # Rate-limited by the server: at most eight heartbeats a second per node were written
     # (node0's subject, shared by the flood and node0's daemon, and node1's).
     written = await bus.last_seq(bus.names.beats_stream) - beats_before
     window_s = time.monotonic() - beats_t0
     print(f"beats stream: {written} heartbeats written in {window_s:.1f}s (flood and after)")
-    assert written <= 2 * 2 * (window_s + 2), f"{written} heartbeats written in {window_s:.1f}s"
+    assert written <= 2 * BEATS_PER_NODE * (window_s + 2), f"{written} heartbeats written in {window_s:.1f}s"
     beats = await bus.js.stream_info(bus.names.beats_stream)
-    assert beats.state.messages <= 4, "the beats stream keeps at most two heartbeats per node"
+    assert beats.state.messages <= 2 * BEATS_PER_NODE, (
+        "the beats stream keeps at most eight heartbeats per node"
+    )
     await w.projection.wait_for(seq, timeout_s=120)
     assert {n for _, n in w.lost} <= {"node0"}, f"a node other than the flooder's declared lost: {w.lost}"
     assert holders == {holder}, f"the allocator lost its lease: {holders}"

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from shoal import codec
 from shoal import events as ev
-from shoal.bus import Bus
+from shoal.bus import BEATS_PER_NODE, Bus
 from shoal.clock import ScaledClock
 from shoal.gpus import fake_gpus
 from shoal_services.allocator.service import AllocatorService
@@ -116,12 +116,14 @@ async def test_jobs_run_to_completion_on_emulated_gpus(bus: Bus, nats_url: str) 
     assert jct["c"] >= 90
     assert await events_of(bus, ev.NodeHeartbeat) == [], "heartbeats stay out of the log"
     beats = await bus.js.stream_info(bus.names.beats_stream)
-    assert beats.state.messages <= 2, "the beats stream keeps at most two of the node's heartbeats"
+    assert beats.state.messages <= BEATS_PER_NODE, (
+        "the beats stream keeps at most eight of the node's heartbeats"
+    )
 
 
 async def test_an_idle_node_appends_nothing_to_the_log(bus: Bus, nats_url: str) -> None:
     """Issue 21 (bounded log growth): an idle node daemon's heartbeats go to the beats
-    stream (at most two kept), and a GPU's health reaches the log only when it changes."""
+    stream (at most eight kept), and a GPU's health reaches the log only when it changes."""
     clock = ScaledClock(SCALE)
     stop = asyncio.Event()
     daemon = NodeDaemon(
@@ -158,7 +160,7 @@ async def test_an_idle_node_appends_nothing_to_the_log(bus: Bus, nats_url: str) 
     health = await events_of(bus, ev.GpuHealth)
     assert sorted(h.index for h in health) == [0, 1, 2, 3], "one reading per GPU: nothing changed after"
     info = await bus.js.stream_info(bus.names.beats_stream)
-    assert info.state.messages <= 2
+    assert info.state.messages <= BEATS_PER_NODE
 
 
 def test_a_lightly_used_gpu_is_not_reported_idle() -> None:
