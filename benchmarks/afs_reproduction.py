@@ -24,9 +24,10 @@ paper's numbers appear only in the comparison columns.
 Cells run through :mod:`shoal.sim.matrix` (``--workers`` processes, at most 2 on a
 shared machine). Each finished cell is stored under ``<figs>/cells/`` with a
 fingerprint of the source files that decide its result (simulator, fold, view,
-allocation, placement, workloads, models, the policy's module and the policy modules it
-imports); a later run reuses a
-stored cell only when its fingerprint still matches, so a report can be built in
+allocation, placement, workloads, models, the policy's module, and of each other policy
+module it imports only the code of the names it takes: Themis takes ``gang_size`` from
+Tiresias-L's module, so editing Tiresias-L's decision leaves Themis' cells fresh); a
+later run reuses a stored cell only when its fingerprint still matches, so a report can be built in
 pieces without ever mixing code versions (docstrings and comments are not part of the
 fingerprint). ``--cpu-limit`` stops a cell after that
 many CPU seconds; the report then lists it with the time it took and how far it got.
@@ -37,13 +38,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import hashlib
 import math
 import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -98,10 +100,8 @@ FINGERPRINT_FILES = (
 )
 
 
-def _code_only(source: bytes) -> bytes:
-    """The module's syntax tree without docstrings (comments are not in it): editing
-    documentation does not invalidate stored cells, editing code does."""
-    tree = ast.parse(source)
+def _strip_docstrings(tree: ast.AST) -> ast.AST:
+    """``tree`` without docstrings (in place; comments are not in a syntax tree)."""
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (
@@ -112,53 +112,164 @@ def _code_only(source: bytes) -> bytes:
             and isinstance(body[0].value.value, str)
         ):
             node.body = body[1:] or [ast.Pass()]  # type: ignore[attr-defined]
-    return ast.dump(tree).encode()
+    return tree
+
+
+def _code_only(source: bytes) -> bytes:
+    """The module's syntax tree without docstrings (comments are not in it): editing
+    documentation does not invalidate stored cells, editing code does."""
+    return ast.dump(_strip_docstrings(ast.parse(source))).encode()
 
 
 def _module_file(module: str) -> str:
     return "libs/" + module.replace(".", "/") + ".py"
 
 
-def _policy_modules(module: str) -> list[str]:
-    """The policy's module, then the other ``shoal.policies`` modules it imports,
-    directly or through one another (Themis uses Tiresias' gang size, the length-unaware
-    wrapper Themis itself), in the order first met."""
-    out: list[str] = []
-    todo = [module]
-    while todo:
-        rel = _module_file(todo.pop(0))
-        if rel in out:
-            continue
-        out.append(rel)
-        path = ROOT / rel
-        if not path.exists():
-            continue
-        for node in ast.walk(ast.parse(path.read_bytes())):
-            names = []
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            todo += [n for n in names if n.startswith("shoal.policies.")]
+def _top_level(tree: ast.Module) -> dict[str, list[ast.stmt]]:
+    """Each name a module binds at its top level, with the statements that bind it
+    (definitions, assignments, imports)."""
+    out: dict[str, list[ast.stmt]] = {}
+    for stmt in tree.body:
+        names: list[str] = []
+        if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names = [stmt.name]
+        elif isinstance(stmt, ast.Assign):
+            names = [t.id for t in stmt.targets if isinstance(t, ast.Name)]
+        elif isinstance(stmt, ast.AnnAssign | ast.AugAssign) and isinstance(stmt.target, ast.Name):
+            names = [stmt.target.id]
+        elif isinstance(stmt, ast.Import | ast.ImportFrom):
+            names = [(a.asname or a.name).split(".")[0] for a in stmt.names]
+        for name in names:
+            out.setdefault(name, []).append(stmt)
     return out
 
 
+def _closure(tree: ast.Module, names: Iterable[str]) -> list[str]:
+    """``names`` and every top-level name of the module that their statements use,
+    directly or through one another, sorted."""
+    top = _top_level(tree)
+    seen: set[str] = set()
+    todo = [n for n in names if n in top]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for stmt in top[name]:
+            todo += [n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and n.id in top]
+    return sorted(seen)
+
+
+def _binding(stmt: ast.stmt, name: str) -> bytes:
+    """What a cell depends on in one top-level statement that binds ``name``: for an
+    import, only the alias that binds it (the rest of the import list is not used);
+    else the statement's code without docstrings."""
+    if isinstance(stmt, ast.Import | ast.ImportFrom):
+        module = stmt.module if isinstance(stmt, ast.ImportFrom) else None
+        for alias in stmt.names:
+            if (alias.asname or alias.name).split(".")[0] == name:
+                return f"import {module}:{alias.name} as {alias.asname}".encode()
+    return ast.dump(_strip_docstrings(copy.deepcopy(stmt))).encode()
+
+
+def _partial_code(source: bytes, names: Iterable[str]) -> bytes:
+    """The code of a module that the top-level ``names`` use (:func:`_closure`):
+    each used name, then its binding statements (:func:`_binding`)."""
+    tree = ast.parse(source)
+    top = _top_level(tree)
+    out = []
+    for name in _closure(tree, names):
+        out.append(f"<{name}>".encode())
+        out += [_binding(stmt, name) for stmt in top[name]]
+    return b"".join(out)
+
+
+def _imports(nodes: Iterable[ast.AST]) -> Iterator[tuple[str, str | None]]:
+    """``(module, name)`` of each ``shoal.policies`` module the nodes import: ``name``
+    is the one name taken from it, or ``None`` when the module itself is imported."""
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "shoal.policies":
+                yield from ((f"shoal.policies.{a.name}", None) for a in node.names)
+            elif node.module.startswith("shoal.policies."):
+                yield from ((node.module, a.name) for a in node.names)
+        elif isinstance(node, ast.Import):
+            yield from ((a.name, None) for a in node.names if a.name.startswith("shoal.policies."))
+
+
+def _policy_parts(module: str) -> dict[str, frozenset[str] | None]:
+    """The policy's module, then the other ``shoal.policies`` modules its code uses,
+    directly or through one another (Themis uses Tiresias' gang size, the length-unaware
+    wrapper Themis itself), in the order first met: each with ``None`` when a cell
+    depends on all of it (the policy's own module, a module imported whole), else the
+    top-level names taken from it.
+
+    A module whose names are taken is followed only through the imports those names'
+    code uses (:func:`_closure`), so that editing the rest of it (Tiresias-L's decision)
+    leaves the cells of a policy that takes one helper (Themis: ``gang_size``) fresh.
+    This assumes what a module binds at its top level is what its statements there
+    say: a module that changed another's names at import time would escape it.
+    """
+    parts: dict[str, frozenset[str] | None] = {}
+    todo: list[tuple[str, frozenset[str] | None]] = [(module, None)]
+    while todo:
+        mod, names = todo.pop(0)
+        rel = _module_file(mod)
+        if rel in parts:
+            have = parts[rel]
+            if have is None or (names is not None and names <= have):
+                continue
+            names = None if names is None else have | names
+        parts[rel] = names
+        path = ROOT / rel
+        if not path.exists():
+            continue
+        tree = ast.parse(path.read_bytes())
+        if names is None:
+            nodes: Iterable[ast.AST] = ast.walk(tree)
+        else:
+            top = _top_level(tree)
+            nodes = [
+                s for n in _closure(tree, names) for s in top[n] if isinstance(s, ast.Import | ast.ImportFrom)
+            ]
+        taken: dict[str, set[str] | None] = {}
+        for imported, name in _imports(nodes):
+            if name is None or taken.get(imported, set()) is None:
+                taken[imported] = None
+            else:
+                taken.setdefault(imported, set()).add(name)  # type: ignore[union-attr]
+        todo += [(m, None if n is None else frozenset(n)) for m, n in taken.items()]
+    return parts
+
+
+def _policy_modules(module: str) -> list[str]:
+    """The files of :func:`_policy_parts`, in its order."""
+    return list(_policy_parts(module))
+
+
 def fingerprint(policy: str) -> str:
-    """SHA-256 (first 16 hex) of the code (not the docs) that decides a cell's result."""
+    """SHA-256 (first 16 hex) of the code (not the docs) that decides a cell's result:
+    the engine's files, placement, and the policy's modules (:func:`_policy_parts`; of a
+    module the policy takes names from, only the code those names use)."""
     from shoal.policies.registry import POLICIES as REGISTRY
 
     placement = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "libs/shoal/placement").glob("*.py"))
-    files = [*FINGERPRINT_FILES, *placement]
+    files: list[str] = [*FINGERPRINT_FILES, *placement]
     module = REGISTRY[policy].split(":")[0]
-    files += [f for f in _policy_modules(module) if f not in files]
+    parts = {f: n for f, n in _policy_parts(module).items() if f not in files}
     h = hashlib.sha256()
-    for rel in files:
+    for rel in [*files, *parts]:
         path = ROOT / rel
         h.update(rel.encode())
+        names = parts.get(rel)
         if not path.exists():
             h.update(b"<missing>")
+        elif path.suffix != ".py":
+            h.update(path.read_bytes())
+        elif names is None:
+            h.update(_code_only(path.read_bytes()))
         else:
-            h.update(_code_only(path.read_bytes()) if path.suffix == ".py" else path.read_bytes())
+            h.update(_partial_code(path.read_bytes(), names))
     return h.hexdigest()[:16]
 
 

@@ -106,6 +106,54 @@ def test_a_cells_fingerprint_follows_the_policy_modules_it_imports() -> None:
     ]
 
 
+def test_a_cells_fingerprint_takes_of_an_imported_module_only_the_code_it_uses(tmp_path: Path) -> None:
+    """Themis and Optimus take ``gang_size`` from Tiresias-L's module: editing Tiresias-L's
+    decision there makes only Tiresias-L's cells stale; editing ``gang_size``, or
+    anything it uses, makes theirs stale too. Docstrings count for none of them."""
+    script = load_script(SCRIPT, "afs_reproduction_partial")
+    libs = script.ROOT / "libs"
+    for path in libs.rglob("*.py"):
+        target = tmp_path / "libs" / path.relative_to(libs)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(path.read_bytes())
+    costs = "libs/shoal/data/reconfig_costs.json"
+    (tmp_path / costs).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / costs).write_bytes((script.ROOT / costs).read_bytes())
+    script.ROOT = tmp_path
+    policies = ("tiresias-l", "themis", "themis-unaware", "optimus", "max-min")
+
+    def prints() -> dict[str, str]:
+        return {p: script.fingerprint(p) for p in policies}
+
+    tiresias = tmp_path / "libs/shoal/policies/tiresias.py"
+    source = tiresias.read_text()
+    before = prints()
+
+    def edited(old: str, new: str) -> dict[str, str]:
+        assert old in source
+        tiresias.write_text(source.replace(old, new, 1))
+        return prints()
+
+    def changed(after: dict[str, str]) -> set[str]:
+        return {p for p in policies if after[p] != before[p]}
+
+    # Tiresias-L's pass (not used by gang_size).
+    assert changed(edited("if 0 < g <= free:", "if 0 < g and g <= free:")) == {"tiresias-l"}
+    # A docstring of gang_size.
+    assert changed(edited("The GPUs a non-elastic scheduler gives a job", "The GPUs it gives")) == set()
+    # gang_size itself: every policy that takes it.
+    assert changed(edited("below[-1] if below else counts[0]", "below[-1] if below else counts[-1]")) == {
+        "tiresias-l",
+        "themis",
+        "themis-unaware",
+        "optimus",
+    }
+    # What gang_size uses through an import: the name it binds, not the rest of the list.
+    assert changed(edited("jobs_by_id\n", "jobs_by_id, view_key\n")) == {"tiresias-l"}
+    tiresias.write_text(source)
+    assert prints() == before
+
+
 def test_an_extra_variants_stored_cells_get_a_comparison_row(tmp_path: Path) -> None:
     """``themis-unaware`` (Themis as AFS §5.1 classifies it) is not a column of Figure 5,
     but once its cells are stored every comparison table gets an ``afs-p vs themis-unaware``
