@@ -60,6 +60,26 @@ def poison(prefix: str) -> list[tuple[str, bytes, str, str]]:
             "future_version",
             "version 2",
         ),
+        # Valid events on a subject that is not their own: an identity allowed one
+        # subject (node n0's registration, job j1's completion) puts another event there.
+        (
+            f"{prefix}.node.n0.registered",
+            codec.encode(codec.wrap(ev.SharesDecided(epoch=10**6, shares={"a": 64}))),
+            "wrong_subject",
+            "alloc.shares_decided",
+        ),
+        (
+            f"{prefix}.node.n0.registered",
+            codec.encode(codec.wrap(ev.NodeRegistered(node_id="fake", gpus=()))),
+            "wrong_subject",
+            "node.fake.registered",
+        ),
+        (
+            f"{prefix}.job.j1.completed",
+            codec.encode(codec.wrap(ev.JobCompleted(job_id="a"))),
+            "wrong_subject",
+            "job.a.completed",
+        ),
         # A well-formed envelope whose string holds bytes that are not UTF-8: msgspec
         # before 0.23 raises UnicodeDecodeError there, which is neither of its own errors.
         (
@@ -91,10 +111,10 @@ async def test_replay_skips_counts_and_dead_letters_each_bad_message_once(
 ) -> None:
     good = [node("n0"), job("a", 2), job("b", 1)]
     bad = poison(prefix)
-    seqs: dict[str, int] = {}
+    seqs: list[int] = []
     await bus.publish(good[0])
     for subject, data, _, _ in bad:
-        seqs[subject] = (await bus.publish_raw(subject, data)).seq
+        seqs.append((await bus.publish_raw(subject, data)).seq)
     await bus.publish_many(good[1:])
     last = await bus.last_seq()
 
@@ -113,17 +133,21 @@ async def test_replay_skips_counts_and_dead_letters_each_bad_message_once(
         st.apply_event(expected, e, 0.0)
     assert sorted(folded.jobs) == ["a", "b"] and sorted(folded.nodes) == ["n0"]
     assert folded.jobs["a"].spec == expected.jobs["a"].spec
-    assert [(s.seq, s.subject, s.code) for s in skipped] == [(seqs[s], s, code) for s, _, code, _ in bad]
-    assert bus.stats.malformed_skipped == 3 and bus.stats.unknown_skipped == 3
-    assert bus.stats.dead_lettered == 6
+    assert [(s.seq, s.subject, s.code) for s in skipped] == [
+        (seq, s, code) for seq, (s, _, code, _) in zip(seqs, bad, strict=True)
+    ]
+    assert bus.stats.malformed_skipped == 6 and bus.stats.unknown_skipped == 3
+    assert bus.stats.dead_lettered == 9
+    assert "a" in folded.jobs and folded.jobs["a"].status != st.COMPLETED
+    assert "fake" not in folded.nodes and not folded.shares
 
-    letters = await wait_dead_letters(bus, 6)
-    by_subject = {h[Header.DLQ_SUBJECT]: (h, data) for h, data in letters}
-    for subject, data, code, word in bad:
-        headers, stored = by_subject[subject]
+    letters = await wait_dead_letters(bus, 9)
+    by_seq = {h[Header.DLQ_STREAM_SEQ]: (h, data) for h, data in letters}
+    for seq, (subject, data, code, word) in zip(seqs, bad, strict=True):
+        headers, stored = by_seq[str(seq)]
+        assert headers[Header.DLQ_SUBJECT] == subject
         assert headers[Header.DLQ_CODE] == code
         assert word in headers[Header.DLQ_REASON], headers
-        assert headers[Header.DLQ_STREAM_SEQ] == str(seqs[subject])
         assert headers[Header.DLQ_CONSUMER] == "replay"
         assert stored == data
 
@@ -134,13 +158,13 @@ async def test_replay_skips_counts_and_dead_letters_each_bad_message_once(
         assert seen == last and sorted(state.jobs) == ["a", "b"]
         async for _ in other.replay_batches(dead_letter=True):
             pass
-        assert other.stats.malformed_skipped == 6 and other.stats.dead_lettered == 0
+        assert other.stats.malformed_skipped == 12 and other.stats.dead_lettered == 0
     finally:
         await other.close()
     async for _ in bus.replay_batches(dead_letter=True):
         pass
-    assert bus.stats.dead_lettered == 6
-    assert len(await bus.dead_letters()) == 6
+    assert bus.stats.dead_lettered == 9
+    assert len(await bus.dead_letters()) == 9
 
 
 async def test_a_live_bad_message_reaches_skip_listeners_at_once(bus: Bus) -> None:

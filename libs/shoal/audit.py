@@ -136,13 +136,18 @@ def _token(prefix: str) -> str:
     return Names(prefix).events_stream.removesuffix("_EVENTS")
 
 
-async def _forge(t: Target, creds: str | None, event: ev.Event) -> tuple[bool, str]:
-    """Publish ``event`` as-is on its subject; refused unless that very envelope (by its
-    id) landed in the log. The services keep appending to shared subjects meanwhile
-    (the placer to ``alloc.placement_decided``), so a count would mistake theirs."""
+async def _forge(
+    t: Target, creds: str | None, event: ev.Event, subject: str | None = None
+) -> tuple[bool, str]:
+    """Publish ``event`` as-is on ``subject`` (default: its own subject); refused unless
+    a reader of the log takes that very envelope (by its id), as the services read it
+    (:meth:`shoal.bus.Bus.replay_batches`: an event on a subject not its own is stored
+    but skipped as ``wrong_subject``). The services keep appending to shared subjects
+    meanwhile (the placer to ``alloc.placement_decided``), so a count would mistake
+    theirs."""
     from shoal.bus import Bus
 
-    subject = codec_subject(t.prefix, event)
+    subject = subject or codec_subject(t.prefix, event)
     env = codec.wrap(event)
     _, before = await _log_size(t)
     conn = await _Conn.open(t.url, creds)
@@ -151,11 +156,15 @@ async def _forge(t: Target, creds: str | None, event: ev.Event) -> tuple[bool, s
         why = await conn.violation()
     finally:
         await conn.close()
+    skipped = ""
     async with await Bus.connect(t.url, t.prefix, creds=t.admin, declare=False) as admin:
         async for batch in admin.replay_batches(start_seq=before + 1, filter_subjects=[subject]):
             if any(e.id == env.id for _, e in batch):
                 return False, f"appended to {subject}"
-    return True, why or "not appended"
+            for s in batch.skipped:
+                if s.code == "wrong_subject" and not skipped:
+                    skipped = f"stored on {subject}, skipped by every reader as {s.code}: {s.reason}"
+    return True, why or skipped or "not appended"
 
 
 async def _forge_beat(t: Target, creds: str, node_id: str) -> tuple[bool, str]:
@@ -424,12 +433,13 @@ def _sidecar_nodes(t: Target) -> list[str]:
     return sorted(CredentialStore(t.creds_dir).sidecar_keys())
 
 
-async def _sidecar_forge(t: Target, event: ev.Event) -> tuple[bool, str]:
-    """The sidecar of :data:`SIDECAR_JOB` (on a node it runs on) forges ``event``."""
+async def _sidecar_forge(t: Target, event: ev.Event, subject: str | None = None) -> tuple[bool, str]:
+    """The sidecar of :data:`SIDECAR_JOB` (on a node it runs on) forges ``event`` (on
+    ``subject``, default its own)."""
     node = sorted(await _placed_nodes(t, SIDECAR_JOB))[0]
     try:
         creds = _sidecar_creds(t, SIDECAR_JOB, node)
-        return await _forge(t, creds, event)
+        return await _forge(t, creds, event, subject)
     except nats.errors.Error as exc:
         return False, f"audit error: the sidecar could not connect: {exc}"
 
@@ -678,6 +688,26 @@ def attacks(t: Target) -> list[Attack]:
             node,
             lambda t: _forge_beat(t, t.node, "other-node"),
         ),
+        (
+            "node appends a SharesDecided on its own registration subject",
+            node,
+            lambda t: _forge(
+                t,
+                t.node,
+                ev.SharesDecided(epoch=10**6, shares={"mallory-job": 16}),
+                f"{t.prefix}.node.{node.removeprefix('node-')}.registered",
+            ),
+        ),
+        (
+            "node registers another node on its own registration subject",
+            node,
+            lambda t: _forge(
+                t,
+                t.node,
+                ev.NodeRegistered(node_id="fake-node", gpus=h100),
+                f"{t.prefix}.node.{node.removeprefix('node-')}.registered",
+            ),
+        ),
         ("forged JobCancelled", user, lambda t: _forge(t, t.user, ev.JobCancelled(job_id="victim-job"))),
         (
             "forged TicketsSet (10^9 tickets)",
@@ -806,6 +836,13 @@ def attacks(t: Target) -> list[Attack]:
                 "sidecar completes another job (forged JobCompleted)",
                 sidecar,
                 lambda t: _sidecar_forge(t, ev.JobCompleted(job_id="victim-job")),
+            ),
+            (
+                "sidecar completes another job on its own job's progress subject",
+                sidecar,
+                lambda t: _sidecar_forge(
+                    t, ev.JobCompleted(job_id="victim-job"), f"{t.prefix}.job.{SIDECAR_JOB}.progress"
+                ),
             ),
             ("sidecar takes another job's leader lease", sidecar, lambda t: _sidecar_lease(t, "victim-job")),
             (

@@ -50,8 +50,9 @@ captured them would answer the requester with its own publish ack.
 
 Poison messages. Anything can be published on a subject the event stream captures:
 garbage bytes, a valid envelope around an invalid payload, an unknown type, a known
-type at a schema version above the reader's (a buggy or old writer, or a client
-allowed to write there). No such message may stop a service, live or while it
+type at a schema version above the reader's, a valid event on a subject that is not its
+own (a buggy or old writer, or an identity allowed to write there: the server checks
+the subject, not what the message says, :class:`shoal.codec.WrongSubject`). No such message may stop a service, live or while it
 replays the log at start:
 
 * :meth:`Bus.replay_batches` leaves it out of the batch (so the fold skips it),
@@ -425,6 +426,20 @@ class Bus:
                     fut.set_exception(
                         PermissionDenied(f"permissions violation for publish to {subject!r}", subject=subject)
                     )
+
+    def decode_event(self, subject: str, data: bytes) -> Envelope:
+        """Decode a message of the event log read from ``subject``.
+
+        Raises:
+            codec.DecodeFailure: it does not decode (:func:`shoal.codec.decode`), or it
+                is an event whose own subject (:func:`shoal.events.subject_for`) is not
+                ``subject`` (:class:`shoal.codec.WrongSubject`).
+        """
+        env = codec.decode(data)
+        own = subject_for(env.event, self.names.prefix)
+        if own != subject:
+            raise codec.WrongSubject(f"a {env.type} event, whose subject is {own!r}, on {subject!r}")
+        return env
 
     # -- connection --------------------------------------------------------------
 
@@ -983,7 +998,7 @@ class Bus:
             return 0, None
         last = int(raw.seq or 0)
         with contextlib.suppress(codec.DecodeFailure):
-            return last, (last, codec.decode(raw.data or b""))
+            return last, (last, self.decode_event(subject, raw.data or b""))
         high, window = last, 256
         while high > 1:
             low = max(1, high - window)
@@ -997,7 +1012,7 @@ class Bus:
                 if int(msg.seq or 0) >= high:
                     break
                 with contextlib.suppress(codec.DecodeFailure):
-                    found = (int(msg.seq or 0), codec.decode(msg.data or b""))
+                    found = (int(msg.seq or 0), self.decode_event(subject, msg.data or b""))
                 seq = int(msg.seq or 0) + 1
             if found is not None:
                 return last, found
@@ -1034,7 +1049,8 @@ class Bus:
         was when the replay reached its end.
 
         A message that does not decode (malformed, unknown type, future version,
-        too large) is left out of the batch, counted in :attr:`stats`, and listed in
+        too large, or an event on a subject not its own: :meth:`decode_event`) is left
+        out of the batch, counted in :attr:`stats`, and listed in
         the batch's ``skipped`` with its subject and reason; with ``dead_letter`` it
         is also stored in the dead-letter stream (once, whoever else replays it:
         :meth:`dead_letter_skipped`). A batch with only skipped messages is still
@@ -1083,7 +1099,7 @@ class Bus:
 
         sub = await self.nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=4 * batch + 1024)
         next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
-        decode = codec.decode
+        decode = self.decode_event
         stats = self.stats
         # The first stream sequence not handed out yet (None: nothing received, the
         # consumer starts where the caller asked); a recreated consumer starts there.
@@ -1165,7 +1181,7 @@ class Bus:
                         next_seq = seq + 1
                         out.last_seq = seq
                         try:
-                            out.append((seq, decode(msg.data)))
+                            out.append((seq, decode(msg.subject, msg.data)))
                         except codec.DecodeFailure as exc:
                             if isinstance(exc, codec.UnknownEventType):
                                 stats.unknown_skipped += 1
@@ -1347,7 +1363,15 @@ class Bus:
                 except (TimeoutError, nats.errors.TimeoutError):
                     continue
                 for msg in msgs:
-                    await self._handle(msg, handler, durable, max_deliver, ack_wait_s, retry_delay_s)
+                    await self._handle(
+                        msg,
+                        handler,
+                        durable,
+                        max_deliver,
+                        ack_wait_s,
+                        retry_delay_s,
+                        events=stream_name == self.names.events_stream,
+                    )
         finally:
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
@@ -1360,9 +1384,11 @@ class Bus:
         max_deliver: int,
         ack_wait_s: float,
         retry_delay_s: float,
+        *,
+        events: bool = True,
     ) -> None:
         try:
-            env = codec.decode(msg.data)
+            env = self.decode_event(msg.subject, msg.data) if events else codec.decode(msg.data)
         except codec.UnknownEventType as exc:
             self.stats.unknown_skipped += 1
             log.info("unknown_event_skipped", type=exc.type, subject=msg.subject)

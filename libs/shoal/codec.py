@@ -68,6 +68,17 @@ class MessageTooLarge(DecodeFailure):
     code = "too_large"
 
 
+class WrongSubject(DecodeFailure):
+    """A valid event on a subject of the log that is not its own
+    (:func:`shoal.events.subject_for`): the server checks who may publish on a subject,
+    not what the message says, so an identity allowed one subject (a node's
+    registration, a sidecar's job) could otherwise append any event there: a
+    ``SharesDecided``, another node's registration, another job's completion.
+    Readers of the log skip it like any message that does not decode."""
+
+    code = "wrong_subject"
+
+
 _ENC = msgspec.msgpack.Encoder()
 _DEC_ENVELOPE = msgspec.msgpack.Decoder(Envelope)
 _DEC_RAW = msgspec.msgpack.Decoder(RawEnvelope)

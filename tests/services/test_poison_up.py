@@ -172,11 +172,15 @@ def test_garbage_on_the_decision_subject_does_not_stop_scheduling(tmp_path: Path
             assert len(letters) == 2, letters
             assert all(h[Header.DLQ_CODE] == "malformed" and h[Header.DLQ_REASON] for h in letters), letters
             assert "UTF-8" in letters[1][Header.DLQ_REASON], letters
-            others = {h.get(Header.DLQ_SUBJECT): h for h, _ in await client.bus.dead_letters()}
+            others = [h for h, _ in await client.bus.dead_letters()]
             for subject, _, code, word in poison("shoal"):
                 if subject != SUBJECT:
-                    assert others[subject][Header.DLQ_CODE] == code, others[subject]
-                    assert word in others[subject][Header.DLQ_REASON], others[subject]
+                    assert any(
+                        h.get(Header.DLQ_SUBJECT) == subject
+                        and h[Header.DLQ_CODE] == code
+                        and word in h[Header.DLQ_REASON]
+                        for h in others
+                    ), (subject, code, others)
             assert len(await client.bus.dead_letters()) == 2 + len(poison("shoal")) - 1
 
     proc, url = start_up(env, log)
