@@ -49,7 +49,7 @@ from shoal.ids import new_ulid
 #: The fields a job spec may have (a mapping with any other key is refused).
 SPEC_FIELDS: frozenset[str] = frozenset(ev.JobSpec.__struct_fields__)
 
-_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_ID = re.compile(ev.whole("A-Za-z0-9_-", "{1,128}"))
 
 _FINAL = (ev.JobCompleted, ev.JobFailed, ev.JobCancelled, ev.JobRejected)
 

@@ -9,7 +9,8 @@ import time
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 # An id that is embedded in a subject must be a single NATS token: no dots, wildcards or spaces.
-SUBJECT_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+# ``$`` also matches before a final newline; ``(?!\n)`` refuses an id that ends with one.
+SUBJECT_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$(?!\n)")
 
 
 def new_ulid(now_s: float | None = None) -> str:

@@ -50,8 +50,8 @@ PositiveFloat = Annotated[float, Meta(gt=0)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
 Port = Annotated[int, Meta(ge=-1, le=65535)]
-Token = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
-Prefix = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")]
+Token = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$(?!\n)")]
+Prefix = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$(?!\n)")]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -156,15 +156,22 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Sidecars each node daemon keeps started ahead of need, so that a job placed on
     its node starts without a process start (0 turns them off)."""
     heartbeat_s: PositiveFloat = 1.0
-    """Wall seconds between a node daemon's heartbeats (it never sends them faster)."""
+    """Wall seconds between a node daemon's heartbeats (it never sends them faster). The
+    beats stream stores at most eight of a node's heartbeats a second (the per-node rate
+    limit, ``shoal.bus.BEATS_PER_NODE``): under about 0.15 s some are refused, and the
+    node's newest stored heartbeat can be up to a second older than its last one."""
     lease_ttl_s: PositiveFloat = 3.0
     """Leader lease TTL (wall seconds) of the leader-elected services (allocator, placer,
     profiler, trader) and of a real-mode job's leading sidecar: a standby takes over
     about this long after the leader stops renewing. One value per installation: the
     leases share one bucket whose TTL this is, and a process given another is refused."""
     node_timeout_s: PositiveFloat = 10.0
-    """Wall seconds by which the log's tail may pass a node's newest heartbeat before the
-    allocator, caught up with the log, declares the node lost (:func:`shoal.cluster.lost_nodes`)."""
+    """Wall seconds by which the newest heartbeat of any node (read at once with every
+    node's) may pass a node's newest heartbeat before the leading allocator declares the
+    node lost (:func:`shoal.cluster.lost_nodes`). Judged by the heartbeats' own stamps, so
+    an allocator that lags declares nobody for that; and when every node's heartbeats
+    stop at once (one node, or a cut between the nodes and the servers), nobody is
+    declared lost, as there is no live node to move work to."""
     snapshot_every: Annotated[int, Meta(ge=1)] = 10_000
     """The leading allocator writes the cluster-state snapshot that every service starts from
     (and the leading profiler its own, :mod:`shoal.profiling.snapshot`) after this many

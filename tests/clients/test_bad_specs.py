@@ -80,6 +80,18 @@ BAD_SPECS: list[tuple[str, dict[str, Any], str, str]] = [
         "invalid_spec",
         "set total_iterations (known length) or convergence_target (unknown length)",
     ),
+    (
+        "nan_convergence_target",
+        {"total_iterations": None, "convergence_target": float("nan")},
+        "invalid_command",
+        "at `$.spec.convergence_target`",
+    ),
+    (
+        "infinite_convergence_target",
+        {"total_iterations": None, "convergence_target": float("inf")},
+        "invalid_command",
+        "at `$.spec.convergence_target`",
+    ),
     ("user_trailing_newline", {"user": "alice\n"}, "invalid_command", "at `$.spec.user`"),
     ("ansi_name", {"name": "\x1b[2J\nFAKE"}, "invalid_spec", "name must not contain control characters"),
 ]
@@ -160,6 +172,32 @@ async def test_cli_unreadable_job_files(
     assert rc == 2 and "must hold a mapping of job spec fields, not list" in err
     rc, _, err = await run_cli("submit")
     assert rc == 2 and "nothing to submit" in err
+    assert await log_fingerprint(bus, service) == before
+
+
+async def test_a_job_id_with_a_trailing_newline_is_refused_and_writes_nothing(
+    bus: Bus, client: Client, service: AdmissionService
+) -> None:
+    """The SDK refuses it before sending; admission refuses it when it arrives anyway (a
+    raw request, as another client sends it); the subject-token check the auth callout
+    uses refuses it too (``$`` alone matches before a final newline)."""
+    from shoal.ids import is_subject_token
+
+    before = await log_fingerprint(bus, service)
+    with pytest.raises(CommandError) as info:
+        await client.submit(GOOD, job_id="j1\n")
+    assert info.value.code == "invalid_job_id" and info.value.errors
+    raw = {"type": "cmd.submit_job", "job_id": "j1\n", "spec": GOOD}
+    reply = await bus.nc.request(
+        f"{bus.names.prefix}.cmd.submit_job.@admin",
+        json.dumps(raw).encode(),
+        timeout=5,
+        headers={"Content-Type": "application/json"},
+    )
+    answer = json.loads(reply.data)
+    assert answer["type"] == "reply.rejected" and answer["errors"], answer
+    assert "job_id" in answer["message"], answer
+    assert not is_subject_token("j1\n") and is_subject_token("j1")
     assert await log_fingerprint(bus, service) == before
 
 
