@@ -857,6 +857,25 @@ def attacks(t: Target) -> list[Attack]:
             ),
             ("sidecar keeps a durable consumer", sidecar, lambda t: _as_sidecar(t, _durable_consumer)),
             (
+                "placer appends a SharesDecided (only the allocator may)",
+                "placer",
+                lambda t: _forge(
+                    t, f"{t.creds_dir}/placer.nk", ev.SharesDecided(epoch=10**6, shares={"mallory-job": 16})
+                ),
+            ),
+            (
+                "allocator appends a PlacementDecided (only the placer may)",
+                "allocator",
+                lambda t: _forge(
+                    t, f"{t.creds_dir}/allocator.nk", ev.PlacementDecided(epoch=10**6, placements={})
+                ),
+            ),
+            (
+                "profiler completes a job",
+                "profiler",
+                lambda t: _forge(t, f"{t.creds_dir}/profiler.nk", ev.JobCompleted(job_id="victim-job")),
+            ),
+            (
                 "service (allocator) captures admission's requests in a new stream",
                 "allocator",
                 lambda t: _create_capturing_stream(t, f"{t.creds_dir}/allocator.nk"),
