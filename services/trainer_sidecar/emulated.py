@@ -612,9 +612,14 @@ def parse_order(line: bytes) -> ev.Reconfigure:
     """One order from the node daemon: a JSON ``Reconfigure`` per line.
 
     Raises:
-        msgspec.ValidationError / msgspec.DecodeError: a malformed order.
+        msgspec.ValidationError / msgspec.DecodeError: a malformed order (a string that
+            is not UTF-8 included: msgspec before 0.23 raises ``UnicodeDecodeError``
+            there, which the sidecar's loop would not catch).
     """
-    return msgspec.json.decode(line, type=ev.Reconfigure)
+    try:
+        return msgspec.json.decode(line, type=ev.Reconfigure)
+    except UnicodeDecodeError as exc:
+        raise msgspec.DecodeError(f"an order string is not UTF-8: {exc}") from None
 
 
 def parse_traced_order(line: bytes) -> tuple[ev.Reconfigure, dict[str, str]]:

@@ -286,6 +286,7 @@ BILLION_LAUGHS = (
         ),
         ("huge_int", "user: alice\npriority: " + "9" * 5000 + "\n", "holds a value that cannot be read"),
         ("over_1mib", "user: alice\n#" + "x" * (1024 * 1024) + "\n", "is larger than 1048576 bytes"),
+        ("nul_byte", "user: alice\x00\n", "unacceptable character #x0000"),
     ],
 )
 async def test_cli_hostile_job_files_exit_2_without_traceback(

@@ -232,8 +232,11 @@ def read_job_file(path: str) -> tuple[dict[str, Any], str | None]:
         text = raw.decode()
     except UnicodeDecodeError:
         raise CommandError(f"job file {path!r} is not UTF-8 text") from None
-    loader = _safe_loader(text)
+    loader = None
     try:
+        # Inside the try: the loader's reader refuses a control character (a NUL byte)
+        # as soon as it is made.
+        loader = _safe_loader(text)
         data = loader.get_single_data()
     except yaml.YAMLError as exc:
         where = ""
@@ -247,7 +250,8 @@ def read_job_file(path: str) -> tuple[dict[str, Any], str | None]:
         problem = str(exc).split(";")[0] or type(exc).__name__
         raise CommandError(f"job file {path!r} holds a value that cannot be read: {problem}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if data is None:
         raise CommandError(f"job file {path!r} is empty")
     if not isinstance(data, dict):
