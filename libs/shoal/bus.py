@@ -137,7 +137,9 @@ BEATS_PER_NODE = 8
 """Heartbeats the beats stream holds per node. It refuses a node's next one while it
 holds this many (``discard_new_per_subject``): this is the per-node rate limit, at most
 eight stored a second (a TTL is at least 1 s). Eight, so that a node beating every
-0.15 s or slower has every heartbeat stored: with two, a node beating every 0.2 s had
+0.2 s or slower has every heartbeat stored, with room for the server expiring them up
+to a few tenths of a second late (at 0.15 s one of about 40 was refused, on a loaded
+machine: ``tests/test_beats.py``). With two, a node beating every 0.2 s had
 three of five refused, its newest stored heartbeat up to 0.8 s older than its last
 one, and the allocator declared it lost that much early (measured by
 ``tests/services/test_faults.py``: 1.47 s after its daemon was killed, timeout 2 s)."""
@@ -158,9 +160,10 @@ def beat_ttl_s(heartbeat_s: float) -> int:
     least 1 s and at most :data:`BEATS_MAX_AGE_S`. (JetStream refuses a TTL under 1 s and,
     measured on nats-server 2.15, drops a fraction of a second: "1500ms" lives 1 s.)
 
-    A node beating every ``heartbeat_s`` then has at most ``TTL / heartbeat_s`` heartbeats
-    stored when it sends the next one: under :data:`BEATS_PER_NODE` for every interval of
-    0.15 s or more, so each is stored. One sent more than ``heartbeat_s`` late may find
+    A node beating every ``heartbeat_s`` then has about ``TTL / heartbeat_s`` heartbeats
+    stored when it sends the next one (a few more while the server is late expiring
+    them): under :data:`BEATS_PER_NODE` for every interval of 0.2 s or more, so each is
+    stored. One sent more than ``heartbeat_s`` late may find
     none stored; that does not make the node look lost, because the allocator remembers
     the newest stamp it read (:func:`shoal.cluster.remember_beats`). A node whose interval
     is over half of :data:`BEATS_MAX_AGE_S` has such gaps at every heartbeat.
@@ -940,26 +943,41 @@ class Bus:
             ) from None
         return PublishResult(ack.stream, ack.seq, bool(ack.duplicate))
 
-    async def latest_beats(self, node_ids: Iterable[str]) -> dict[str, float]:
+    async def latest_beats(self, node_ids: Iterable[str], *, dead_letter: bool = False) -> dict[str, float]:
         """The occurred-at stamp of the newest heartbeat of each of ``node_ids`` that has
         one in the beats stream: one direct get per node, all at once (O(nodes) reads,
-        whatever rate the nodes, or a flood, heartbeat at). A stored message that does
-        not decode, is not a ``NodeHeartbeat`` or names another node is left out."""
+        whatever rate the nodes, or a flood, heartbeat at).
+
+        A newest message that does not decode, is not a ``NodeHeartbeat`` or names
+        another node is left out, as a poison message of the log is: counted in
+        :attr:`stats`, and with ``dead_letter`` (the allocator's reads) stored in the
+        dead-letter stream once (:meth:`dead_letter_skipped`, ``source="beats"``,
+        code ``malformed``/``unknown_type``/``future_version``/``wrong_subject``)."""
         ids = list(node_ids)
 
+        async def skip(msg: Any, code: str, reason: str) -> None:
+            if code in ("unknown_type", "future_version"):
+                self.stats.unknown_skipped += 1
+            else:
+                self.stats.malformed_skipped += 1
+            if dead_letter:
+                skipped = SkippedMessage(int(msg.seq or 0), msg.subject or "", code, reason)
+                await self.dead_letter_skipped(skipped, msg.data or b"", source="beats")
+
         async def one(node_id: str) -> float | None:
+            subject = self.names.beat(node_id)
             try:
-                msg = await self.js.get_last_msg(
-                    self.names.beats_stream, self.names.beat(node_id), direct=True
-                )
+                msg = await self.js.get_last_msg(self.names.beats_stream, subject, direct=True)
             except nats.js.errors.NotFoundError:
                 return None
             try:
                 env = codec.decode(msg.data or b"")
-            except codec.DecodeFailure:
+            except codec.DecodeFailure as exc:
+                await skip(msg, exc.code, str(exc))
                 return None
             event = env.event
             if not isinstance(event, NodeHeartbeat) or event.node_id != node_id:
+                await skip(msg, codec.WrongSubject.code, f"a {env.type} event on {subject!r}")
                 return None
             return env.at
 
@@ -1271,15 +1289,17 @@ class Bus:
         self.stats.dead_lettered += 1
         log.warning("dead_lettered", code=code, reason=reason, subject=msg.subject, consumer=consumer)
 
-    def dlq_subject_of_skipped(self, code: str, seq: int) -> str:
-        """DLQ subject of the event-log message ``seq`` skipped by replays: one subject per
-        message, so that a store conditional on the subject being empty happens once."""
-        return f"{self.names.dlq(code)}.events.{seq}"
+    def dlq_subject_of_skipped(self, code: str, seq: int, source: str = "events") -> str:
+        """DLQ subject of the message ``seq`` of the event log (``source`` ``events``) or of
+        the beats stream (``beats``) that a reader skipped: one subject per message, so
+        that a store conditional on the subject being empty happens once."""
+        return f"{self.names.dlq(code)}.{source}.{seq}"
 
     async def dead_letter_skipped(
-        self, skipped: SkippedMessage, data: bytes, *, timeout_s: float = 2.0
+        self, skipped: SkippedMessage, data: bytes, *, source: str = "events", timeout_s: float = 2.0
     ) -> bool:
-        """Store a message of the event log that a replay skipped in the DLQ, once.
+        """Store a message of the event log (or, ``source="beats"``, of the beats stream)
+        that a reader skipped in the DLQ, once.
 
         Every process that replays the log meets the same bad message, on every
         start. The copy goes to :meth:`dlq_subject_of_skipped` with
@@ -1296,7 +1316,7 @@ class Bus:
         loop = asyncio.get_running_loop()
         if loop.time() < self._dlq_paused_until:
             return False
-        stream = self.names.events_stream
+        stream = self.names.beats_stream if source == "beats" else self.names.events_stream
         headers = {
             Header.MSG_ID.value: f"dlq-{stream}-{skipped.seq}",
             Header.EXPECTED_LAST_SUBJECT_SEQ.value: "0",
@@ -1306,7 +1326,7 @@ class Bus:
             Header.DLQ_STREAM_SEQ.value: str(skipped.seq),
             Header.DLQ_CONSUMER.value: "replay",
         }
-        subject = self.dlq_subject_of_skipped(skipped.code, skipped.seq)
+        subject = self.dlq_subject_of_skipped(skipped.code, skipped.seq, source)
         try:
             ack = await self.js.publish(subject, data, headers=headers, timeout=timeout_s)
         except nats.js.errors.APIError as exc:

@@ -158,7 +158,7 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     heartbeat_s: PositiveFloat = 1.0
     """Wall seconds between a node daemon's heartbeats (it never sends them faster). The
     beats stream stores at most eight of a node's heartbeats a second (the per-node rate
-    limit, ``shoal.bus.BEATS_PER_NODE``): under about 0.15 s some are refused, and the
+    limit, ``shoal.bus.BEATS_PER_NODE``): under about 0.2 s some are refused, and the
     node's newest stored heartbeat can be up to a second older than its last one."""
     lease_ttl_s: PositiveFloat = 3.0
     """Leader lease TTL (wall seconds) of the leader-elected services (allocator, placer,

@@ -483,7 +483,8 @@ class AllocatorService:
         if not up:
             return
         read_at = self.clock.now()
-        beats = remember_beats(self._beats, await self.bus.latest_beats(up), up, read_at=read_at)
+        read = await self.bus.latest_beats(up, dead_letter=True)
+        beats = remember_beats(self._beats, read, up, read_at=read_at)
         state = self.projection.state
         timeout = self.node_timeout_s * getattr(self.clock, "scale", 1.0)
         for node_id in lost_nodes(state, beats, read_at=read_at, timeout_s=timeout):
