@@ -106,13 +106,16 @@ def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]])
     return "\n".join([line(heads), *(line(c) for c in cells)])
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
 
 
 def printable(text: str) -> str:
-    """``text`` with each C0/C1 control character (newline, ESC, …) written as its
-    Python escape (``\\n``, ``\\x1b``), so text from the log cannot move the cursor,
-    clear the screen or add lines to a table."""
+    """``text`` with each C0/C1 control character (newline, ESC, …) and each invisible
+    or direction-changing format character (zero-width space and joiners, the bidi
+    embeddings, overrides and isolates, line and paragraph separators, the byte-order
+    mark) written as its Python escape (``\\n``, ``\\x1b``, ``\\u202e``), so text
+    from the log cannot move the cursor, clear the screen, add lines to a table, or show
+    a name other than the one stored (a right-to-left override reverses what follows)."""
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 

@@ -328,6 +328,13 @@ async def test_cli_escapes_control_characters_from_the_log(
     assert rc == 0 and "\x1b" not in out and "\\n" in out, out
     rc, out, err = await run_cli("jobs", "--json")
     assert rc == 0 and json.loads(out)[0]["name"] == hostile
+    # Invisible and direction-changing characters: a right-to-left override would show
+    # "old-2 gpj.exe" reversed, a zero-width space would hide in a name.
+    await bus.publish(_submitted_with_name("old-2", "safe\u202eexe.jpg\u200b"))
+    await service.projection.wait_for(await bus.last_seq())
+    rc, out, err = await run_cli("status", "old-2")
+    assert rc == 0 and "\u202e" not in out and "\u200b" not in out, out
+    assert "safe\\u202eexe.jpg\\u200b" in out, out
 
 
 def _submitted_with_name(job_id: str, name: str) -> Any:
