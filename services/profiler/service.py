@@ -37,6 +37,14 @@ only. A job whose ``ReconfigurationCompleted`` this profiler did not fold (one t
 started before a snapshot it started from) has no window. ``min_interval_s=0``: every
 report counts.
 
+Generation (heterogeneous clusters): a report that names no ``gpu_type`` (the emulated
+trainer's) is filed under the generation the job ran on since its newest
+``ReconfigurationCompleted`` this profiler folded, not the one its newest decision gives
+it: a move to another generation (a trade or a migration, Gandiva_fair §3.4-3.5)
+changes the job's generation in the folded state at once, while the old leader's
+hand-over report still measures the old one. A job whose reconfiguration this profiler
+did not fold takes its current generation, as before.
+
 Synchronized clock (emulation, :class:`shoal.clock.SharedClock`): the leader holds
 the clock at the end of a job's window (``measure:<job>``) while the job runs at a GPU
 count it has not measured, so virtual time cannot pass a measurement before it is
@@ -160,6 +168,10 @@ class ProfilerService:
         """job -> (instant a reconfiguration completed, world size) of its two newest
         reconfigurations: the measurement windows its reports fall in (see the module
         docstring)."""
+        self.ran_on: dict[str, str] = {}
+        """job -> the GPU generation of its newest completed reconfiguration (the job's
+        generation when its ``ReconfigurationCompleted`` was folded): where a report that
+        names none was made (see :meth:`report_gpu_type`)."""
         self._shares: dict[str, int] = {}
         """The newest ``SharesDecided``'s shares."""
         self._measure_held: set[str] = set()
@@ -255,6 +267,20 @@ class ProfilerService:
             return at < self.window_end(segments[-2][0]) - 1e-9
         return True
 
+    def report_gpu_type(self, e: ev.ProgressReported, state: ClusterState) -> str | None:
+        """The generation a report was made on: its own ``gpu_type``, else the one the
+        job ran on since its newest completed reconfiguration, else None (the book then
+        takes the job's current one).
+
+        A decision that moves a job to another generation (Gandiva_fair's trades and
+        migrations, §3.4-3.5) changes the job's generation in the folded state at once,
+        but the job runs on the old one until the move completes: the hand-over report
+        the old leader makes when it stops measures the old generation, and filing it
+        under the new one would mix two generations' rates in one measurement."""
+        if e.gpu_type:
+            return e.gpu_type
+        return self.ran_on.get(e.job_id)
+
     def _unmeasured(self, job_id: str, gpus: int, state: ClusterState) -> bool:
         job = state.jobs.get(job_id)
         if job is None or job.status in FINISHED_STATUSES or gpus <= 0 or self.min_interval_s <= 0:
@@ -294,7 +320,12 @@ class ProfilerService:
         e = env.event
         if isinstance(e, ev.ProgressReported):
             reasons = self.book.observe(
-                seq, e, env.at, state.jobs.get(e.job_id), rate=not self._in_window(e, env.at, state)
+                seq,
+                e,
+                env.at,
+                state.jobs.get(e.job_id),
+                rate=not self._in_window(e, env.at, state),
+                gpu_type=self.report_gpu_type(e, state),
             )
             if reasons:
                 # A paused job (0 GPUs) or a report without a rate is normal; nonsense is not.
@@ -313,12 +344,14 @@ class ProfilerService:
             job = state.jobs.get(e.job_id)
             if job is not None and job.reconf_epoch == e.epoch:
                 self.segments[e.job_id] = [*self.segments.get(e.job_id, [])[-1:], (env.at, e.world_size)]
+                self.ran_on[e.job_id] = job.gpu_type or ""
                 if self._unmeasured(e.job_id, e.world_size, state):
                     self._hold_measure(e.job_id, self.window_end(env.at), owned=True)
                 elif e.job_id in self._measure_held:
                     self._hold_measure(e.job_id, None, owned=True)
         elif isinstance(e, _FINISHED):
             self.segments.pop(e.job_id, None)
+            self.ran_on.pop(e.job_id, None)
             self._shares.pop(e.job_id, None)
             if e.job_id in self._measure_held:
                 self._hold_measure(e.job_id, None, owned=True)

@@ -265,6 +265,43 @@ async def test_nonsense_progress_is_ignored_with_a_reason(bus: Bus) -> None:
     assert len(await updates(bus)) == 1
 
 
+async def test_a_hand_over_report_is_filed_under_the_generation_the_job_left(bus: Bus) -> None:
+    # Gandiva_fair §3.4-3.5: a trade moves a job from a K80 to a V100. The decision gives
+    # the job its new generation at once, but the old leader's hand-over report (the
+    # emulated trainer names no gpu_type) still measures the K80. Filed under the V100,
+    # it made the buyer's jobs look heterogeneous there, and the trader undid the trade.
+    prof = ProfilerService(bus, holder="p1", clock=ManualClock(), min_interval_s=0.0)
+    await bus.publish(submitted("j", max_gpus=1))
+    stop, task = await start(prof)
+
+    def measured() -> dict[str, dict[int, float]]:
+        return {g: prof.book.measured("j", g) for g in ("K80", "V100") if prof.book.measured("j", g)}
+
+    try:
+        await bus.publish(ev.SharesDecided(epoch=1, shares={"j": 1}, gpu_types={"j": "K80"}))
+        await bus.publish(ev.ReconfigurationCompleted(job_id="j", epoch=1, world_size=1))
+        await bus.publish(report("j", 1, 1.0, iteration=10, epoch=1))
+        await wait_until(lambda: measured() == {"K80": {1: 1.0}})
+        await bus.publish(ev.SharesDecided(epoch=2, shares={"j": 1}, gpu_types={"j": "V100"}))
+        r = await bus.publish(report("j", 1, 1.0, iteration=20, epoch=1))  # the hand-over
+        await wait_until(lambda: prof.projection.last_seq >= r.seq)
+        assert prof.projection.state.jobs["j"].gpu_type == "V100"
+        assert measured() == {"K80": {1: 1.0}}, "the K80's rate was filed under the V100"
+        assert prof.book.samples("j", "K80") == 2
+        await bus.publish(ev.ReconfigurationCompleted(job_id="j", epoch=2, world_size=1))
+        await bus.publish(report("j", 1, 3.0, iteration=30, epoch=2))
+        await wait_until(lambda: measured() == {"K80": {1: 1.0}, "V100": {1: 3.0}})
+        # A report that names its generation is filed there, whatever the job's history.
+        r = await bus.publish(report("j", 1, 1.0, iteration=40, epoch=2, gpu_type="K80"))
+        await wait_until(lambda: prof.book.samples("j", "K80") == 3)
+        assert prof.book.samples("j", "V100") == 1
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+    models = {u.gpu_type: dict(u.throughput) for u in await updates(bus)}
+    assert models["V100"][1] == pytest.approx(3.0) and models["K80"][1] == pytest.approx(1.0)
+
+
 async def test_main_serves_from_settings_until_stopped(bus: Bus, nats_url: str, prefix: str) -> None:
     from shoal.settings import Settings
     from shoal_services.profiler.main import serve

@@ -19,9 +19,10 @@ Measurement (one sample per accepted report):
   reports iterations/s as ``samples_per_s``, as the emulated trainer does); else
   the iterations between two consecutive reports of the job with the same epoch,
   GPU count and type, over their occurred-at difference.
-- **Where**: GPU type = the report's ``gpu_type``, else the job's current type
-  from the newest ``SharesDecided``, else ``""`` (a homogeneous cluster's only
-  generation); GPU count = the report's ``num_gpus``, else the job's completed
+- **Where**: GPU type = the report's ``gpu_type``, else the one the caller says the
+  job ran on (``observe(gpu_type=...)``: the profiler service passes the generation of
+  the job's newest completed reconfiguration), else the job's current type from the
+  newest ``SharesDecided``, else ``""`` (a homogeneous cluster's only generation); GPU count = the report's ``num_gpus``, else the job's completed
   world size, else its share.
 - **Average of recent samples** per (job, GPU type, GPU count) (Gandiva_fair
   §3.4/§3.5: the profile adapts when a job changes behaviour), with
@@ -170,7 +171,14 @@ class ProfileBook:
         return reason
 
     def observe(
-        self, seq: int, e: ev.ProgressReported, at: float, job: JobState | None, *, rate: bool = True
+        self,
+        seq: int,
+        e: ev.ProgressReported,
+        at: float,
+        job: JobState | None,
+        *,
+        rate: bool = True,
+        gpu_type: str | None = None,
     ) -> list[Reason]:
         """Fold one report; returns the reasons for whatever part of it was not used.
 
@@ -182,6 +190,9 @@ class ProfileBook:
             rate: False: fold only the report's loss, not its rate (a report made
                 before the job had run a whole measurement window at its GPU count,
                 AFS §4.5; see the profiler service).
+            gpu_type: The generation the report was made on, when the caller knows
+                better than the report and the job's current one (a move to another
+                generation not yet completed; see the profiler service).
 
         Returns:
             Rejection reasons (empty when the whole report was used).
@@ -191,7 +202,7 @@ class ProfileBook:
         if job.status in FINISHED_STATUSES:
             return [self._reject(Reason.FINISHED_JOB)]
         reasons: list[Reason] = []
-        rate_reason = self._observe_rate(seq, e, at, job) if rate else None
+        rate_reason = self._observe_rate(seq, e, at, job, gpu_type) if rate else None
         if rate_reason is not None:
             reasons.append(self._reject(rate_reason))
         if e.loss is not None:
@@ -200,9 +211,11 @@ class ProfileBook:
                 reasons.append(self._reject(loss_reason))
         return reasons
 
-    def _observe_rate(self, seq: int, e: ev.ProgressReported, at: float, job: JobState) -> Reason | None:
+    def _observe_rate(
+        self, seq: int, e: ev.ProgressReported, at: float, job: JobState, where: str | None = None
+    ) -> Reason | None:
         p = self.params
-        gpu_type = e.gpu_type or job.gpu_type or ""
+        gpu_type = e.gpu_type or (where if where is not None else job.gpu_type) or ""
         gpus = e.num_gpus or job.world_size or job.gpus
         prev = self.last.get(e.job_id)
         if gpus > 0:
