@@ -216,6 +216,10 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     one more crash in that window and it is given up (loudly: stderr, log, ``up.json``)."""
     restart_window_s: PositiveFloat = 60.0
     """The window of ``restart_budget``, wall seconds."""
+    compact_every_s: NonNegFloat = 3600.0
+    """`shoal up`: run `shoal compact` (as the admin, in a child process) this often, wall
+    seconds, first one period after start: the progress reports of finished jobs that no
+    fold of the log needs are removed. 0: never (run `shoal compact` yourself)."""
     entrypoints: tuple[tuple[str, ...], ...] = ()
     """Admission's: argv prefixes real-mode jobs may run (``SHOAL_ENTRYPOINTS`` is JSON,
     e.g. ``[["python", "/opt/jobs/train.py"]]``); empty: no job may name an entrypoint."""

@@ -558,6 +558,22 @@ async def installation(
         )
         record()
         watcher = asyncio.create_task(_watch_server(server, record)) if server is not None else None
+        compactor = (
+            asyncio.create_task(
+                _compact_periodically(
+                    settings.compact_every_s,
+                    {
+                        **base_env,
+                        "NATS_URL": url,
+                        "SHOAL_PREFIX": settings.prefix,
+                        **({"NATS_CREDS": admin_creds} if admin_creds else {}),
+                        **({"NATS_CA": settings.tls_ca} if settings.tls_ca else {}),
+                    },
+                )
+            )
+            if settings.compact_every_s > 0
+            else None
+        )
         own = None
         try:
             await supervisor.start()
@@ -575,13 +591,53 @@ async def installation(
             if own is not None:
                 await own.stop()
             await supervisor.stop(timeout_s=settings.drain_timeout_s + 5.0)
-            if watcher is not None:
-                watcher.cancel()
-                await asyncio.gather(watcher, return_exceptions=True)
+            for task in (watcher, compactor):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
     finally:
         remove_up_info(state_dir)
         if server is not None:
             server.stop()
+
+
+async def _compact_periodically(every_s: float, env: dict[str, str]) -> None:
+    """Every ``every_s`` wall seconds, run ``shoal compact`` (:mod:`shoal.commands.compact`)
+    as a child process with ``env`` (the admin's credentials), so that its two folds of
+    the log never hold up this process's event loop; its summary and any failure are
+    logged, and a failure waits for the next period."""
+    import structlog
+
+    from shoal.commands.run import CLI_ARGV
+
+    log = structlog.get_logger("shoal.up")
+    while True:
+        await asyncio.sleep(every_s)
+        started = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            *CLI_ARGV,
+            "compact",
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            out, err = await proc.communicate()
+        except asyncio.CancelledError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise
+        took = round(time.monotonic() - started, 2)
+        if proc.returncode == 0:
+            log.info("log_compacted", summary=out.decode(errors="replace").strip(), took_s=took)
+        else:
+            log.warning(
+                "log_compaction_failed",
+                returncode=proc.returncode,
+                error=err.decode(errors="replace").strip()[-2000:],
+                took_s=took,
+            )
 
 
 async def _watch_server(server: Any, record: Any, poll_s: float = 0.5) -> None:

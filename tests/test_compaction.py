@@ -1,0 +1,173 @@
+"""``shoal compact``: the progress reports of finished jobs go, and no fold of the log changes.
+
+The pure half (:mod:`shoal.compaction`) on hand-made logs, then the command as an
+operator runs it against a real nats-server, as the admin and as an outsider.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from shoal import codec, state
+from shoal import events as ev
+from shoal.auth import CredentialStore
+from shoal.bus import Bus
+from shoal.compaction import ProgressLedger, compacted_fold
+from shoal.events import Envelope
+from shoal.nats_server import EmbeddedNats
+from shoal.projection import CLUSTER_SNAPSHOT
+
+
+def _spec() -> ev.JobSpec:
+    return ev.JobSpec(user="alice", total_iterations=1000)
+
+
+def _history() -> list[tuple[ev.Event, float]]:
+    """Jobs a (finished, three reports), b (running), c (started by its first report,
+    finished), d (restarted from a checkpoint: 10, 20, 15, 25; finished)."""
+    h: list[tuple[ev.Event, float]] = []
+    for j in "abcd":
+        h.append((ev.JobSubmitted(job_id=j, spec=_spec()), 1.0))
+    for j in "abd":
+        h.append((ev.ReconfigurationStarted(job_id=j, epoch=1, kind="start", to_world=1), 2.0))
+    for i, it in enumerate((10, 20, 30)):
+        h.append((ev.ProgressReported(job_id="a", iteration=it, num_gpus=1, loss=1.0 / it), 3.0 + i))
+        h.append((ev.ProgressReported(job_id="b", iteration=it, num_gpus=1), 3.0 + i))
+        h.append((ev.ProgressReported(job_id="c", iteration=it, num_gpus=1), 3.0 + i))
+    for i, it in enumerate((10, 20, 15, 25)):
+        h.append((ev.ProgressReported(job_id="d", iteration=it, num_gpus=1), 3.0 + i))
+    for j in "acd":
+        h.append((ev.JobCompleted(job_id=j, iterations=1000), 8.0))
+    return h
+
+
+def _log() -> list[tuple[int, Envelope]]:
+    return [(seq, codec.wrap(e, at=at)) for seq, (e, at) in enumerate(_history(), start=1)]
+
+
+def _seq(items: list[tuple[int, Envelope]], job: str, iteration: int) -> int:
+    return next(
+        s
+        for s, env in items
+        if isinstance(env.event, ev.ProgressReported)
+        and env.event.job_id == job
+        and env.event.iteration == iteration
+    )
+
+
+def test_only_finished_jobs_lose_reports_and_the_fold_is_unchanged() -> None:
+    items = _log()
+    ledger = ProgressLedger()
+    for seq, env in items:
+        ledger.apply(seq, env)
+    points = ledger.purge_points(horizon=len(items) + 1)
+    # a keeps its last report; d keeps 25 (10, 20 and the restart's 15 go); b runs
+    # still; c's first report started it, so removing it would change started_at.
+    assert points == {"a": _seq(items, "a", 30), "d": _seq(items, "d", 25)}
+    assert ledger.removable(points) == 2 + 3
+    full = ledger.state
+    assert state.digest(compacted_fold(items, points)) == state.digest(full)
+    assert full.jobs["a"].last_loss == 1.0 / 30
+    # The check a compaction makes can fail: removing c's first report would change
+    # when c started.
+    assert state.digest(compacted_fold(items, {"c": _seq(items, "c", 30)})) != state.digest(full)
+
+
+def test_a_job_that_ended_past_the_newest_snapshot_keeps_its_reports() -> None:
+    items = _log()
+    ledger = ProgressLedger()
+    for seq, env in items:
+        ledger.apply(seq, env)
+    end_of_a = next(
+        s for s, env in items if isinstance(env.event, ev.JobCompleted) and env.event.job_id == "a"
+    )
+    assert ledger.purge_points(horizon=end_of_a) == {}
+    assert set(ledger.purge_points(horizon=end_of_a + 1)) == {"a"}
+
+
+def test_a_report_later_than_the_jobs_end_is_not_removed() -> None:
+    # The fold's clock is the newest instant seen: a report stamped after the job's end
+    # (a sidecar's clock ahead) would move it, so that job is left whole.
+    h = [
+        (ev.JobSubmitted(job_id="a", spec=_spec()), 1.0),
+        (ev.ReconfigurationStarted(job_id="a", epoch=1, kind="start", to_world=1), 2.0),
+        (ev.ProgressReported(job_id="a", iteration=10, num_gpus=1), 50.0),
+        (ev.ProgressReported(job_id="a", iteration=20, num_gpus=1), 4.0),
+        (ev.JobCompleted(job_id="a", iterations=20), 5.0),
+    ]
+    ledger = ProgressLedger()
+    for seq, (e, at) in enumerate(h, start=1):
+        ledger.apply(seq, codec.wrap(e, at=at))
+    assert ledger.purge_points(horizon=10) == {}
+
+
+def _cli(*argv: str, url: str, creds: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
+    env.update(NATS_URL=url, NATS_CREDS=creds)
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from shoal.cli import main; sys.exit(main())", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+async def _fold(url: str, creds: str) -> tuple[int, str]:
+    bus = await Bus.connect(url, "shoal", creds=creds, declare=False)
+    try:
+        s = state.ClusterState()
+        n = 0
+        async for _, env in bus.replay():
+            state.apply(s, env)
+            n += 1
+        return n, state.digest(s)
+    finally:
+        await bus.close()
+
+
+async def test_shoal_compact_removes_them_from_the_stream_and_only_for_the_admin(tmp_path: Path) -> None:
+    creds = CredentialStore(tmp_path / "creds")
+    admin = str(creds.ensure("admin"))
+    allocator = str(creds.ensure("allocator"))
+    with EmbeddedNats(store_dir=tmp_path / "js", creds_dir=creds.directory) as server:
+        bus = await Bus.connect(server.url, "shoal", creds=admin)
+        try:
+            for e, at in _history():
+                await bus.publish(codec.wrap(e, at=at))
+            # The newest cluster snapshot covers the log so far; e ends after it.
+            covered = await bus.last_seq()
+            await bus.save_snapshot(CLUSTER_SNAPSHOT, covered, b"")
+            await bus.publish(codec.wrap(ev.JobSubmitted(job_id="e", spec=_spec()), at=9.0))
+            await bus.publish(
+                codec.wrap(ev.ReconfigurationStarted(job_id="e", epoch=1, kind="start", to_world=1), at=9.0)
+            )
+            for it in (10, 20):
+                await bus.publish(codec.wrap(ev.ProgressReported(job_id="e", iteration=it), at=10.0))
+            await bus.publish(codec.wrap(ev.JobCompleted(job_id="e", iterations=20), at=11.0))
+        finally:
+            await bus.close()
+        before, digest = await _fold(server.url, admin)
+
+        refused = _cli("compact", "--timeout", "2", url=server.url, creds=allocator)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert "only the admin identity" in refused.stderr
+        assert await _fold(server.url, admin) == (before, digest)
+
+        dry = _cli("compact", "--dry-run", url=server.url, creds=admin)
+        assert dry.returncode == 0, dry.stderr
+        assert "would remove 5 progress reports of 2 finished jobs" in dry.stdout
+        assert await _fold(server.url, admin) == (before, digest)
+
+        done = _cli("compact", url=server.url, creds=admin)
+        assert done.returncode == 0, done.stderr
+        assert "removed 5 progress reports of 2 finished jobs" in done.stdout
+        assert f"messages {before} -> {before - 5}" in done.stdout
+        # A fresh fold of what is left is the fold of the whole log before.
+        assert await _fold(server.url, admin) == (before - 5, digest)
+        # Nothing more to remove until e is under a snapshot.
+        again = _cli("compact", url=server.url, creds=admin)
+        assert again.returncode == 0 and "removed 0 progress reports of 0" in again.stdout, again.stderr
