@@ -416,6 +416,40 @@ def test_a_job_submitted_from_the_host_completes(stack: Stack) -> None:
     )
 
 
+def test_the_operator_compacts_the_log_from_the_host(stack: Stack) -> None:
+    """docs/deploy.md: on compose the operator runs ``shoal compact`` with the admin's
+    seed (no container holds it). Once the snapshots cover a finished job's end, its
+    progress reports but the one the fold keeps go, on all three replicas, and the fold
+    is unchanged. A user's seed is refused."""
+    from shoal.commands.run import CLI_ARGV
+
+    seen = _run_job_sync(stack, "compose-job-compact")
+    assert seen[-1] == "job.completed", seen
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
+
+    def compact(seed: str) -> subprocess.CompletedProcess[str]:
+        env.update(NATS_URL=stack.nats_url, NATS_CREDS=str(stack.creds / seed))
+        return subprocess.run(
+            [*CLI_ARGV, "compact", "--timeout", "5"], env=env, capture_output=True, text=True, timeout=300
+        )
+
+    refused = compact("user-alice.nk")
+    assert refused.returncode == 1 and "only the admin identity" in refused.stderr, refused.stderr
+    removed: list[str] = []
+
+    def removes() -> bool:
+        done = compact("admin.nk")
+        assert done.returncode == 0, done.stderr
+        assert "unchanged" in done.stdout, done.stdout
+        removed.append(done.stdout.strip())
+        match = re.search(r"removed (\d+) progress reports", done.stdout)
+        return bool(match and int(match.group(1)) > 0)
+
+    # The allocator and the profiler write their snapshots a minute apart at most.
+    wait_for("a compaction that removes reports", removes, 180, 10.0)
+    print(removed[-1], file=sys.stderr)
+
+
 def _run_job_sync(stack: Stack, job_id: str) -> list[str]:
     t0 = time.monotonic()
     seen = asyncio.run(_run_job(stack, job_id))

@@ -89,6 +89,15 @@ async def compact(bus: Any, *, dry_run: bool = False) -> Compaction:
     from shoal.state import ClusterState, apply, digest
 
     stream = bus.names.events_stream
+    # Whether this identity may purge at all, before the folds: a purge of a subject no
+    # event is ever on removes nothing, and the server drops it unanswered for every role
+    # but the admin (nats TimeoutError or NoRespondersError).
+    probe = await bus.nc.request(
+        f"$JS.API.STREAM.PURGE.{stream}",
+        json.dumps({"filter": f"{bus.names.prefix}.compact.probe"}).encode(),
+        timeout=10.0,
+    )
+    del probe  # any answer, an error included, means the server let the request through
     info = await bus.js.stream_info(stream)
     end = int(info.state.last_seq)
     before = int(info.state.messages)
