@@ -88,6 +88,19 @@ def test_a_job_that_ended_past_the_newest_snapshot_keeps_its_reports() -> None:
     assert set(ledger.purge_points(horizon=end_of_a + 1)) == {"a"}
 
 
+def test_a_job_that_ended_recently_or_has_an_unreadable_report_keeps_its_reports() -> None:
+    items = _log()
+    ledger = ProgressLedger()
+    for seq, env in items:
+        ledger.apply(seq, env)
+    # All three ended at 8.0: kept whole while they ended after the given instant.
+    assert ledger.purge_points(horizon=len(items) + 1, ended_before=7.9) == {}
+    assert set(ledger.purge_points(horizon=len(items) + 1, ended_before=8.0)) == {"a", "d"}
+    # A message on d's progress subject that the replay could not decode.
+    ledger.skipped("d")
+    assert set(ledger.purge_points(horizon=len(items) + 1)) == {"a"}
+
+
 def test_a_report_later_than_the_jobs_end_is_not_removed() -> None:
     # The fold's clock is the newest instant seen: a report stamped after the job's end
     # (a sidecar's clock ahead) would move it, so that job is left whole.
@@ -152,22 +165,25 @@ async def test_shoal_compact_removes_them_from_the_stream_and_only_for_the_admin
             await bus.close()
         before, digest = await _fold(server.url, admin)
 
-        refused = _cli("compact", "--timeout", "2", url=server.url, creds=allocator)
+        refused = _cli("compact", "--older-than", "0", "--timeout", "2", url=server.url, creds=allocator)
         assert refused.returncode == 1, refused.stdout + refused.stderr
         assert "only the admin identity" in refused.stderr
         assert await _fold(server.url, admin) == (before, digest)
 
-        dry = _cli("compact", "--dry-run", url=server.url, creds=admin)
+        # By default only jobs that ended a week before the log's newest event go.
+        recent = _cli("compact", url=server.url, creds=admin)
+        assert recent.returncode == 0 and "removed 0 progress reports" in recent.stdout, recent.stderr
+        dry = _cli("compact", "--dry-run", "--older-than", "0", url=server.url, creds=admin)
         assert dry.returncode == 0, dry.stderr
         assert "would remove 5 progress reports of 2 finished jobs" in dry.stdout
         assert await _fold(server.url, admin) == (before, digest)
 
-        done = _cli("compact", url=server.url, creds=admin)
+        done = _cli("compact", "--older-than", "0", url=server.url, creds=admin)
         assert done.returncode == 0, done.stderr
         assert "removed 5 progress reports of 2 finished jobs" in done.stdout
         assert f"messages {before} -> {before - 5}" in done.stdout
         # A fresh fold of what is left is the fold of the whole log before.
         assert await _fold(server.url, admin) == (before - 5, digest)
         # Nothing more to remove until e is under a snapshot.
-        again = _cli("compact", url=server.url, creds=admin)
+        again = _cli("compact", "--older-than", "0", url=server.url, creds=admin)
         assert again.returncode == 0 and "removed 0 progress reports of 0" in again.stdout, again.stderr

@@ -11,7 +11,7 @@ This module is the pure half of ``shoal compact`` (:mod:`shoal.commands.compact`
 :class:`ProgressLedger` reads the log once, alongside a fold, and
 :meth:`ProgressLedger.purge_points` names, per finished job, a stream sequence below
 which that job's progress reports may be removed without changing what any fold of
-the log gives. A job is compacted only when all of these hold:
+the log to its end gives, from its first message or from any snapshot. A job is compacted only when all of these hold:
 
 - its terminal event (completion, failure, cancellation, rejection) is below the
   *horizon*: the oldest stream sequence a snapshot that a service may start from
@@ -25,7 +25,13 @@ the log gives. A job is compacted only when all of these hold:
   ``ReconfigurationStarted``/``JobStarted`` came first), so no removed report is
   the one that started it;
 - no removed report is later (``at``) than the job's terminal event, so the fold's
-  clock (the newest instant seen) does not move either.
+  clock (the newest instant seen) does not move either;
+- every message on the job's progress subject decoded (a purge by subject would also
+  take one the check never read, e.g. of a newer schema version);
+- it ended at least ``older_than`` before the log's newest instant (the command's
+  ``--older-than``): a fold that stops at an instant before the job's end
+  (``shoal replay --until``, ``shoal explain``) sees the job's progress only as of a
+  kept report, so recent jobs stay whole for those.
 
 The command also folds the log both ways and removes nothing unless the two
 digests are equal.
@@ -59,6 +65,9 @@ class _Reports(Struct, kw_only=True):
     started_by_report: bool = False
     terminal_seq: int = 0
     terminal_at: float = 0.0
+    unread: bool = False
+    """A message on the job's progress subject did not decode here (malformed, of a
+    newer version...): the check cannot vouch for it, so the job is left whole."""
 
 
 class ProgressLedger:
@@ -104,19 +113,26 @@ class ProgressLedger:
         apply(self.state, env)
         self.last_seq = seq
 
-    def purge_points(self, horizon: int) -> dict[str, int]:
+    def skipped(self, job_id: str) -> None:
+        """A message on ``job_id``'s progress subject that the replay skipped."""
+        self.jobs.setdefault(job_id, _Reports()).unread = True
+
+    def purge_points(self, horizon: int, ended_before: float = float("inf")) -> dict[str, int]:
         """Job id -> stream sequence: the job's progress reports below it may go.
 
         Args:
             horizon: Only jobs whose terminal event's sequence is below this are
                 compacted (see the module docstring).
+            ended_before: ... and whose terminal event's occurred-at is at most this.
         """
         out: dict[str, int] = {}
         for job_id, r in sorted(self.jobs.items()):
             job = self.state.jobs.get(job_id)
             if job is None or job.status not in FINISHED_STATUSES or not r.terminal_seq:
                 continue
-            if r.terminal_seq >= horizon or not r.removable or r.started_by_report:
+            if r.terminal_seq >= horizon or r.terminal_at > ended_before:
+                continue
+            if not r.removable or r.started_by_report or r.unread:
                 continue
             if r.latest_removable_at > r.terminal_at:
                 continue

@@ -430,7 +430,11 @@ def test_the_operator_compacts_the_log_from_the_host(stack: Stack) -> None:
     def compact(seed: str) -> subprocess.CompletedProcess[str]:
         env.update(NATS_URL=stack.nats_url, NATS_CREDS=str(stack.creds / seed))
         return subprocess.run(
-            [*CLI_ARGV, "compact", "--timeout", "5"], env=env, capture_output=True, text=True, timeout=300
+            [*CLI_ARGV, "compact", "--older-than", "0", "--timeout", "5"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
 
     refused = compact("user-alice.nk")

@@ -53,6 +53,7 @@ async def test_shoal_up_removes_the_progress_reports_of_finished_jobs(tmp_path: 
     settings = {
         "SHOAL_REPORT_MAX_EVERY_S": "0.25",  # many reports per job
         "SHOAL_COMPACT_EVERY_S": "3",
+        "SHOAL_COMPACT_AFTER_S": "0",  # the default keeps a week of finished jobs whole
         "SHOAL_SNAPSHOT_INTERVAL_S": "1",
     }
     err = tmp_path / "up.err"

@@ -35,6 +35,12 @@ async def test_shoal_up_with_a_certificate_runs_a_job_over_tls(
         assert listed.returncode == 0, listed.stderr
         assert [j["status"] for j in json.loads(listed.stdout) if j["job_id"] == "tls-job"] == ["completed"]
         assert "replayed" not in listed.stderr  # admission's view answered, over TLS
+        # The admin's commands find the CA the same way (shoal compact as shoal up runs it).
+        compacted = subprocess.run(
+            [*CLI, "compact", "--dry-run"], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert compacted.returncode == 0, compacted.stderr
+        assert "unchanged" in compacted.stdout, compacted.stdout
         with pytest.raises(NoServerError):
             await Bus.connect(
                 up.url.replace("tls://", "nats://"),

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import time
 from collections.abc import Callable, Coroutine
@@ -66,9 +67,11 @@ async def _connect(args: argparse.Namespace) -> Any:
 
     flag_url = getattr(args, "nats_url", None)
     creds = resolve_creds(getattr(args, "creds", None), url_given=bool(flag_url))
+    # The CA of a TLS installation, as the clients read it (shoal.client.Client.connect).
+    tls_ca = os.environ.get("NATS_CA") or os.environ.get("SHOAL_TLS_CA") or None
     try:
         return await Bus.connect(
-            resolve_url(flag_url), resolve_prefix(args.prefix), creds=creds, declare=False
+            resolve_url(flag_url), resolve_prefix(args.prefix), creds=creds, declare=False, tls_ca=tls_ca
         )
     except AuthFailed as exc:
         raise CommandError(str(exc)) from None

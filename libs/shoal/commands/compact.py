@@ -8,7 +8,8 @@ a fold keeps from them only the one with the highest iteration. This command:
    *horizon*: services start from them and read only what follows);
 2. folds the log to its current end, noting each job's reports
    (:class:`shoal.compaction.ProgressLedger`), and picks, per finished job whose end
-   is below the horizon, the sequence below which its reports may go;
+   is below the horizon and ``--older-than`` (default a week) before the log's newest
+   instant, the sequence below which its reports may go;
 3. folds the log again without those reports, and stops with an error, removing
    nothing, unless both folds have the same digest;
 4. removes them, one JetStream purge per job of that job's progress subject below its
@@ -31,6 +32,9 @@ from typing import Any
 from msgspec import Struct
 
 from shoal.cli import CommandError
+
+DEFAULT_OLDER_THAN_S = 7 * 86400.0
+"""``--older-than``'s default (and ``SHOAL_COMPACT_AFTER_S``'s)."""
 
 
 class Compaction(Struct, kw_only=True):
@@ -56,6 +60,15 @@ def register(subparsers: Any) -> None:
         help="remove the progress reports of finished jobs that no fold of the log needs (admin only)",
     )
     p.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
+    p.add_argument(
+        "--older-than",
+        type=float,
+        default=DEFAULT_OLDER_THAN_S,
+        metavar="S",
+        help="only jobs that ended at least S seconds before the log's newest event "
+        f"(default {DEFAULT_OLDER_THAN_S:g}: a week); until then `shoal explain` and "
+        "`shoal replay --until` see their progress report by report",
+    )
     add_connection_args(p)
     p.set_defaults(func=_compact)
 
@@ -77,8 +90,12 @@ async def horizon(bus: Any, last_seq: int) -> int:
     return min(seqs, default=last_seq) + 1
 
 
-async def compact(bus: Any, *, dry_run: bool = False) -> Compaction:
+async def compact(
+    bus: Any, *, dry_run: bool = False, older_than_s: float = DEFAULT_OLDER_THAN_S, timeout_s: float = 10.0
+) -> Compaction:
     """Run one compaction on ``bus`` (an admin's connection); see the module docstring.
+    Only jobs that ended ``older_than_s`` or more before the log's newest instant are
+    compacted; ``timeout_s`` bounds each JetStream request.
 
     Raises:
         CommandError: the fold without the reports would differ (nothing removed), or
@@ -95,19 +112,26 @@ async def compact(bus: Any, *, dry_run: bool = False) -> Compaction:
     probe = await bus.nc.request(
         f"$JS.API.STREAM.PURGE.{stream}",
         json.dumps({"filter": f"{bus.names.prefix}.compact.probe"}).encode(),
-        timeout=10.0,
+        timeout=timeout_s,
     )
     del probe  # any answer, an error included, means the server let the request through
     info = await bus.js.stream_info(stream)
     end = int(info.state.last_seq)
     before = int(info.state.messages)
-    ledger = ProgressLedger()
-    async for seq, env in bus.replay():
-        if seq > end:
-            break
-        ledger.apply(seq, env)
     limit = min(await horizon(bus, end), end + 1)
-    points = ledger.purge_points(limit)
+    ledger = ProgressLedger()
+    progress = f"{bus.names.prefix}.job."
+    async for batch in bus.replay_batches():
+        for skipped in batch.skipped:
+            subject = skipped.subject
+            if skipped.seq <= end and subject.startswith(progress) and subject.endswith(".progress"):
+                ledger.skipped(subject[len(progress) : -len(".progress")])
+        for seq, env in batch:
+            if seq <= end:
+                ledger.apply(seq, env)
+        if batch.last_seq >= end:
+            break
+    points = ledger.purge_points(limit, ended_before=ledger.state.clock - older_than_s)
     full = digest(ledger.state)
 
     state = ClusterState()
@@ -130,7 +154,7 @@ async def compact(bus: Any, *, dry_run: bool = False) -> Compaction:
             reply = await bus.nc.request(
                 f"$JS.API.STREAM.PURGE.{stream}",
                 json.dumps({"filter": subject, "seq": point}).encode(),
-                timeout=10.0,
+                timeout=timeout_s,
             )
             body = json.loads(reply.data)
             if body.get("error"):
@@ -158,7 +182,9 @@ def _compact(args: argparse.Namespace) -> int:
         bus = await _connect(args)
         try:
             try:
-                result = await compact(bus, dry_run=args.dry_run)
+                result = await compact(
+                    bus, dry_run=args.dry_run, older_than_s=args.older_than, timeout_s=args.timeout
+                )
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
                 raise CommandError(
                     f"no answer from JetStream ({type(exc).__name__}): only the admin identity may "

@@ -562,6 +562,7 @@ async def installation(
             asyncio.create_task(
                 _compact_periodically(
                     settings.compact_every_s,
+                    settings.compact_after_s,
                     {
                         **base_env,
                         "NATS_URL": url,
@@ -601,33 +602,46 @@ async def installation(
             server.stop()
 
 
-async def _compact_periodically(every_s: float, env: dict[str, str]) -> None:
-    """Every ``every_s`` wall seconds, run ``shoal compact`` (:mod:`shoal.commands.compact`)
-    as a child process with ``env`` (the admin's credentials), so that its two folds of
-    the log never hold up this process's event loop; its summary and any failure are
-    logged, and a failure waits for the next period."""
+async def _compact_periodically(every_s: float, older_than_s: float, env: dict[str, str]) -> None:
+    """Every ``every_s`` wall seconds, run ``shoal compact --older-than older_than_s``
+    (:mod:`shoal.commands.compact`) as a child process with ``env`` (the admin's
+    credentials), so that its two folds of the log never hold up this process's event
+    loop. Its summary, or its failure, is logged; a run still going after ``every_s`` (at
+    least 10 minutes) is killed and logged; a failure waits for the next period."""
     import structlog
 
     from shoal.commands.run import CLI_ARGV
 
     log = structlog.get_logger("shoal.up")
+    limit_s = max(every_s, 600.0)
     while True:
         await asyncio.sleep(every_s)
         started = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            *CLI_ARGV,
-            "compact",
-            env=env,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
+        proc = None
         try:
-            out, err = await proc.communicate()
+            proc = await asyncio.create_subprocess_exec(
+                *CLI_ARGV,
+                "compact",
+                "--older-than",
+                repr(older_than_s),
+                env=env,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            out, err = await asyncio.wait_for(proc.communicate(), limit_s)
         except asyncio.CancelledError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+            if proc is not None and proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
             raise
+        except Exception as exc:  # a timeout, or no process at all: try again next period
+            if proc is not None and proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+            log.warning("log_compaction_failed", error=repr(exc), took_s=round(time.monotonic() - started, 2))
+            continue
         took = round(time.monotonic() - started, 2)
         if proc.returncode == 0:
             log.info("log_compacted", summary=out.decode(errors="replace").strip(), took_s=took)
