@@ -7,7 +7,7 @@ default back-off is 120 a job-hour) and completed, with a share decision and its
 placement on every arrival and completion (the churn AFS and FIFO decide on; a policy
 with a time quantum, Gandiva_fair, also decides once a quantum, which this leaves out). The cluster snapshot goes at the end, as the leading
 allocator would write it. Then runs ``shoal compact`` (the command an operator runs, as
-the admin) and reports the event stream's messages and bytes before and after, the
+the admin, ``--older-than 0``: every finished job) and reports the event stream's messages and bytes before and after, the
 messages per finished job, the command's wall time, and whether a fresh fold of what
 is left has the digest of the whole log's fold.
 
@@ -137,7 +137,9 @@ async def measure(jobs: int, reports: int, active: int) -> dict[str, Any]:
                 env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
                 env.update(NATS_URL=server.url, NATS_CREDS=admin)
                 t0 = time.perf_counter()
-                done = subprocess.run([*CLI_ARGV, "compact"], env=env, capture_output=True, text=True)
+                done = subprocess.run(
+                    [*CLI_ARGV, "compact", "--older-than", "0"], env=env, capture_output=True, text=True
+                )
                 took = time.perf_counter() - t0
                 if done.returncode != 0:
                     raise RuntimeError(f"shoal compact failed: {done.stderr}")
@@ -170,7 +172,7 @@ def render(store: dict[str, Any]) -> str:
         "[--active A]`: a fresh installation's log holds a history of J jobs, A at a time, each "
         "submitted, started, reporting its progress R times and completed, plus a share decision and "
         f"its placement on each arrival and completion, on {NODES} nodes; the cluster snapshot covers all of it. "
-        "Then `shoal compact` runs as the admin. *per job*: messages of the event stream per job. "
+        "Then `shoal compact --older-than 0` runs as the admin. *per job*: messages of the event stream per job. "
         "*digest*: a fresh fold of the log after equals the fold before. *compact s*: the command's "
         "wall time (both folds of the log and the purges, Python start included).",
         "",
