@@ -9,6 +9,7 @@ then :func:`shoal.allocation.place`.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 from shoal import events as ev
@@ -20,6 +21,7 @@ from shoal.policies.afs import AFSL
 from shoal.policies.base import ClusterView, JobView, policy_is_elastic
 from shoal.policies.registry import policy_names
 from shoal.policies.srtf import SRTF
+from shoal.profiling.overestimate import decide_overestimate_first
 from shoal.sim import SimConfig, Simulator
 from shoal.sim.engine import make_policy
 from shoal.workloads import make_job
@@ -131,3 +133,37 @@ def test_no_rigid_job_ever_runs_at_another_size(view: ClusterView, name: str) ->
     if not policy_is_elastic(policy):
         # A rigid policy's decision is published as it made it.
         assert shares.shares == {j: s for j, s in raw.items() if s > 0}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    view=_views(),
+    name=hs.sampled_from(RIGID),
+    measured=hs.lists(hs.integers(1, 24), max_size=3),
+)
+def test_overestimate_first_leaves_a_rigid_policys_gangs_as_decided(
+    view: ClusterView, name: str, measured: list[int]
+) -> None:
+    # AFS §4.5 caps a new job at 1/n and probes smaller units: both resize a job, which
+    # a rigid policy never does (review of issue 23: SRTF ran a 16-GPU job at 1, 2, 4...).
+    policy = make_policy(name)
+    estimates = {j.job_id: frozenset(m for m in measured if m <= j.max_gpus) for j in view.jobs}
+    probed = decide_overestimate_first(policy, view, {}, estimates=estimates, epoch=1)
+    assert probed.shares == decide_shares(policy, view, {}, epoch=1).shares
+
+
+@pytest.mark.parametrize("name", ["srtf", "tiresias-l", "fifo"])
+def test_a_rigid_policy_runs_elastic_flagged_jobs_at_their_size_while_they_are_measured(name: str) -> None:
+    curve = ThroughputCurve(model="m", gpu_type="gpu", throughput=tuple(k**0.7 for k in range(17)))
+    jobs = [make_job(f"j{i}", 60.0 * i, 3600.0, 16, curve, elastic=True) for i in range(3)]
+    sim = Simulator(
+        jobs, make_policy(name), SimConfig(total_gpus=64, gpus_per_node=8, profiling="overestimate")
+    )
+    assert sim.run().summary["completed"] == 3
+    sizes = {
+        s
+        for env in sim.log.envelopes
+        if isinstance(env.event, ev.SharesDecided)
+        for s in env.event.shares.values()
+    }
+    assert sizes == {16}, sizes

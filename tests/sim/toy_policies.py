@@ -29,6 +29,7 @@ class ToyEqual:
     """Elastic: GPUs split as evenly as possible (oldest jobs get the remainder), capped at max."""
 
     name = "toy-equal"
+    elastic = True
 
     def __init__(self, tick_s: float | None = None) -> None:
         if tick_s is not None:
@@ -97,6 +98,7 @@ class ToyGreedy:
     """
 
     name = "toy-greedy"
+    elastic = True
 
     def __init__(self, min_gain: float = 1.05) -> None:
         self.min_gain = min_gain

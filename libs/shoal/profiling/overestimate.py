@@ -367,14 +367,19 @@ def decide_overestimate_first(
 
     The policy decides on :func:`first_share_view` (new jobs capped at ``1/n``); the
     decided (and network-packed) shares then pass through :func:`probe_shares`. With
-    ``estimates`` empty or ``None`` this is ``decide_shares`` itself.
+    ``estimates`` empty or ``None``, or a policy that is not elastic
+    (:func:`~shoal.policies.base.policy_is_elastic`: FIFO, SRTF, Tiresias-L,
+    Gandiva_fair, Optimus' rigid baselines...), this is ``decide_shares`` itself: §4.5
+    resizes a job to measure it, and such a policy runs every job at the size it
+    decided or not at all. Its jobs are measured at the sizes they run at.
 
     Returns:
         The ``SharesDecided`` event to publish (positive shares only, sorted by job id).
     """
     from shoal.allocation import decide_shares
+    from shoal.policies.base import policy_is_elastic
 
-    if not estimates:
+    if not estimates or not policy_is_elastic(policy):
         return decide_shares(
             policy, view, memory, epoch=epoch, trigger=trigger, network_packing=network_packing
         )
