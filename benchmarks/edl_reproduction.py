@@ -208,7 +208,8 @@ def render(
         "time of scale-out (Figs. 10 and 11), the resource loss of scale-out (Fig. 12) and the cost of "
         'scale-in, which the paper omits as "almost no overhead" — and §4.2\'s leader leaving a job. '
         "The paper's *Table 3* is a different result (job completion times of Tiresias against "
-        "Elastic-Tiresias in the Tiresias simulator on the Microsoft trace); it is not reproduced here.",
+        "Elastic-Tiresias in the Tiresias simulator on the Microsoft trace), reproduced in shoal's simulator "
+        "by `python -m benchmarks.edl_table3` ([edl_table3.md](edl_table3.md)).",
         "",
         "## How the setting differs from the paper's",
         "",

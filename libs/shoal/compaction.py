@@ -11,7 +11,8 @@ This module is the pure half of ``shoal compact`` (:mod:`shoal.commands.compact`
 :class:`ProgressLedger` reads the log once, alongside a fold, and
 :meth:`ProgressLedger.purge_points` names, per finished job, a stream sequence below
 which that job's progress reports may be removed without changing what any fold of
-the log to its end gives, from its first message or from any snapshot. A job is compacted only when all of these hold:
+the log to its end gives, from its first message or from any snapshot. A job is
+compacted only when all of these hold:
 
 - its terminal event (completion, failure, cancellation, rejection) is below the
   *horizon*: the oldest stream sequence a snapshot that a service may start from
