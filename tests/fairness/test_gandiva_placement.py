@@ -57,6 +57,8 @@ def test_the_simulator_runs_every_gang_on_the_servers_gandiva_fair_chose() -> No
                 last_nodes[job] = nodes
                 checked += 1
     assert checked > 20
+    # The run moved gangs, so the check above (every move made was one reported) saw some.
+    assert moves > 0, "no gang moved: the check of reported moves saw nothing"
 
 
 def test_a_job_keeps_its_gpus_and_a_resumed_gang_its_servers() -> None:
