@@ -7,8 +7,8 @@ default back-off is 120 a job-hour) and completed, with a share decision and its
 placement on every arrival and completion (the churn AFS and FIFO decide on; a policy
 with a time quantum, Gandiva_fair, also decides once a quantum, which this leaves out). The cluster snapshot goes at the end, as the leading
 allocator would write it. Then runs ``shoal compact`` (the command an operator runs, as
-the admin, ``--older-than 0``: every finished job) and reports the event stream's messages and bytes before and after, the
-messages per finished job, the command's wall time, and whether a fresh fold of what
+the admin, ``--older-than 0``: every report may go) and reports the event stream's messages and bytes before and after, the
+messages per job, the command's wall time, and whether a fresh fold of what
 is left has the digest of the whole log's fold.
 
     .venv/bin/python -m benchmarks.bench_compaction --label r10 --jobs 2000 --reports 10

@@ -1,4 +1,4 @@
-"""``shoal compact``: the progress reports of finished jobs go, and no fold of the log changes.
+"""``shoal compact``: progress reports no fold needs go, and no fold of the log changes.
 
 The pure half (:mod:`shoal.compaction`) on hand-made logs, then the command as an
 operator runs it against a real nats-server, as the admin and as an outsider.
@@ -58,16 +58,21 @@ def _seq(items: list[tuple[int, Envelope]], job: str, iteration: int) -> int:
     )
 
 
-def test_only_finished_jobs_lose_reports_and_the_fold_is_unchanged() -> None:
-    items = _log()
-    ledger = ProgressLedger()
+def _ledger(items: list[tuple[int, Envelope]], **kw: float) -> ProgressLedger:
+    ledger = ProgressLedger(**kw)
     for seq, env in items:
         ledger.apply(seq, env)
-    points = ledger.purge_points(horizon=len(items) + 1)
-    # a keeps its last report; d keeps 25 (10, 20 and the restart's 15 go); b runs
-    # still; c's first report started it, so removing it would change started_at.
-    assert points == {"a": _seq(items, "a", 30), "d": _seq(items, "d", 25)}
-    assert ledger.removable(points) == 2 + 3
+    return ledger
+
+
+def test_reports_before_the_kept_one_go_and_the_fold_is_unchanged() -> None:
+    items = _log()
+    ledger = _ledger(items)
+    points = ledger.purge_points()
+    # a and b (running) keep their last report; d keeps 25 (10, 20 and the restart's 15
+    # go); c's first report started it, so removing it would change started_at.
+    assert points == {"a": _seq(items, "a", 30), "b": _seq(items, "b", 30), "d": _seq(items, "d", 25)}
+    assert ledger.removable(points) == 2 + 2 + 3
     full = ledger.state
     assert state.digest(compacted_fold(items, points)) == state.digest(full)
     assert full.jobs["a"].last_loss == 1.0 / 30
@@ -76,29 +81,31 @@ def test_only_finished_jobs_lose_reports_and_the_fold_is_unchanged() -> None:
     assert state.digest(compacted_fold(items, {"c": _seq(items, "c", 30)})) != state.digest(full)
 
 
-def test_a_job_that_ended_past_the_newest_snapshot_keeps_its_reports() -> None:
+def test_reports_past_the_newest_snapshot_stay() -> None:
     items = _log()
-    ledger = ProgressLedger()
-    for seq, env in items:
-        ledger.apply(seq, env)
-    end_of_a = next(
-        s for s, env in items if isinstance(env.event, ev.JobCompleted) and env.event.job_id == "a"
-    )
-    assert ledger.purge_points(horizon=end_of_a) == {}
-    assert set(ledger.purge_points(horizon=end_of_a + 1)) == {"a"}
+    # Services start from a snapshot covering everything before a's last report.
+    ledger = _ledger(items, horizon=_seq(items, "a", 30))
+    # a and b keep their 20 (their 30 is past the horizon, so nothing below it goes);
+    # every report of d is past it.
+    assert ledger.purge_points() == {"a": _seq(items, "a", 20), "b": _seq(items, "b", 20)}
+    points = ledger.purge_points()
+    assert state.digest(compacted_fold(items, points)) == state.digest(ledger.state)
 
 
-def test_a_job_that_ended_recently_or_has_an_unreadable_report_keeps_its_reports() -> None:
+def test_recent_reports_and_a_job_with_an_unreadable_one_stay() -> None:
     items = _log()
-    ledger = ProgressLedger()
-    for seq, env in items:
-        ledger.apply(seq, env)
-    # All three ended at 8.0: kept whole while they ended after the given instant.
-    assert ledger.purge_points(horizon=len(items) + 1, ended_before=7.9) == {}
-    assert set(ledger.purge_points(horizon=len(items) + 1, ended_before=8.0)) == {"a", "d"}
+    # Only reports stamped at or before 4.0 may go: the 20s stay (the newest old one),
+    # and the later ones.
+    ledger = _ledger(items, cutoff=4.0)
+    assert ledger.purge_points() == {
+        "a": _seq(items, "a", 20),
+        "b": _seq(items, "b", 20),
+        "d": _seq(items, "d", 20),
+    }
+    assert ledger.removable(ledger.purge_points()) == 3
     # A message on d's progress subject that the replay could not decode.
     ledger.skipped("d")
-    assert set(ledger.purge_points(horizon=len(items) + 1)) == {"a"}
+    assert set(ledger.purge_points()) == {"a", "b"}
 
 
 def test_a_report_later_than_the_jobs_end_is_not_removed() -> None:
@@ -114,7 +121,7 @@ def test_a_report_later_than_the_jobs_end_is_not_removed() -> None:
     ledger = ProgressLedger()
     for seq, (e, at) in enumerate(h, start=1):
         ledger.apply(seq, codec.wrap(e, at=at))
-    assert ledger.purge_points(horizon=10) == {}
+    assert ledger.purge_points() == {}
 
 
 def _cli(*argv: str, url: str, creds: str) -> subprocess.CompletedProcess[str]:
@@ -175,15 +182,15 @@ async def test_shoal_compact_removes_them_from_the_stream_and_only_for_the_admin
         assert recent.returncode == 0 and "removed 0 progress reports" in recent.stdout, recent.stderr
         dry = _cli("compact", "--dry-run", "--older-than", "0", url=server.url, creds=admin)
         assert dry.returncode == 0, dry.stderr
-        assert "would remove 5 progress reports of 2 finished jobs" in dry.stdout
+        assert "would remove 7 progress reports of 3 jobs" in dry.stdout
         assert await _fold(server.url, admin) == (before, digest)
 
         done = _cli("compact", "--older-than", "0", url=server.url, creds=admin)
         assert done.returncode == 0, done.stderr
-        assert "removed 5 progress reports of 2 finished jobs" in done.stdout
-        assert f"messages {before} -> {before - 5}" in done.stdout
+        assert "removed 7 progress reports of 3 jobs" in done.stdout
+        assert f"messages {before} -> {before - 7}" in done.stdout
         # A fresh fold of what is left is the fold of the whole log before.
-        assert await _fold(server.url, admin) == (before - 5, digest)
+        assert await _fold(server.url, admin) == (before - 7, digest)
         # Nothing more to remove until e is under a snapshot.
         again = _cli("compact", "--older-than", "0", url=server.url, creds=admin)
         assert again.returncode == 0 and "removed 0 progress reports of 0" in again.stdout, again.stderr

@@ -218,13 +218,13 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The window of ``restart_budget``, wall seconds."""
     compact_every_s: NonNegFloat = 3600.0
     """`shoal up`: run `shoal compact` (as the admin, in a child process) this often, wall
-    seconds, first one period after start: the progress reports of finished jobs that no
-    fold of the log needs are removed. 0: never (run `shoal compact` yourself)."""
+    seconds, first one period after start: the progress reports that no fold of the log
+    needs are removed. 0: never (run `shoal compact` yourself)."""
     compact_after_s: NonNegFloat = 604800.0
-    """`shoal up`'s compaction: only jobs that ended at least this long (seconds of the
-    log's clock) before the log's newest event (`shoal compact --older-than`); until then
-    `shoal explain` and `shoal replay --until` see their progress report by report.
-    Default a week."""
+    """`shoal up`'s compaction: only reports made at least this long (seconds of the log's
+    clock) before the log's newest event go (`shoal compact --older-than`); newer ones
+    stay, so `shoal explain` and `shoal replay --until` see them one by one. Default a
+    week."""
     entrypoints: tuple[tuple[str, ...], ...] = ()
     """Admission's: argv prefixes real-mode jobs may run (``SHOAL_ENTRYPOINTS`` is JSON,
     e.g. ``[["python", "/opt/jobs/train.py"]]``); empty: no job may name an entrypoint."""

@@ -1,15 +1,16 @@
-"""``shoal compact``: remove the progress reports of finished jobs that no fold needs.
+"""``shoal compact``: remove the progress reports that no fold needs.
 
 The event log keeps every ``ProgressReported`` a running job makes (about one per
-``SHOAL_REPORT_MAX_EVERY_S``), so it grows with job-hours. Once a job has finished,
-a fold keeps from them only the one with the highest iteration. This command:
+``SHOAL_REPORT_MAX_EVERY_S``), so it grows with job-hours. A fold keeps from them only
+the one with the highest iteration. This command:
 
 1. reads the stream sequences of the newest cluster and profiler snapshots (the
    *horizon*: services start from them and read only what follows);
 2. folds the log to its current end, noting each job's reports
-   (:class:`shoal.compaction.ProgressLedger`), and picks, per finished job whose end
-   is below the horizon and ``--older-than`` (default a week) before the log's newest
-   instant, the sequence below which its reports may go;
+   (:class:`shoal.compaction.ProgressLedger`), and picks, per job, the sequence below
+   which its reports may go: only reports below the horizon and stamped ``--older-than``
+   (default a week) before the log's newest instant go, and the newest of them that the
+   fold keeps stays;
 3. folds the log again without those reports, and stops with an error, removing
    nothing, unless both folds have the same digest;
 4. removes them, one JetStream purge per job of that job's progress subject below its
@@ -43,7 +44,7 @@ class Compaction(Struct, kw_only=True):
     horizon: int
     last_seq: int
     jobs: int
-    """Finished jobs whose reports were (with ``dry_run``: would be) removed."""
+    """Jobs whose reports were (with ``dry_run``: would be) removed."""
     reports: int
     """Reports removed (with ``dry_run``: removable)."""
     messages_before: int
@@ -57,7 +58,7 @@ def register(subparsers: Any) -> None:
 
     p = subparsers.add_parser(
         "compact",
-        help="remove the progress reports of finished jobs that no fold of the log needs (admin only)",
+        help="remove the progress reports that no fold of the log needs (admin only)",
     )
     p.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
     p.add_argument(
@@ -65,9 +66,9 @@ def register(subparsers: Any) -> None:
         type=float,
         default=DEFAULT_OLDER_THAN_S,
         metavar="S",
-        help="only jobs that ended at least S seconds before the log's newest event "
-        f"(default {DEFAULT_OLDER_THAN_S:g}: a week); until then `shoal explain` and "
-        "`shoal replay --until` see their progress report by report",
+        help="only reports made at least S seconds before the log's newest event "
+        f"(default {DEFAULT_OLDER_THAN_S:g}: a week); newer ones stay, so `shoal explain` and "
+        "`shoal replay --until` see that week report by report",
     )
     add_connection_args(p)
     p.set_defaults(func=_compact)
@@ -90,12 +91,30 @@ async def horizon(bus: Any, last_seq: int) -> int:
     return min(seqs, default=last_seq) + 1
 
 
+async def newest_instant(bus: Any, end: int, tries: int = 100) -> float:
+    """The occurred-at of the newest message up to ``end`` that decodes (of the last
+    ``tries``; ``-inf`` when none does, and then no report is old enough to go)."""
+    import nats.js.errors
+
+    from shoal import codec
+
+    for seq in range(end, max(0, end - tries), -1):
+        try:
+            msg = await bus.js.get_msg(bus.names.events_stream, seq)
+            return float(codec.decode(msg.data).at)
+        except nats.js.errors.NotFoundError:
+            continue
+        except codec.DecodeFailure:
+            continue
+    return float("-inf")
+
+
 async def compact(
     bus: Any, *, dry_run: bool = False, older_than_s: float = DEFAULT_OLDER_THAN_S, timeout_s: float = 10.0
 ) -> Compaction:
     """Run one compaction on ``bus`` (an admin's connection); see the module docstring.
-    Only jobs that ended ``older_than_s`` or more before the log's newest instant are
-    compacted; ``timeout_s`` bounds each JetStream request.
+    Only reports stamped ``older_than_s`` or more before the log's newest instant go;
+    ``timeout_s`` bounds each JetStream request.
 
     Raises:
         CommandError: the fold without the reports would differ (nothing removed), or
@@ -119,7 +138,7 @@ async def compact(
     end = int(info.state.last_seq)
     before = int(info.state.messages)
     limit = min(await horizon(bus, end), end + 1)
-    ledger = ProgressLedger()
+    ledger = ProgressLedger(horizon=limit, cutoff=await newest_instant(bus, end) - older_than_s)
     progress = f"{bus.names.prefix}.job."
     async for batch in bus.replay_batches():
         for skipped in batch.skipped:
@@ -131,7 +150,7 @@ async def compact(
                 ledger.apply(seq, env)
         if batch.last_seq >= end:
             break
-    points = ledger.purge_points(limit, ended_before=ledger.state.clock - older_than_s)
+    points = ledger.purge_points()
     full = digest(ledger.state)
 
     state = ClusterState()
@@ -195,7 +214,7 @@ def _compact(args: argparse.Namespace) -> int:
             await bus.close()
         verb = "would remove" if result.dry_run else "removed"
         print(
-            f"{verb} {result.reports} progress reports of {result.jobs} finished jobs "
+            f"{verb} {result.reports} progress reports of {result.jobs} jobs "
             f"(log up to seq {result.last_seq}, snapshots cover below {result.horizon}); "
             f"messages {result.messages_before} -> {result.messages_after}; "
             f"fold digest {result.digest[:12]} unchanged"
