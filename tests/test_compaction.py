@@ -11,11 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 from shoal import codec, state
 from shoal import events as ev
 from shoal.auth import CredentialStore
 from shoal.bus import Bus
-from shoal.compaction import ProgressLedger, compacted_fold
+from shoal.compaction import ProgressLedger, compacted_fold, kept
 from shoal.events import Envelope
 from shoal.nats_server import EmbeddedNats
 from shoal.projection import CLUSTER_SNAPSHOT
@@ -194,3 +196,83 @@ async def test_shoal_compact_removes_them_from_the_stream_and_only_for_the_admin
         # Nothing more to remove until e is under a snapshot.
         again = _cli("compact", "--older-than", "0", url=server.url, creds=admin)
         assert again.returncode == 0 and "removed 0 progress reports of 0" in again.stdout, again.stderr
+
+
+_EVENTS = hs.sampled_from(
+    (
+        "submit",
+        "report",
+        "start",
+        "report",
+        "job_started",
+        "report",
+        "completed_reconf",
+        "report",
+        "decision",
+        "end",
+    )
+)
+"""Event kinds, reports four times as likely as any other."""
+
+
+@hs.composite
+def _histories(draw: hs.DrawFn) -> list[tuple[int, Envelope]]:
+    """Random logs of two jobs: submissions, starts, reconfigurations, reports with
+    iterations and instants out of order, decisions and every kind of end."""
+    out = []
+    for seq in range(1, draw(hs.integers(5, 30)) + 1):
+        j = draw(hs.sampled_from("ab"))
+        # Instants out of order and distinct (equal ones would hide a moved clock).
+        at = draw(hs.integers(0, 100)) + seq / 1000
+        kind = draw(_EVENTS)
+        e: ev.Event
+        if kind == "submit":
+            e = ev.JobSubmitted(job_id=j, spec=_spec())
+        elif kind == "start":
+            e = ev.ReconfigurationStarted(
+                job_id=j, epoch=1, kind="start", to_world=draw(hs.sampled_from((0, 1)))
+            )
+        elif kind == "job_started":
+            e = ev.JobStarted(job_id=j)
+        elif kind == "completed_reconf":
+            e = ev.ReconfigurationCompleted(job_id=j, epoch=draw(hs.integers(1, 3)), world_size=1)
+        elif kind == "report":
+            e = ev.ProgressReported(job_id=j, iteration=draw(hs.integers(0, 50)), num_gpus=1, loss=at / 100)
+        elif kind == "decision":
+            e = ev.SharesDecided(epoch=draw(hs.integers(1, 20)), shares={j: 1})
+        else:
+            e = draw(
+                hs.sampled_from(
+                    (
+                        ev.JobCompleted(job_id=j, iterations=60),
+                        ev.JobFailed(job_id=j, reason="x"),
+                        ev.JobCancelled(job_id=j, reason="x"),
+                    )
+                )
+            )
+        out.append((seq, codec.wrap(e, at=at)))
+    return out
+
+
+@settings(max_examples=500, deadline=None)
+@given(items=_histories(), data=hs.data())
+def test_a_fold_from_any_point_to_the_end_is_unchanged(
+    items: list[tuple[int, Envelope]], data: hs.DataObject
+) -> None:
+    """Whatever the horizon and the cutoff, folding the log whole up to any point (a
+    snapshot there) and the compacted log after it gives the whole log's fold."""
+    horizon = data.draw(hs.integers(1, len(items) + 1))
+    cutoff = data.draw(hs.one_of(hs.just(float("inf")), hs.floats(0, 101)))
+    ledger = _ledger(items, horizon=horizon, cutoff=cutoff)
+    points = ledger.purge_points()
+    full = state.digest(ledger.state)
+    for cut in range(len(items) + 1):
+        s = state.ClusterState()
+        for seq, env in items:
+            if seq <= cut or kept(seq, env, points):
+                state.apply(s, env)
+        assert state.digest(s) == full, (cut, points)
+    # Nothing at or past the horizon, and nothing stamped after the cutoff, goes.
+    for seq, env in items:
+        if not kept(seq, env, points):
+            assert seq < horizon and env.at <= cutoff
