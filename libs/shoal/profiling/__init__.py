@@ -22,8 +22,9 @@ Measurement (one sample per accepted report):
 - **Where**: GPU type = the report's ``gpu_type``, else the one the caller says the
   job ran on (``observe(gpu_type=...)``: the profiler service passes the generation of
   the job's newest completed reconfiguration), else the job's current type from the
-  newest ``SharesDecided``, else ``""`` (a homogeneous cluster's only generation); GPU count = the report's ``num_gpus``, else the job's completed
-  world size, else its share.
+  newest ``SharesDecided``, else ``""`` (a homogeneous cluster's only generation); GPU
+  count = the report's ``num_gpus``, else the job's completed world size, else its
+  share.
 - **Average of recent samples** per (job, GPU type, GPU count) (Gandiva_fair
   §3.4/§3.5: the profile adapts when a job changes behaviour), with
   :func:`shoal.fairness.hetero.record_sample`: the last ``window`` samples, reset

@@ -368,8 +368,8 @@ def decide_overestimate_first(
     The policy decides on :func:`first_share_view` (new jobs capped at ``1/n``); the
     decided (and network-packed) shares then pass through :func:`probe_shares`. With
     ``estimates`` empty or ``None``, or a policy that is not elastic
-    (:func:`~shoal.policies.base.policy_is_elastic`: FIFO, SRTF, Tiresias-L,
-    Gandiva_fair, Optimus' rigid baselines...), this is ``decide_shares`` itself: §4.5
+    (:func:`~shoal.policies.base.policy_is_elastic`: FIFO, SRTF, SRSF, Tiresias-L,
+    Gandiva_fair), this is ``decide_shares`` itself: §4.5
     resizes a job to measure it, and such a policy runs every job at the size it
     decided or not at all. Its jobs are measured at the sizes they run at.
 
