@@ -418,9 +418,9 @@ def test_a_job_submitted_from_the_host_completes(stack: Stack) -> None:
 
 def test_the_operator_compacts_the_log_from_the_host(stack: Stack) -> None:
     """docs/deploy.md: on compose the operator runs ``shoal compact`` with the admin's
-    seed (no container holds it). Once the snapshots cover a finished job's end, its
-    progress reports but the one the fold keeps go, on all three replicas, and the fold
-    is unchanged. A user's seed is refused."""
+    seed (no container holds it), against the three-server stack. Once the snapshots
+    cover a job's reports, all but the one its fold keeps go, and the command's fold
+    check passes. A user's seed is refused."""
     from shoal.commands.run import CLI_ARGV
 
     seen = _run_job_sync(stack, "compose-job-compact")
