@@ -6,9 +6,6 @@ operator runs it against a real nats-server, as the admin and as an outsider.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from hypothesis import given, settings
@@ -21,6 +18,8 @@ from shoal.compaction import ProgressLedger, compacted_fold, kept
 from shoal.events import Envelope
 from shoal.nats_server import EmbeddedNats
 from shoal.projection import CLUSTER_SNAPSHOT
+
+from tests.test_backup import _cli
 
 
 def _spec() -> ev.JobSpec:
@@ -124,18 +123,6 @@ def test_a_report_later_than_the_jobs_end_is_not_removed() -> None:
     for seq, (e, at) in enumerate(h, start=1):
         ledger.apply(seq, codec.wrap(e, at=at))
     assert ledger.purge_points() == {}
-
-
-def _cli(*argv: str, url: str, creds: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "NATS_"))}
-    env.update(NATS_URL=url, NATS_CREDS=creds)
-    return subprocess.run(
-        [sys.executable, "-c", "import sys; from shoal.cli import main; sys.exit(main())", *argv],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 async def _fold(url: str, creds: str) -> tuple[int, str]:
