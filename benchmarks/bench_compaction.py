@@ -43,7 +43,7 @@ from shoal.events import Envelope, GpuRef
 from shoal.nats_server import EmbeddedNats
 from shoal.projection import CLUSTER_SNAPSHOT, SNAPSHOT_SCHEMA
 
-from benchmarks.bench_services import _machine, fake_gpus
+from benchmarks.bench_services import _commit, _machine, fake_gpus
 
 REPORTS = Path(__file__).parent / "reports"
 STORE = REPORTS / "compaction.json"
@@ -157,9 +157,7 @@ async def measure(jobs: int, reports: int, active: int) -> dict[str, Any]:
         "digest_equal": before[2] == after[2],
         "compact_s": round(took, 2),
         "output": done.stdout.strip(),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        ).stdout.strip(),
+        "commit": _commit(),
         "machine": _machine(),
     }
 

@@ -32,7 +32,7 @@ from typing import Any
 import nats
 import nats.js.errors
 
-from benchmarks.bench_services import _machine
+from benchmarks.bench_services import _commit, _machine
 
 REPORTS = Path(__file__).parent / "reports"
 STORE = REPORTS / "log_growth.json"
@@ -137,9 +137,7 @@ def measure(
         "kinds_per_s": {k: v / elapsed for k, v in kinds.items() if v},
         "beats_messages": last["beats_messages"],
         "total_messages": last["messages"],
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        ).stdout.strip(),
+        "commit": _commit(),
         "machine": _machine(),
     }
 

@@ -540,6 +540,13 @@ async def cold_start_case(
 # -- report ---------------------------------------------------------------------------------
 
 
+def _commit() -> str:
+    """The short hash of this checkout's HEAD (what a stored benchmark run was made on)."""
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    ).stdout.strip()
+
+
 def _machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
