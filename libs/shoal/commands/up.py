@@ -629,19 +629,14 @@ async def _compact_periodically(every_s: float, older_than_s: float, env: dict[s
                 stderr=asyncio.subprocess.PIPE,
             )
             out, err = await asyncio.wait_for(proc.communicate(), limit_s)
-        except asyncio.CancelledError:
-            if proc is not None and proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
-            raise
         except Exception as exc:  # a timeout, or no process at all: try again next period
-            if proc is not None and proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
             log.warning("log_compaction_failed", error=repr(exc), took_s=round(time.monotonic() - started, 2))
             continue
+        finally:  # timed out, failed or cancelled (shoal up stopping): no child left behind
+            if proc is not None and proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
         took = round(time.monotonic() - started, 2)
         if proc.returncode == 0:
             log.info("log_compacted", summary=out.decode(errors="replace").strip(), took_s=took)
