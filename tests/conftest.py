@@ -19,6 +19,18 @@ from shoal.nats_server import EmbeddedNats, LocalCluster
 
 _prefixes = itertools.count(1)
 
+SERIAL_MARKERS = ("integration", "slow", "container", "gpu")
+"""Tests that start installations, clusters or containers, or train: one xdist lane runs
+them one at a time (``xdist_group``), so each has the machine as it would alone bar
+the other lane, which takes the rest (``-n 2 --dist loadgroup`` in ``addopts``)."""
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # At collection, before any pytest_collection_modifyitems: xdist names each item by its
+    # group in its own.
+    if any(item.get_closest_marker(m) for m in SERIAL_MARKERS):
+        item.add_marker(pytest.mark.xdist_group("serial"))
+
 
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:

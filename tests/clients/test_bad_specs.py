@@ -274,20 +274,26 @@ BILLION_LAUGHS = (
 )
 
 
+HOSTILE = [
+    ("billion_laughs", BILLION_LAUGHS, "anchors and aliases (&name, *name) are not allowed"),
+    ("deep", "user: alice\nname: " + "[" * 5000 + "]" * 5000 + "\n", "nested more than 32 levels deep"),
+    (
+        "int64_overflow",
+        "user: alice\ntotal_iterations: " + "9" * 30 + "\n",
+        "'total_iterations' is out of range",
+    ),
+    ("huge_int", "user: alice\npriority: " + "9" * 5000 + "\n", "holds a value that cannot be read"),
+    ("over_1mib", "user: alice\n#" + "x" * (1024 * 1024) + "\n", "is larger than 1048576 bytes"),
+    ("nul_byte", "user: alice\x00\n", "unacceptable character #x0000"),
+]
+
+
 @pytest.mark.parametrize(
     ("case", "text", "fragment"),
-    [
-        ("billion_laughs", BILLION_LAUGHS, "anchors and aliases (&name, *name) are not allowed"),
-        ("deep", "user: alice\nname: " + "[" * 5000 + "]" * 5000 + "\n", "nested more than 32 levels deep"),
-        (
-            "int64_overflow",
-            "user: alice\ntotal_iterations: " + "9" * 30 + "\n",
-            "'total_iterations' is out of range",
-        ),
-        ("huge_int", "user: alice\npriority: " + "9" * 5000 + "\n", "holds a value that cannot be read"),
-        ("over_1mib", "user: alice\n#" + "x" * (1024 * 1024) + "\n", "is larger than 1048576 bytes"),
-        ("nul_byte", "user: alice\x00\n", "unacceptable character #x0000"),
-    ],
+    HOSTILE,
+    # Named by case: a megabyte of text in the test's id would reach the CLI's environment
+    # (PYTEST_CURRENT_TEST) and exceed the kernel's limit on one variable.
+    ids=[case for case, _, _ in HOSTILE],
 )
 async def test_cli_hostile_job_files_exit_2_without_traceback(
     bus: Bus, service: AdmissionService, run_cli: RunCli, tmp_path: Path, case: str, text: str, fragment: str

@@ -63,7 +63,9 @@ async def test_replay_cli(logged: Bus, run_cli: RunCli) -> None:
 
 
 async def test_top_once_and_live(logged: Bus, run_cli: RunCli, cli_env: dict[str, str]) -> None:
-    rc, out, err = await run_cli("top", "--once")
+    # A terminal wide enough for the header whatever the test's prefix (Rich reads COLUMNS).
+    cli_env = {**cli_env, "COLUMNS": "200"}
+    rc, out, err = await run_cli("top", "--once", env=cli_env)
     assert rc == 0, err
     lines = out.splitlines()
     assert lines[0].startswith("shoal top · ") and "seq 17 · epoch 4 (afs-l)" in lines[0]
