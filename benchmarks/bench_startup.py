@@ -16,7 +16,7 @@ compared with a full fold of the log up to the sequence it was ready at. Then, u
     .venv/bin/python -m benchmarks.bench_startup --events 10000000 --tail 1000 --modes snapshot --append
 
 Writes ``benchmarks/reports/startup.md`` (``--append``: adds this run as a section of
-its own after what is there).
+its own, in place of a section for the same number of events, else after what is there).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ SERVICES: dict[str, dict[str, str]] = {
     "allocator": {},
     "node-daemon": {"SHOAL_NODE_ID": "bench-node", "SHOAL_FAKE_GPUS": "1", "SHOAL_SIDECAR_SPARES": "0"},
     "profiler": {},
+    "authorizer": {},  # its own identity, with the callout issuer's seed beside it (measure())
 }
 
 
@@ -107,6 +108,8 @@ async def main(args: argparse.Namespace) -> None:
 async def measure(args: argparse.Namespace, root: Path) -> None:
     creds = CredentialStore(root / "creds")
     admin = str(creds.ensure("admin"))
+    as_itself = {"authorizer": {"SHOAL_NATS_CREDS": str(creds.ensure("authorizer"))}}
+    creds.ensure_issuer()
     prefix = "bench"
     with EmbeddedNats(store_dir=root / "js", creds_dir=creds.directory, prefix=prefix) as server:
         bus = await Bus.connect(server.url, prefix=prefix, creds=admin)
@@ -180,7 +183,11 @@ async def measure(args: argparse.Namespace, root: Path) -> None:
                 # server's pings through a start of minutes (the server closed it once,
                 # during a 147 s full replay, when this waited on the event loop).
                 rec = await asyncio.to_thread(
-                    start_once, name, {**env, **more}, root / f"{name}.log", args.timeout
+                    start_once,
+                    name,
+                    {**env, **more, **as_itself.get(name, {})},
+                    root / f"{name}.log",
+                    args.timeout,
                 )
                 rows.append((name, mode, rec))
                 print(name, mode, {k: rec.get(k) for k in ("wall_s", "elapsed_s", "replayed", "error")})
@@ -273,10 +280,22 @@ async def measure(args: argparse.Namespace, root: Path) -> None:
     head = "# Service start-up: snapshot + tail vs full replay\n\n"
     body = "\n".join(lines) + "\n"
     if args.append and out.exists():
-        out.write_text(out.read_text().rstrip("\n") + "\n\n" + body)
+        out.write_text(_with_section(out.read_text(), body))
     else:
         out.write_text(head + body)
     print(out)
+
+
+def _with_section(report: str, section: str) -> str:
+    """``report`` with ``section`` in place of its section of the same heading (the same
+    event count), else added at the end."""
+    heading = section.split("\n", 1)[0]
+    parts = report.rstrip("\n").split("\n\n## ")
+    for i, part in enumerate(parts[1:], start=1):
+        if "## " + part.split("\n", 1)[0] == heading:
+            parts[i] = section.rstrip("\n")[3:]
+            return "\n\n## ".join(parts) + "\n"
+    return report.rstrip("\n") + "\n\n" + section
 
 
 if __name__ == "__main__":

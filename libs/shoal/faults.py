@@ -32,6 +32,12 @@ harness's follower folds them, and then runs the checks:
   resumed, is a leader or a standby (or exited and was restarted);
 * ``ready``: every service answers ``/readyz`` with 200 again (none hangs).
 
+At the end of a run (:meth:`FaultSuite.finish`) every submission that got no answer is
+sent again with its job id, as the SDK's error tells a user to
+(:meth:`FaultSuite.settle_unanswered`); those answered join the accepted ones, so the
+final ``once`` also covers them, and the notes say how many admission had written
+before: ``unanswered`` fails a run where one is still not answered.
+
 The wall-clock times measured include this harness's own follower's latency (it too
 reconnects after a NATS server restart).
 
@@ -507,6 +513,35 @@ class FaultSuite:
                 if client is not None:
                     with contextlib.suppress(Exception):
                         await client.close()
+
+    async def settle_unanswered(self, attempts: int = 5) -> dict[str, int]:
+        """Send each submission that got no answer again, with its job id, as a user told
+        "submit again with job id ..." does (:meth:`shoal.client.Client.submit_command`):
+        each answered one joins :attr:`accepted`, so ``once`` then checks that it is in the
+        log exactly once however many attempts reached admission. Counts: ``written``
+        (admission had written it: the answer says duplicate), ``now`` (written by this
+        attempt), ``never`` (no answer after ``attempts`` tries)."""
+        out = {"written": 0, "now": 0, "never": 0}
+        if not self.refused:
+            return out
+        async with await Client.connect(
+            self.url, "shoal", creds=str(self.creds / "admin.nk"), timeout_s=5.0
+        ) as client:
+            for job_id in self.refused:
+                n = int(job_id.rsplit("-", 1)[1])
+                spec = self._real_spec(n) if self.real else self._emulated_spec(n)
+                for _ in range(attempts):
+                    try:
+                        reply = await client.submit_command(spec, job_id)
+                    except (ClientError, TimeoutError, nats.errors.Error):
+                        await asyncio.sleep(1.0)
+                        continue
+                    out["written" if reply.duplicate else "now"] += 1
+                    self.accepted[job_id] = time.monotonic()
+                    break
+                else:
+                    out["never"] += 1
+        return out
 
     @staticmethod
     def _emulated_spec(n: int) -> ev.JobSpec:
@@ -999,12 +1034,19 @@ class FaultSuite:
         """Stop the load; every accepted job terminal; the checks once more."""
         await self.stop_load()
         result = Result(fault="(end of run)")
+        settled = await self.settle_unanswered()
         leaders: list[int] = []
         await self._watch_leaders(1.0, leaders)
         result.failed = await self.check(dict(self.accepted), leaders)
         result.notes += self._notes
         self._notes = []
-        result.notes.append(f"{len(self.accepted)} submissions accepted, {len(self.refused)} not answered")
+        result.notes.append(
+            f"{len(self.accepted)} submissions accepted, {len(self.refused)} not answered at first: "
+            f"{settled['written']} of them had been written (answered as such when sent again), "
+            f"{settled['now']} written when sent again, {settled['never']} never answered"
+        )
+        if settled["never"]:
+            result.failed.append("unanswered")
         result.notes.append(f"{self.replacements} re-placements of an epoch already placed in the log")
         self.results.append(result)
         return result

@@ -22,10 +22,13 @@ import pytest
 from shoal import codec
 from shoal import events as ev
 from shoal import state as st
+from shoal.auth import CredentialStore
 from shoal.bus import Bus, Snapshot
 from shoal.clock import WallClock
+from shoal.nats_server import EmbeddedNats
 from shoal.projection import CLUSTER_SNAPSHOT, SNAPSHOT_SCHEMA, check_snapshot
 
+from tests.conftest import add_identity
 from tests.services.test_faults import Children, service_env
 
 pytestmark = pytest.mark.integration
@@ -136,7 +139,7 @@ async def _digest_up_to(bus: Bus, seq: int) -> str:
 
 
 async def test_every_service_starts_from_the_snapshot_and_folds_only_the_tail(
-    bus: Bus, nats_url: str, prefix: str, tmp_path: Path, kids: Children
+    bus: Bus, nats_server: EmbeddedNats, nats_url: str, prefix: str, tmp_path: Path, kids: Children
 ) -> None:
     env = service_env(
         nats_url, prefix, WallClock(), tmp_path, snapshot_every="1", node_timeout_s="3600", policy="fifo"
@@ -160,7 +163,12 @@ async def test_every_service_starts_from_the_snapshot_and_folds_only_the_tail(
         "trader": {},
         "allocator": {},
         "node-daemon": {"SHOAL_NODE_ID": "n9", "SHOAL_FAKE_GPUS": "2", "SHOAL_SIDECAR_SPARES": "0"},
+        # The auth callout's service folds the log too (which job runs where); it
+        # authenticates as itself, with the callout issuer's seed beside its own.
+        "authorizer": {"NATS_CREDS": add_identity(nats_server, "authorizer")},
     }
+    assert nats_server.creds_dir is not None
+    CredentialStore(nats_server.creds_dir).ensure_issuer()
     for name, more in services.items():
         kids.start(name, name, {**env, **more})
     for name in services:
