@@ -189,6 +189,13 @@ def render(rows: Sequence[dict[str, Any]], command: str) -> str:
     return "\n".join(lines)
 
 
+def _shown(path: Path) -> str:
+    """``path`` as the report's command line gives it: from the repository root when inside it."""
+    root = REPORT.parents[2]
+    resolved = path.resolve()
+    return str(resolved.relative_to(root)) if resolved.is_relative_to(root) else str(path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -200,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases = args.case or list(DEFAULT_CASES)
     configs = [parse_case(text) for text in cases]  # a malformed case fails before any run
     command = "python benchmarks/conformance.py" + "".join(f" --case {c}" for c in args.case or ())
+    if args.output != "-" and Path(args.output).resolve() != REPORT:
+        command += f" --output {_shown(Path(args.output))}"
     rows: list[dict[str, Any]] = []
     for cfg in configs:
         out = compare(cfg, args.nats_url, os.environ.get("NATS_CREDS"))

@@ -28,11 +28,13 @@ Choices where the paper leaves room:
 * Tiresias configuration as in EDL's simulation (§6.3): three groups with service
   quanta 500 and 10,000 GPU-seconds; service counted over the job's life
   (``service_since_restart`` off, as in the Tiresias paper).
-* Starvation promotion is off by default (``promote_knob=None``). EDL §5.1 says a job
-  "not scheduled for a long time" returns to ``G0`` but names no threshold, and §6.3
-  ran on "the simulator provided in [5]" (Tiresias'), whose ``dlas-gpu`` schedule runs
-  with its starvation knob at 0 (off); its promoting variants are separate schedules
-  with knobs 0.5, 1, 2 and 4. Pass ``promote_knob`` to turn it on: a job in ``G1`` or
+* Starvation promotion is off by default (``promote_knob=None``), a departure from the
+  text of EDL §5.1, which describes it: a job "not scheduled for a long time" returns to
+  ``G0``. §5.1 names no threshold, and §6.3 ran on "the simulator provided in [5]"
+  (Tiresias') without saying which of its schedules; that it was ``dlas-gpu``, the
+  Tiresias schedule, is our inference. That schedule runs with its starvation knob at 0
+  (off); the promoting variants are separate schedules, each with a knob value of its
+  own. Pass ``promote_knob`` to turn it on: a job in ``G1`` or
   lower whose wait since its preemption reaches the knob times its run time since it
   last entered ``G0`` goes to the back of ``G0`` (the rule of
   :mod:`shoal.policies.tiresias`), and compaction and expansion then see it there.
