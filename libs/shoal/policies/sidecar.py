@@ -185,6 +185,9 @@ class SideCarAdaptive:
 
     # -- the decision --------------------------------------------------------------
 
+    plan_class: type[_Plan]
+    """The plan Algorithms 1-2 run on (set below :class:`_Plan`; a variant may replace it)."""
+
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Algorithm 1 for each incoming job, then Algorithm 2 if none is left waiting."""
         ordered = sorted(view.jobs, key=lambda j: (j.arrival_s, j.job_id))
@@ -202,14 +205,14 @@ class SideCarAdaptive:
                 else:
                     j.share = 0
             running = [j for j in running if j.share]
-        plan = _Plan(self, running, idle, gpn)
+        plan = self.plan_class(self, running, idle, gpn)
         # A job that could never fit is not "incoming" (it would block reshaping up).
         incoming = [j for j in jobs if not j.current and j.counts and j.counts[0] <= view.total_gpus]
-        waiting = False
-        for j in incoming:
-            if not plan.incoming(j, consider_waiting=self.consider_waiting):
-                waiting = True
-        if not waiting:
+        left: list[_Job] = []
+        for k, j in enumerate(incoming):
+            if not plan.incoming(j, consider_waiting=self.consider_waiting, queued=(left, incoming[k + 1 :])):
+                left.append(j)
+        if not left:
             plan.reshape_up()
         shares = {j.job.job_id: j.share for j in jobs if j.share}
         return Decision(shares=shares)
@@ -342,8 +345,12 @@ class _Plan:
 
     # -- Algorithm 1 -------------------------------------------------------------------
 
-    def incoming(self, j: _Job, *, consider_waiting: bool) -> bool:
-        """Decide one incoming job; return whether it started."""
+    def incoming(
+        self, j: _Job, *, consider_waiting: bool, queued: tuple[list[_Job], list[_Job]] = ([], [])
+    ) -> bool:
+        """Decide one incoming job; return whether it started. ``queued`` (the incoming
+        jobs left waiting ahead of ``j``, those not yet decided behind it) is not read:
+        ``MS_predict`` counts running jobs only (a subclass may read it)."""
         top1, top2, top_order = self.top()
         best: tuple[float, float, int, int, int] | None = None  # (ms, sum, waits, N_remove, -N)
         choice: tuple[int, _Job | None, int] = (0, None, 0)
@@ -452,3 +459,6 @@ class _Plan:
             b = self._best_add(j, max(top1, j.finish))
             if b is not None:
                 heapq.heappush(heap, (b[0], j.order, j.job.job_id, b[1]))
+
+
+SideCarAdaptive.plan_class = _Plan
