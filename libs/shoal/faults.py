@@ -1238,7 +1238,10 @@ def report(
             else ""
         )
         + "), leader (never two processes leading one lease, one leader in the end)"
-        + ("; no restart (real faults: the hit job trained again after the fault)." if real else "."),
+        + ("; no restart (real faults: the hit job trained again after the fault)." if real else ".")
+        + " At the end of a run every submission that got no answer is sent again with its job id, as"
+        " the SDK tells a user to; the end-of-run row's notes count those admission had written, and"
+        " unanswered fails a run where one is still not answered (once then covers them too).",
         "",
     ]
     return "\n".join(lines)
