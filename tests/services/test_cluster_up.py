@@ -1,8 +1,10 @@
 """`shoal up` against a real 3-node NATS cluster given as a seed list in ``NATS_URL``:
 the server leading the event stream is killed (``kill -9``) while jobs run and a client
 keeps submitting (a load, one job every 0.2 s, each retried with its own id until
-accepted, as a user's script would); the installation goes on: every accepted job
-completes, none is submitted twice, and `shoal jobs` answers."""
+accepted, as a user's script would); the installation goes on; then a rolling restart
+of all three servers, a job submitted and completed while each is down. Every accepted
+job completes, none is submitted twice, and `shoal jobs` answers. In the default run:
+issue 21's cluster tests through the command a user runs."""
 
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ from shoal.commands.run import CLI_ARGV as CLI
 from shoal.nats_server import LocalCluster
 
 from tests.services.test_up import usable_policy, wait_line
+from tests.test_cluster import all_current, eventually
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.integration
 
 MAX_LOAD = 60
 """At most this many jobs of the load (one node of 2 GPUs runs them at time scale 20)."""
@@ -100,6 +103,23 @@ def test_up_on_a_cluster_survives_killing_the_event_stream_leader(
                 await loader
                 nats_cluster.restart(victim)
             assert 0 < kills_at < len(accepted), (kills_at, accepted)
+            # A rolling restart of all three under load: each server killed, a job
+            # submitted and completed while it is down, then restarted and caught up.
+            await eventually(lambda: all_current(client.bus), 60, "the killed leader caught up")
+            stop = asyncio.Event()
+            loader = asyncio.create_task(load(client, stop))
+            try:
+                for i in range(3):
+                    nats_cluster.kill(i)
+                    try:
+                        await submit_until_accepted(client, f"roll-{i}")
+                        await wait_completed(client, f"roll-{i}")
+                    finally:
+                        nats_cluster.restart(i)
+                    await eventually(lambda: all_current(client.bus), 60, f"server {i + 1} caught up")
+            finally:
+                stop.set()
+                await loader
             for job_id in accepted:
                 await wait_completed(client, job_id, timeout_s=180)
             submitted = [
@@ -107,9 +127,9 @@ def test_up_on_a_cluster_survives_killing_the_event_stream_leader(
                 async for _, env in client.bus.replay()
                 if isinstance(env.event, ev.JobSubmitted)
             ]
-            assert sorted(submitted) == sorted(["before", "after", *accepted]), (
-                "a job lost or submitted twice"
-            )
+            assert sorted(submitted) == sorted(
+                ["before", "after", "roll-0", "roll-1", "roll-2", *accepted]
+            ), "a job lost or submitted twice"
             print(f"{len(accepted)} jobs under load, {kills_at} before the kill; all completed once")
         jobs = await asyncio.create_subprocess_exec(
             *CLI, "jobs", env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
