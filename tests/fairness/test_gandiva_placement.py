@@ -40,12 +40,19 @@ def test_the_simulator_runs_every_gang_on_the_servers_gandiva_fair_chose() -> No
     checked = moves = 0
     last_nodes: dict[str, set[str]] = {}
     reported: set[str] = set()
+    just_reported: set[str] = set()
+    made = 0
     for e in events:
         if isinstance(e, ev.SharesDecided):
             memory = e.policy_memory
-            reported |= {m["job_id"] for m in memory.get("migrations", [])}
+            just_reported = {m["job_id"] for m in memory.get("migrations", [])}
+            reported |= just_reported
         elif isinstance(e, ev.PlacementDecided):
             for job, gpus in e.placements.items():
+                # And the other way: a move the decision reports is made by its placement.
+                if job in just_reported and job in last_nodes:
+                    assert {g.node_id for g in gpus} != last_nodes[job], (job, "reported but not moved")
+                    made += 1
                 chosen = resolve_hint(topology, memory["placement"][job])
                 assert chosen is not None
                 nodes = {g.node_id for g in gpus}
@@ -59,6 +66,7 @@ def test_the_simulator_runs_every_gang_on_the_servers_gandiva_fair_chose() -> No
     assert checked > 20
     # The run moved gangs, so the check above (every move made was one reported) saw some.
     assert moves > 0, "no gang moved: the check of reported moves saw nothing"
+    assert made > 0, "no reported move of a placed gang: the check of moves made saw nothing"
 
 
 def test_a_job_keeps_its_gpus_and_a_resumed_gang_its_servers() -> None:
