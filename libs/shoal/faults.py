@@ -83,8 +83,10 @@ LEADER_ELECTED = ("allocator", "placer", "profiler", "trader")
 CNN = Path(__file__).resolve().parents[2] / "examples" / "cnn_digits.py"
 """The shipped example a real-mode suite's jobs run (``examples/cnn_digits.py``)."""
 
-REAL_STEPS = 300
-"""Steps of each real job of a real-mode suite (by default)."""
+REAL_STEPS = 3000
+"""Steps of each real job of a real-mode suite (by default): enough to be hit mid-training
+(the CNN takes about 4 ms a step on one CPU core here; 300 steps ended within one progress
+report, before the suite could hit a job past its first checkpoints)."""
 
 _RESTORED = re.compile(r"shoal\.train: restored step (\d+) from ")
 """The line rank 0 prints when a cold start restored a checkpoint (shoal.train.runtime)."""
