@@ -268,12 +268,7 @@ class _QueuePlan(_Plan):
                 return False
         if best is None:
             return False
-        n, victim, nr = choice
-        if victim is not None:
-            self._set(victim, victim.share - nr)
-            self._retire(victim.job.job_id)
-        self._set(j, n)
-        self._retire(j.job.job_id)
+        self.start(j, *choice)
         return True
 
 

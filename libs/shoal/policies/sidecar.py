@@ -391,13 +391,16 @@ class _Plan:
                 return False
         if best is None:
             return False
-        n, victim, nr = choice
+        self.start(j, *choice)
+        return True
+
+    def start(self, j: _Job, n: int, victim: _Job | None, n_remove: int) -> None:
+        """Start incoming ``j`` on ``n`` GPUs, ``n_remove`` of them from ``victim``."""
         if victim is not None:
-            self._set(victim, victim.share - nr)
+            self._set(victim, victim.share - n_remove)
             self._retire(victim.job.job_id)
         self._set(j, n)
         self._retire(j.job.job_id)
-        return True
 
     # -- Algorithm 2 ----------------------------------------------------------------------
 
