@@ -193,7 +193,7 @@ def _scrape(url: str, timeout_s: float = 2.0) -> tuple[int, str]:
         with urllib.request.urlopen(url, timeout=timeout_s) as r:
             return int(r.status), r.read().decode()
     except urllib.error.HTTPError as exc:
-        return int(exc.code), ""
+        return int(exc.code), exc.read().decode(errors="replace")
     except OSError:
         return 0, ""
 
@@ -969,15 +969,27 @@ class FaultSuite:
         return await wait_until(done, timeout_s or self.recovery_timeout_s, 0.2)
 
     async def check_ready(self) -> bool:
+        not_ready: dict[str, str] = {}
+
         async def all_ready() -> bool:
+            probes = self.probes()
             codes = await asyncio.gather(
-                *(asyncio.to_thread(_scrape, u + "/readyz") for u in self.probes().values())
+                *(asyncio.to_thread(_scrape, u + "/readyz") for u in probes.values())
             )
-            return all(c == 200 for c, _ in codes)
+            not_ready.clear()
+            not_ready.update(
+                {
+                    name: f"{c} {body.strip()[:120]}"
+                    for name, (c, body) in zip(probes, codes, strict=True)
+                    if c != 200
+                }
+            )
+            return not not_ready
 
         deadline = time.monotonic() + self.recovery_timeout_s
         while not await all_ready():
             if time.monotonic() > deadline:
+                self._notes.append(f"not ready: {not_ready}")
                 return False
             await asyncio.sleep(0.5)
         return True
