@@ -1144,6 +1144,14 @@ class Bus:
                         continue
                     consumer = info.name
                     next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+                    # A fresh inbox: the answers still due to the lost consumer's requests
+                    # (a paused server answers its backlog of them on resuming) must not
+                    # read as this consumer's, or each stale "deleted" status loses it again.
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
+                    buf.clear()
+                    inbox = self.nc.new_inbox()
+                    sub = await self.nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=4 * batch + 1024)
                     log.info(
                         "replay_consumer_recreated",
                         stream=stream,
