@@ -22,13 +22,16 @@ _prefixes = itertools.count(1)
 SERIAL_MARKERS = ("integration", "slow", "container", "gpu")
 """Tests that start installations, clusters or containers, or train: one xdist lane runs
 them one at a time (``xdist_group``), so each has the machine as it would alone bar
-the other lane, which takes the rest (``-n 2 --dist loadgroup`` in ``addopts``)."""
+the other lane, which takes the rest (``-n 2 --dist loadgroup`` in ``addopts``). Tests
+that start a NATS cluster (fixture ``nats_cluster``) go there too: two clusters started at
+once in two lanes failed (a 3-replica stream unavailable, a leader election too slow)."""
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
     # At collection, before any pytest_collection_modifyitems: xdist names each item by its
     # group in its own.
-    if any(item.get_closest_marker(m) for m in SERIAL_MARKERS):
+    fixtures = getattr(item, "fixturenames", ())
+    if any(item.get_closest_marker(m) for m in SERIAL_MARKERS) or "nats_cluster" in fixtures:
         item.add_marker(pytest.mark.xdist_group("serial"))
 
 

@@ -45,6 +45,7 @@ async def _stored(bus: Bus, node_id: str) -> int:
     return int((info.state.subjects or {}).get(bus.names.beat(node_id), 0))
 
 
+@pytest.mark.integration  # a rate: the flooding client must outrun the limit (its own lane)
 async def test_a_node_that_floods_gets_eight_heartbeats_a_ttl_stored(
     nats_server: EmbeddedNats, bus: Bus, prefix: str
 ) -> None:

@@ -184,6 +184,7 @@ async def run_admission(
         await bus.close()
 
 
+@pytest.mark.slow  # the default run kills the leader through shoal up (tests/services/test_cluster_up.py)
 async def test_killing_the_event_stream_leader_loses_no_acknowledged_submission(
     nats_cluster: LocalCluster, prefix: str
 ) -> None:

@@ -1,7 +1,7 @@
 """Emulate agrees with simulate: the same trace slice, policy, seed and cost model through
 the live stack (real nats-server, services, sidecar processes) and through ``shoal simulate``.
 
-The default run replays 50 Philly jobs of VC 0e4a51 on 4 × 4 GPUs at 10,000× on the
+The default run replays 50 Philly jobs of VC 0e4a51 on 4 × 4 GPUs at 20,000× on the
 synchronized clock, and 12 on a free-running clock; the ``slow`` runs replay 100 jobs
 under three policies, and 12 with AFS §4.5's overestimate-first live (the profiler
 measures, the allocator probes). ``python benchmarks/conformance.py`` writes the report.
@@ -83,11 +83,11 @@ def test_arrival_difference_names_a_decision_labelled_with_another_trigger() -> 
 
 
 def test_fifty_jobs_agree_one_for_one_on_the_synchronized_clock(nats_url: str) -> None:
-    """50 jobs at 10,000× (about a minute and a half): on the synchronized clock the
+    """50 jobs at 20,000× (about a minute): on the synchronized clock the
     emulated stack makes the simulator's share decisions, one for one, and its job
     times agree to within rounding (see :class:`shoal.clock.SharedClock`)."""
     out = compare(
-        ConformanceConfig(trace="philly:0e4a51:50", policy="afs-p", time_scale=10_000.0),
+        ConformanceConfig(trace="philly:0e4a51:50", policy="afs-p", time_scale=20_000.0),
         nats_url,
         os.environ["NATS_CREDS"],
     )
