@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from shoal import codec
@@ -22,6 +23,14 @@ async def _wait_until(predicate: object, timeout_s: float = 15.0) -> None:
     async def poll() -> None:
         while not predicate():  # type: ignore[operator]
             await asyncio.sleep(0.02)
+
+    await asyncio.wait_for(poll(), timeout_s)
+
+
+async def _wait_until_async(read: Any, expected: object, timeout_s: float) -> None:
+    async def poll() -> None:
+        while await read() != expected:
+            await asyncio.sleep(0.1)
 
     await asyncio.wait_for(poll(), timeout_s)
 
@@ -156,3 +165,114 @@ async def test_a_projection_started_before_its_stream_exists_waits_for_it(nats_u
             starting.cancel()
         await projection.stop()
         await early.close()
+
+
+
+class _Partition:
+    """A TCP proxy between one client and the server that can hold everything in both
+    directions for a while: a network partition. What the client sent meanwhile reaches
+    the server at once when it heals, as a paused server's socket backlog would, but the
+    server itself kept running, so its consumer timers fired on time."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.healed = asyncio.Event()
+        self.healed.set()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"nats://127.0.0.1:{port}"
+
+    async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        self.tasks += [
+            asyncio.create_task(self._pump(client_r, server_w)),
+            asyncio.create_task(self._pump(server_r, client_w)),
+        ]
+
+    async def _pump(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await r.read(65536):
+                await self.healed.wait()
+                w.write(data)
+                await w.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            w.close()
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.server is not None:
+            self.server.close()
+
+
+async def test_replay_recovers_once_from_the_backlog_of_a_partition(tmp_path: Path) -> None:
+    """Cut off from the server for longer than its consumer's inactive threshold, a
+    reader's consumer is removed, and every pull request it sent meanwhile reaches the
+    server at once when the partition heals (as the backlog of a server paused past the
+    threshold does): each is answered "no such consumer". Those answers belong to the
+    lost consumer; read as the recreated one's, each lost it again. Issue 21's 60 s pause
+    suite found a standby hundreds of events behind the tail after such a pause, for good.
+    The reader must recover in one episode, with no gap or duplicate, and follow on.
+
+    The threshold is 1 s here instead of 30 s, so a partition of about 10 s does: the
+    reader sends a pull about every 7.5 s of silence (an idle long-poll of 0.2 s plus 5 s
+    grace, then a 2 s consumer-info timeout), so two are waiting when it heals. (A SIGSTOP of the
+    server itself raced the server's timer against its backlog: a third of the runs kept
+    the consumer.)"""
+    from structlog.testing import capture_logs
+
+    server = EmbeddedNats(store_dir=tmp_path / "js")
+    server.start()
+    partition = _Partition(int(server.url.rsplit(":", 1)[1]))
+    try:
+        reader_bus = await Bus.connect(await partition.start(), prefix="rp")
+        writer = await Bus.connect(server.url, prefix="rp")
+        try:
+            await writer.publish_many([submitted(i) for i in range(100)])
+            seen: list[int] = []
+            stop = asyncio.Event()
+
+            async def reader() -> None:
+                async for batch in reader_bus.replay_batches(
+                    follow=True, stop=stop, idle_expires_s=0.2, inactive_threshold_s=1.0
+                ):
+                    seen.extend(seq for seq, _ in batch)
+
+            with capture_logs() as logs:
+                task = asyncio.create_task(reader())
+                try:
+                    await _wait_until(lambda: len(seen) >= 100)
+                    partition.healed.clear()
+                    # The server removes the consumer once its last pull request expired and
+                    # the threshold passed, whatever the reader sent meanwhile.
+                    await _wait_until_async(lambda: _consumers(writer), [], timeout_s=15)
+                    await writer.publish_many([submitted(i) for i in range(100, 150)])
+                    await asyncio.sleep(8)  # a pull per 7.5 s of silence: one more queued up
+                    partition.healed.set()
+                    await _wait_until(lambda: len(seen) >= 150, timeout_s=30)
+                    # Still following once the stale answers are all in: nothing loses it again.
+                    await asyncio.sleep(2)
+                    await writer.publish_many([submitted(i) for i in range(150, 200)])
+                    await _wait_until(lambda: len(seen) >= 200, timeout_s=15)
+                    stop.set()
+                    await asyncio.wait_for(task, 10)
+                finally:
+                    partition.healed.set()
+                    task.cancel()
+            assert seen == list(range(1, 201))
+            events = [e["event"] for e in logs if e["event"].startswith("replay_consumer_")]
+            assert events.count("replay_consumer_lost") == 1, events
+            assert events.count("replay_consumer_recreated") == 1, events
+        finally:
+            await reader_bus.close()
+            await writer.close()
+    finally:
+        await partition.close()
+        server.stop()

@@ -1058,6 +1058,7 @@ class Bus:
         stop: asyncio.Event | None = None,
         idle_expires_s: float = 1.0,
         dead_letter: bool = False,
+        inactive_threshold_s: float = 30.0,
     ) -> AsyncIterator[Batch]:
         """Yield the log in order as batches of ``(stream_seq, envelope)``.
 
@@ -1074,13 +1075,16 @@ class Bus:
         :meth:`dead_letter_skipped`). A batch with only skipped messages is still
         yielded, so that ``last_seq`` and the writers' cursors move on.
 
-        The consumer is ephemeral (the server removes it after 30 s without a pull
-        request, or when the server restarts). A lost consumer (its deletion
+        The consumer is ephemeral (the server removes it after ``inactive_threshold_s``
+        without a pull request, 30 s by default, or when the server restarts). A lost consumer (its deletion
         reported, no responder for a pull, or a stalled pull whose consumer the server
         no longer knows) is created again from the sequence after the last one handed
         out, so the replay goes on without gap or duplicate; while that fails it is
         retried with a backoff (0.25 s doubling to 5 s), and each episode logs one
         ``replay_consumer_lost`` warning and one ``replay_consumer_recreated`` line.
+
+        Raises:
+            BusError: the bus was closed before the replay ended (or ``stop`` was set).
         """
         stream = self.names.events_stream
 
@@ -1096,7 +1100,7 @@ class Bus:
                     deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first
                 )
             cfg.ack_policy = api.AckPolicy.NONE
-            cfg.inactive_threshold = 30.0
+            cfg.inactive_threshold = inactive_threshold_s
             cfg.mem_storage = True
             cfg.max_waiting = 16
             if filter_subjects:
@@ -1130,6 +1134,10 @@ class Bus:
             while True:
                 if (stop is not None and stop.is_set()) or (caught_up and not follow):
                     return
+                if self._closing or self.nc.is_closed or self.nc.is_draining:
+                    # Closed on purpose, or for good (which fails the process): no pull can
+                    # be answered any more, so say so rather than retry for ever.
+                    raise BusError("bus closed during a replay")
                 if lost_since is not None:
                     try:
                         info = await self.js.add_consumer(stream, config(next_seq))
