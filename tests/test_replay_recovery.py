@@ -167,7 +167,6 @@ async def test_a_projection_started_before_its_stream_exists_waits_for_it(nats_u
         await early.close()
 
 
-
 class _Partition:
     """A TCP proxy between one client and the server that can hold everything in both
     directions for a while: a network partition. What the client sent meanwhile reaches
