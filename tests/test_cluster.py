@@ -88,6 +88,34 @@ async def test_declare_never_scales_a_stream_down(nats_cluster: LocalCluster, pr
         await admin.close()
 
 
+async def test_a_later_start_raises_buckets_made_with_fewer_replicas(
+    nats_cluster: LocalCluster, prefix: str
+) -> None:
+    """A first start that saw fewer servers (a node down: ``connect_urls`` lists two, so
+    one replica) makes its streams, buckets and snapshot store with one replica; the
+    admin's next start on the whole cluster (its declare, nothing else) raises them to
+    three."""
+    low = await connect(nats_cluster, prefix, replicas=1)
+    try:
+        await low.lease("allocator", "me", ttl_s=2.0)
+        await low.save_snapshot("s", 7, b"state")
+    finally:
+        await low.close()
+    full = await connect(nats_cluster, prefix)
+    try:
+        assert (await full.load_snapshot("s")) is not None
+        mine = [
+            s
+            async for s in _stream_names(full)
+            if s.startswith(("KV_", "OBJ_")) and prefix.upper() in s.upper()
+        ]
+        assert len(mine) == 3, mine
+        for name in [*mine, full.names.events_stream]:
+            assert (await full.js.stream_info(name)).config.num_replicas == 3, name
+    finally:
+        await full.close()
+
+
 async def test_a_seed_list_whose_first_server_is_down_connects(
     nats_cluster: LocalCluster, nats_server: EmbeddedNats, prefix: str
 ) -> None:

@@ -716,6 +716,13 @@ class Bus:
         await self.key_value(
             api.KeyValueConfig(bucket=n.train_meta_bucket, history=1, storage=api.StorageType.FILE)
         )
+        # Made by services, which may not update them: the admin's start raises them.
+        for made_by_services in (
+            f"KV_{n.lease_bucket}",
+            f"OBJ_{n.snapshot_bucket}",
+            f"OBJ_{n.profiler_snapshot_bucket}",
+        ):
+            await self._raise_replicas(made_by_services)
 
     # -- publishing --------------------------------------------------------------
 
@@ -1539,9 +1546,31 @@ class Bus:
             out[subject.removeprefix(head)] = msg.data.decode(errors="replace")
         return out
 
+    async def _raise_replicas(self, stream: str) -> None:
+        """Raise an existing bucket's or object store's stream to :attr:`replicas`, never
+        lower it (as :meth:`_ensure_stream` does for streams): a bucket first made while
+        a cluster node was down, so with fewer replicas, gets them at a later start (the
+        admin's :meth:`declare`: ``shoal up``, ``shoal admin``). Only the admin may update a
+        stream; for others this does nothing."""
+        if not self.may_delete_consumers:  # the admin's (or an unauthenticated) connection
+            return
+        try:
+            try:
+                info = await self.js.stream_info(stream)
+            except nats.js.errors.NotFoundError:
+                return  # not made yet: it is made with the replicas of whoever makes it
+            if (info.config.num_replicas or 1) >= self.replicas:
+                return
+            info.config.num_replicas = self.replicas
+            await self.js.update_stream(info.config)
+            log.info("replicas_raised", stream=stream, replicas=self.replicas)
+        except Exception as exc:  # a node still down: the next start tries again
+            log.warning("replicas_not_raised", stream=stream, replicas=self.replicas, error=repr(exc))
+
     async def key_value(self, config: api.KeyValueConfig) -> Any:
         """The KV bucket of ``config``, created with :attr:`replicas` when missing; an
-        existing bucket is used as it is (whatever its replicas).
+        existing bucket is used as it is, except that the admin raises its replicas to
+        :attr:`replicas` (:meth:`_raise_replicas`).
 
         An identity that may not create buckets (:attr:`may_create_streams`: a sidecar)
         only binds to it.
@@ -1564,6 +1593,7 @@ class Bus:
         except nats.js.errors.BadRequestError as exc:
             if exc.err_code != ERR_STREAM_NAME_IN_USE:
                 raise
+            await self._raise_replicas(f"KV_{config.bucket}")
             return await self.js.key_value(config.bucket)
 
     async def _snapshot_store(self, bucket: str | None = None) -> Any:
@@ -1573,6 +1603,7 @@ class Bus:
         except nats.js.errors.BadRequestError as exc:
             if exc.err_code != ERR_STREAM_NAME_IN_USE:
                 raise
+            await self._raise_replicas(f"OBJ_{name}")
             return await self.js.object_store(name)
 
     async def save_snapshot(

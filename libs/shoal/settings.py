@@ -87,8 +87,8 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     embedded server that `shoal up` runs for ``state_dir``."""
     replicas: Annotated[int, Meta(ge=1, le=5)] | None = None
     """Replicas of every stream, KV bucket and object store shoal creates. Unset: 3 when
-    the server reports a cluster of three or more servers, else 1. An existing stream is
-    never scaled down."""
+    the server reports a cluster of three or more servers, else 1. An existing stream,
+    bucket or object store is never scaled down; the admin's start raises one with fewer."""
     sync_interval: Annotated[str, Meta(pattern=r"^(always|[0-9]+(ms|s|m|h))$")] | None = None
     """`shoal up`'s embedded server: how often JetStream fsyncs its store (e.g. ``10s``), or
     ``always`` (before every ack). Unset: nats-server's default, every 2 minutes."""
