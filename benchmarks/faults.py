@@ -1,16 +1,17 @@
 """The fault suite under load (issue 21): ``python benchmarks/faults.py`` starts ``shoal up``
 with a standby allocator and a steady load of submissions, injects every fault of
-:data:`shoal.faults.FULL` in turn, runs the checks after each and at the end, and writes
-``benchmarks/reports/faults.md`` (one row per fault). See :mod:`shoal.faults`.
+:data:`shoal.faults.FULL` in turn, runs the checks after each and at the end; then, on a
+second installation in real mode, the faults of :data:`shoal.faults.REAL`: kill -9 of a
+sidecar leader and of a training worker of real jobs (``examples/cnn_digits.py`` on CPU
+with gloo). It writes both, one row per fault, to ``benchmarks/reports/faults.md``. See
+:mod:`shoal.faults`.
 
-``--reduced`` runs :data:`shoal.faults.REDUCED` (what the default test run does),
-``--pauses SECONDS`` runs :func:`shoal.faults.pauses` instead (a SIGSTOP of that long of
-every kind of process, one at a time; report ``faults_pause_<SECONDS>s.md``) and ``--out``
-writes the report elsewhere.
-
-``--real`` runs :data:`shoal.faults.REAL` instead: kill -9 of a sidecar leader and of a
-training worker of real jobs (``examples/cnn_digits.py`` on CPU with gloo, through
-``shoal up`` in real mode; report ``faults_real.md``).
+``--no-real`` leaves the real-mode faults out (they need torch: the ``train`` or ``dev``
+extra), ``--real`` runs only them (report ``faults_real.md``), ``--reduced`` runs
+:data:`shoal.faults.REDUCED` (what the default test run does), ``--pauses SECONDS`` runs
+:func:`shoal.faults.pauses` instead (a SIGSTOP of that long of every kind of process, one
+at a time; report ``faults_pause_<SECONDS>s.md``) and ``--out`` writes the report
+elsewhere.
 """
 
 from __future__ import annotations
@@ -41,12 +42,19 @@ def main() -> int:
     p.add_argument(
         "--real", action="store_true", help="only the real-mode faults (sidecar leader, training worker)"
     )
+    p.add_argument("--no-real", action="store_true", help="without the real-mode faults")
     p.add_argument("--out", type=Path, help=f"report path (default {REPORT}, or faults_pause_<S>s.md)")
     args = p.parse_args()
     from shoal.faults import report
 
     if args.real:
         return real(args.out or REPORT.with_name("faults_real.md"))
+    with_real = args.pauses is None and not args.reduced and not args.no_real
+    if with_real:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            p.error("the real-mode faults need torch (pip install -e '.[train]'), or pass --no-real")
     if args.pauses is not None:
         faults = pauses(args.pauses)
         out = args.out or REPORT.with_name(f"faults_pause_{args.pauses:g}s.md")
@@ -54,7 +62,9 @@ def main() -> int:
     else:
         faults = REDUCED if args.reduced else FULL
         out = args.out or REPORT
-        command = "python benchmarks/faults.py" + (" --reduced" if args.reduced else "")
+        command = "python benchmarks/faults.py" + (
+            " --reduced" if args.reduced else " --no-real" if args.no_real else ""
+        )
     args.out = out
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="shoal-faults-") as tmp:
@@ -70,12 +80,24 @@ def main() -> int:
                 submit_every_s=every,
             )
         )
-        elapsed = time.monotonic() - started
-        text = report(results, command=command, elapsed_s=elapsed, submit_every_s=every)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-        print(text)
         failed = _show_failures(results, Path(tmp))
+    real_section = ""
+    if with_real:
+        real_text, real_failed = _run_real(command, section=True)
+        real_section = "\n" + real_text
+        failed = failed or real_failed
+    elapsed = time.monotonic() - started
+    text = report(
+        results,
+        command=command,
+        elapsed_s=elapsed,
+        submit_every_s=every,
+        real_included=with_real,
+    )
+    text += real_section
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
     return 1 if failed else 0
 
 
@@ -94,7 +116,9 @@ def _machine() -> str:
     return f"{os.cpu_count()} CPUs, load average (1/5/15 min) {load}"
 
 
-def real(out: Path) -> int:
+def _run_real(command: str, *, section: bool = False) -> tuple[str, bool]:
+    """The real-mode suite on an installation of its own: its report (``section``: as a
+    section of faults.md), whether a fault failed."""
     from shoal.faults import report
 
     before = _machine()
@@ -109,15 +133,21 @@ def real(out: Path) -> int:
         )
         text = report(
             results,
-            command="python benchmarks/faults.py --real",
+            command=command,
             elapsed_s=elapsed,
             real_steps=REAL_STEPS,
             machine=machine,
+            section=section,
         )
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        print(text)
         failed = _show_failures(results, Path(tmp))
+    return text, failed
+
+
+def real(out: Path) -> int:
+    text, failed = _run_real("python benchmarks/faults.py --real")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
     return 1 if failed else 0
 
 
