@@ -1082,16 +1082,18 @@ class Bus:
         :meth:`dead_letter_skipped`). A batch with only skipped messages is still
         yielded, so that ``last_seq`` and the writers' cursors move on.
 
-        The consumer is ephemeral (the server removes it after ``inactive_threshold_s``
-        without a pull request, 30 s by default, or when the server restarts). A lost consumer (its deletion
-        reported, no responder for a pull, or a stalled pull whose consumer the server
-        no longer knows) is created again from the sequence after the last one handed
-        out, so the replay goes on without gap or duplicate; while that fails it is
-        retried with a backoff (0.25 s doubling to 5 s), and each episode logs one
-        ``replay_consumer_lost`` warning and one ``replay_consumer_recreated`` line.
+        The consumer is ephemeral: the server removes it after ``inactive_threshold_s``
+        (30 s by default) without a pull request, or when the server restarts. A lost
+        consumer (its deletion reported, no responder for a pull, or a stalled pull whose
+        consumer the server no longer knows) is created again from the sequence after the
+        last one handed out, so the replay goes on without gap or duplicate; while that
+        fails it is retried with a backoff (0.25 s doubling to 5 s), and each episode logs
+        one ``replay_consumer_lost`` warning and one ``replay_consumer_recreated`` line.
+        The recreated consumer gets a fresh reply inbox: answers still due to the lost
+        one's requests (a paused server's backlog) must not be read as its own.
 
         Raises:
-            BusError: the bus was closed before the replay ended (or ``stop`` was set).
+            BusError: the bus was closed before the replay ended.
         """
         stream = self.names.events_stream
 
