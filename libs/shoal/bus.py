@@ -716,13 +716,15 @@ class Bus:
         await self.key_value(
             api.KeyValueConfig(bucket=n.train_meta_bucket, history=1, storage=api.StorageType.FILE)
         )
-        # Made by services, which may not update them: the admin's start raises them.
-        for made_by_services in (
+        # Buckets made earlier with fewer replicas (a first start with a cluster node down):
+        # the admin's start raises them, the services' ones included, which may not.
+        for existing in (
+            f"KV_{n.train_meta_bucket}",
             f"KV_{n.lease_bucket}",
             f"OBJ_{n.snapshot_bucket}",
             f"OBJ_{n.profiler_snapshot_bucket}",
         ):
-            await self._raise_replicas(made_by_services)
+            await self._raise_replicas(existing)
 
     # -- publishing --------------------------------------------------------------
 
@@ -1571,8 +1573,8 @@ class Bus:
 
     async def key_value(self, config: api.KeyValueConfig) -> Any:
         """The KV bucket of ``config``, created with :attr:`replicas` when missing; an
-        existing bucket is used as it is, except that the admin raises its replicas to
-        :attr:`replicas` (:meth:`_raise_replicas`).
+        existing bucket is used as it is (the admin's :meth:`declare` raises the replicas of
+        shoal's buckets: :meth:`_raise_replicas`).
 
         An identity that may not create buckets (:attr:`may_create_streams`: a sidecar)
         only binds to it.
@@ -1595,7 +1597,6 @@ class Bus:
         except nats.js.errors.BadRequestError as exc:
             if exc.err_code != ERR_STREAM_NAME_IN_USE:
                 raise
-            await self._raise_replicas(f"KV_{config.bucket}")
             return await self.js.key_value(config.bucket)
 
     async def _snapshot_store(self, bucket: str | None = None) -> Any:
@@ -1605,7 +1606,6 @@ class Bus:
         except nats.js.errors.BadRequestError as exc:
             if exc.err_code != ERR_STREAM_NAME_IN_USE:
                 raise
-            await self._raise_replicas(f"OBJ_{name}")
             return await self.js.object_store(name)
 
     async def save_snapshot(
