@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import msgspec
 from hypothesis import given, settings
+from hypothesis import strategies as hs
 from shoal.policies.base import ClusterView, JobView, check_decision
 from shoal.policies.fifo import FIFO
 from shoal.policies.maxmin import MaxMin
@@ -63,6 +65,25 @@ def test_fifo_keeps_every_job_it_started(view: ClusterView) -> None:
     second = FIFO().decide(nxt, {})
     for job_id, gpus in first.shares.items():
         assert second.shares.get(job_id) == gpus
+
+
+@settings(max_examples=300, deadline=None)
+@given(view=views(max_jobs=16, max_gpus=12), backfill=hs.booleans(), ordered=hs.booleans())
+def test_fifo_walking_the_queue_while_gpus_are_free_decides_as_walking_it_all(
+    view: ClusterView, backfill: bool, ordered: bool
+) -> None:
+    """decide (running jobs by one pass, the queue walked only while GPUs are free)
+    equals decide_all (the literal two passes), shares and their order, over a few
+    rounds; on a view that says it is in arrival order too."""
+    if ordered:
+        jobs = tuple(sorted(view.jobs, key=lambda j: (j.arrival_s, j.job_id)))
+        view = msgspec.structs.replace(view, jobs=jobs, arrival_ordered=True)
+    policy = FIFO(backfill=backfill)
+    for _ in range(3):
+        fast = policy.decide(view, {})
+        slow = policy.decide_all(view, {})
+        assert list(fast.shares.items()) == list(slow.shares.items())
+        view = later(view, fast, 60.0)
 
 
 # -- Max-Min -------------------------------------------------------------------------------

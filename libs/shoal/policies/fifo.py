@@ -15,15 +15,28 @@ Choices where the sources leave room:
   ``backfill=False`` gives strict head-of-line blocking: nothing behind the first job
   that does not fit starts.
 * No memory: who runs is derived from the view, so a replay decides the same.
+
+Cost of a decision in a long queue (:meth:`FIFO.decide`): the running jobs are found
+with one C-level pass over the view (``current_gpus``), and the waiting jobs are walked
+in arrival order only while GPUs are free: once none is, no later job can start (every
+start needs at least one GPU). :meth:`FIFO.decide_all` is the literal two-pass form
+(every job's request size, every waiting job walked); a property test checks both
+decide alike. On the 51,258 jobs of Philly VC 6214e9 the literal form did about 10 ms
+of work per decision over the long queue (``benchmarks/reports/
+simulation_speed_policies.md``).
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Mapping
 from typing import Any
 
 from shoal.policies.base import ClusterView, Decision
 from shoal.policies.common import request_size, view_arrival_order
+
+_CURRENT = operator.attrgetter("current_gpus")
 
 
 class FIFO:
@@ -32,12 +45,48 @@ class FIFO:
     name = "fifo"
     elastic = False
     """All-or-nothing: each share is the job's request, never regulated (:attr:`shoal.policies.base.Policy.elastic`)."""
+    reads_progress = False
+    """It reads arrival, request, feasible counts and current GPUs only, never progress
+    (:func:`shoal.policies.base.policy_reads_progress`)."""
 
     def __init__(self, backfill: bool = True) -> None:
         self.backfill = backfill
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
-        """Keep running jobs, then start waiting jobs in arrival order while they fit."""
+        """Keep running jobs, then start waiting jobs in arrival order while they fit.
+
+        The decision is :meth:`decide_all`'s; the queue is walked only while GPUs are
+        free (see the module docstring)."""
+        jobs = view.jobs if view.arrival_ordered else view_arrival_order(view)
+        free = view.total_gpus
+        shares: dict[str, int] = {}
+        # Running jobs, oldest first, keep their request while it fits. One that does
+        # not fit now never fits below (free only shrinks): it waits with the others.
+        for job in itertools.compress(jobs, map(_CURRENT, jobs)):
+            size = request_size(job)
+            if 0 < size <= free and job.current_gpus > 0:
+                shares[job.job_id] = size
+                free -= size
+        if free <= 0:
+            return Decision(shares=shares)
+        for job in jobs:
+            if job.job_id in shares:
+                continue
+            size = request_size(job)
+            if size <= 0:
+                continue
+            if size <= free:
+                shares[job.job_id] = size
+                free -= size
+                if free <= 0:
+                    break  # nothing later can start
+            elif not self.backfill:
+                break
+        return Decision(shares=shares)
+
+    def decide_all(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        """:meth:`decide` in its literal form: every job's request size, every waiting
+        job walked (the reference a property test compares :meth:`decide` with)."""
         jobs = view_arrival_order(view)
         free = view.total_gpus
         shares: dict[str, int] = {}
