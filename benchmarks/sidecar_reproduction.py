@@ -45,7 +45,7 @@ import platform
 import random
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -233,7 +233,7 @@ class _QueuePlan(_Plan):
         return max(finishes, default=0.0), sum(finishes)
 
     def incoming(
-        self, j: _Job, *, consider_waiting: bool, queued: tuple[list[_Job], list[_Job]] = ([], [])
+        self, j: _Job, *, consider_waiting: bool, queued: tuple[Sequence[_Job], Sequence[_Job]] = ((), ())
     ) -> bool:
         ahead, behind = queued
         running = list(self.running.values())

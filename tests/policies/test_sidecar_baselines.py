@@ -8,11 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from shoal.policies.base import ClusterView, JobView, check_decision
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+from shoal.policies.base import ClusterView, JobView, check_decision, feasible_counts
 from shoal.policies.registry import get_policy
 from shoal.policies.sidecar import SideCarAdaptive, _Job
 from shoal.policies.sidecar_baselines import DefaultK8s, Termination, options
 from shoal.sim.costs import SIDECAR_PAPER, TERMINATION_PAPER, charge
+
+from tests.policies.test_policy_properties import later, views
 
 CURVE = (0.0, 1.0, 1.7, 2.0, 2.4, 2.6, 2.8, 2.9, 3.0)
 
@@ -126,3 +130,44 @@ def test_shoal_simulate_runs_them(tmp_path: Path, policy: str, costs: str) -> No
     assert main(argv) == 0
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["summary"]["completed"] == 25 and doc["policy"] == policy
+
+
+def _literal_default_k8s(policy: DefaultK8s, v: ClusterView) -> dict[str, int]:
+    """Default-K8s as first written: every job looked at, every draw hashed afresh."""
+    import hashlib
+
+    jobs = sorted(v.jobs, key=lambda j: (j.arrival_s, j.job_id))
+    shares: dict[str, int] = {}
+    free = v.total_gpus
+    for j in jobs:
+        n = j.current_gpus
+        if n and n <= free and n in feasible_counts(j):
+            shares[j.job_id] = n
+            free -= n
+    for j in jobs:
+        if j.job_id in shares:
+            continue
+        opts = tuple(c for c in options(j) if c <= v.total_gpus)
+        if not opts:
+            continue
+        h = hashlib.sha256(f"{policy.seed}:{j.job_id}".encode()).digest()
+        n = opts[int.from_bytes(h[:8], "big") % len(opts)]
+        if 0 < n <= free:
+            shares[j.job_id] = n
+            free -= n
+    return shares
+
+
+@settings(max_examples=200, deadline=None)
+@given(v=views(max_jobs=16, max_gpus=12), seed=hs.integers(0, 3))
+def test_default_k8s_walking_the_queue_while_gpus_are_free_decides_as_walking_it_all(
+    v: ClusterView, seed: int
+) -> None:
+    """The running jobs found by one pass, the queue walked only while GPUs are free,
+    the draws memoised: the same shares, in the same order, as the literal form, over a
+    few rounds."""
+    policy = DefaultK8s(seed=seed)
+    for _ in range(3):
+        fast = policy.decide(v, {})
+        assert list(fast.shares.items()) == list(_literal_default_k8s(policy, v).items())
+        v = later(v, fast, 60.0)

@@ -63,8 +63,9 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Mapping
-from typing import Any
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, overload
 
 import numpy as np
 
@@ -80,6 +81,30 @@ def _rate(job: JobView, gpus: int) -> float:
         return 0.0
     curve = job.throughput
     return curve[gpus] if gpus < len(curve) else curve[-1]
+
+
+class _Rest(Sequence["_Job"]):
+    """``items[start:]`` without the copy: the incoming jobs behind the one Algorithm 1
+    decides. A slice per incoming job copied the rest of a long queue at each of them."""
+
+    __slots__ = ("_items", "_start")
+
+    def __init__(self, items: Sequence[_Job], start: int) -> None:
+        self._items = items
+        self._start = start
+
+    def __len__(self) -> int:
+        return max(0, len(self._items) - self._start)
+
+    def __iter__(self) -> Iterator[_Job]:
+        return itertools.islice(self._items, self._start, None)
+
+    @overload
+    def __getitem__(self, i: int) -> _Job: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[_Job]: ...
+    def __getitem__(self, i: int | slice) -> _Job | Sequence[_Job]:
+        return list(self)[i]
 
 
 class _Job:
@@ -210,7 +235,9 @@ class SideCarAdaptive:
         incoming = [j for j in jobs if not j.current and j.counts and j.counts[0] <= view.total_gpus]
         left: list[_Job] = []
         for k, j in enumerate(incoming):
-            if not plan.incoming(j, consider_waiting=self.consider_waiting, queued=(left, incoming[k + 1 :])):
+            if not plan.incoming(
+                j, consider_waiting=self.consider_waiting, queued=(left, _Rest(incoming, k + 1))
+            ):
                 left.append(j)
         if not left:
             plan.reshape_up()
@@ -346,7 +373,7 @@ class _Plan:
     # -- Algorithm 1 -------------------------------------------------------------------
 
     def incoming(
-        self, j: _Job, *, consider_waiting: bool, queued: tuple[list[_Job], list[_Job]] = ([], [])
+        self, j: _Job, *, consider_waiting: bool, queued: tuple[Sequence[_Job], Sequence[_Job]] = ((), ())
     ) -> bool:
         """Decide one incoming job; return whether it started. ``queued`` (the incoming
         jobs left waiting ahead of ``j``, those not yet decided behind it) is not read:

@@ -31,21 +31,43 @@ does not.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
+from shoal.policies.base import ClusterView, Decision, JobView, _feasible_counts, feasible_counts
 from shoal.policies.common import arrival_order
 from shoal.sim.costs import ReconfigCosts, charge, get_costs, measured
 
 
 def options(job: JobView) -> tuple[int, ...]:
     """The job's optional GPU counts (SideCar jobs declare e.g. {1, 2, 4, 8})."""
-    counts = feasible_counts(job)
-    if job.allowed_gpu_counts or not job.elastic:
+    allowed = job.allowed_gpu_counts
+    if allowed is not None and not isinstance(allowed, tuple):
+        allowed = tuple(allowed)  # a hand-built view may pass a list
+    return _options(job.elastic, job.requested_gpus, job.min_gpus, job.max_gpus, allowed)
+
+
+@functools.lru_cache(maxsize=4096)
+def _options(
+    elastic: bool, requested: int, min_gpus: int, max_gpus: int, allowed: tuple[int, ...] | None
+) -> tuple[int, ...]:
+    """:func:`options` of the fields it reads (memoised, as
+    :func:`~shoal.policies.base.feasible_counts` is: a long queue asks again for each
+    waiting job at every decision, and most jobs share a few shapes)."""
+    counts = _feasible_counts(elastic, requested, min_gpus, max_gpus, allowed)
+    if allowed or not elastic:
         return counts
-    return tuple(c for c in counts if c & (c - 1) == 0 or c == job.requested_gpus)
+    return tuple(c for c in counts if c & (c - 1) == 0 or c == requested)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fitting(opts: tuple[int, ...], total_gpus: int | None) -> tuple[int, ...]:
+    """The counts of ``opts`` at most ``total_gpus`` (all of them for ``None``)."""
+    return tuple(c for c in opts if total_gpus is None or c <= total_gpus)
 
 
 def _rate(job: JobView, gpus: int) -> float:
@@ -60,11 +82,17 @@ def _remaining(job: JobView) -> float:
     return max(1.0, job.iterations_done) if r is None else r
 
 
+_CURRENT = operator.attrgetter("current_gpus")
+
+
 def _keep_running(view: ClusterView, jobs: Sequence[JobView]) -> tuple[dict[str, int], int]:
-    """Running jobs keep their counts, oldest first, while they fit (GPUs may have been lost)."""
+    """Running jobs keep their counts, oldest first, while they fit (GPUs may have been lost).
+
+    The running jobs are found with one C-level pass over the queue (a long queue
+    mostly waits)."""
     shares: dict[str, int] = {}
     free = view.total_gpus
-    for j in jobs:
+    for j in itertools.compress(jobs, map(_CURRENT, jobs)):
         n = j.current_gpus
         if n and n <= free and n in feasible_counts(j):
             shares[j.job_id] = n
@@ -72,11 +100,22 @@ def _keep_running(view: ClusterView, jobs: Sequence[JobView]) -> tuple[dict[str,
     return shares, free
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _draw(seed: int, job_id: str) -> int:
+    """The job's draw: the first 8 bytes of SHA-256 of ``"seed:job_id"`` (memoised: a
+    waiting job is looked at again at every decision while GPUs are free)."""
+    h = hashlib.sha256(f"{seed}:{job_id}".encode()).digest()
+    return int.from_bytes(h[:8], "big")
+
+
 class DefaultK8s:
     """Default Kubernetes: a random optional count, fixed; see the module docstring."""
 
     name = "sidecar-default-k8s"
     elastic = True
+    reads_progress = False
+    """It reads counts, arrival and current GPUs only, never progress
+    (:func:`shoal.policies.base.policy_reads_progress`)."""
 
     def __init__(self, *, seed: int = 0) -> None:
         """Args:
@@ -86,16 +125,20 @@ class DefaultK8s:
 
     def count(self, job: JobView, total_gpus: int | None = None) -> int:
         """The job's drawn GPU count among its options that fit ``total_gpus`` (0 when none)."""
-        opts = tuple(c for c in options(job) if total_gpus is None or c <= total_gpus)
+        opts = _fitting(options(job), total_gpus)
         if not opts:
             return 0
-        h = hashlib.sha256(f"{self.seed}:{job.job_id}".encode()).digest()
-        return opts[int.from_bytes(h[:8], "big") % len(opts)]
+        return opts[_draw(self.seed, job.job_id) % len(opts)]
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
-        """Keep running jobs; start waiting ones, in arrival order, whose count fits."""
+        """Keep running jobs; start waiting ones, in arrival order, whose count fits.
+
+        The queue is walked only while GPUs are free: every count is at least one GPU,
+        so once none is free no later job starts."""
         jobs = view.jobs if view.arrival_ordered else arrival_order(view.jobs)
         shares, free = _keep_running(view, jobs)
+        if free <= 0:
+            return Decision(shares=shares)
         for j in jobs:
             if j.job_id in shares:
                 continue
@@ -103,6 +146,8 @@ class DefaultK8s:
             if 0 < n <= free:
                 shares[j.job_id] = n
                 free -= n
+                if free <= 0:
+                    break
         return Decision(shares=shares)
 
 
@@ -172,7 +217,9 @@ class Termination:
             free -= opts[0]
         if waiting:
             return Decision(shares=shares)
-        running = [j for j in jobs if shares.get(j.job_id) == j.current_gpus and j.current_gpus]
+        running = [
+            j for j in itertools.compress(jobs, map(_CURRENT, jobs)) if shares.get(j.job_id) == j.current_gpus
+        ]
         gpn = view.gpus_per_node
         best: tuple[float, str, int] | None = None
         for j in running:
