@@ -57,8 +57,12 @@ RUNS: tuple[tuple[str, str, int, bool], ...] = (
     ("philly:2869ce:250", "afs-p-naive", 0, False),
     ("philly:6214e9:400", "afs-p", 0, False),
     ("philly:6214e9:400", "afs-l", 0, True),
+    ("philly:6214e9:400", "fifo", 0, False),
+    ("philly:2869ce:250", "sidecar", 0, True),
+    ("philly:2869ce:250", "sidecar-default-k8s", 1, False),
+    ("philly:2869ce:250", "sidecar-termination", 0, False),
 )
-"""(trace, policy, seed, flat): 54 runs; seed is the model draw's and the policy's."""
+"""(trace, policy, seed, flat): 58 runs; seed is the model draw's and the policy's."""
 
 
 def _hex(x: Any) -> Any:
