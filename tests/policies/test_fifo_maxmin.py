@@ -67,7 +67,7 @@ def test_fifo_keeps_every_job_it_started(view: ClusterView) -> None:
         assert second.shares.get(job_id) == gpus
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(view=views(max_jobs=16, max_gpus=12), backfill=hs.booleans(), ordered=hs.booleans())
 def test_fifo_walking_the_queue_while_gpus_are_free_decides_as_walking_it_all(
     view: ClusterView, backfill: bool, ordered: bool

@@ -158,7 +158,7 @@ def _literal_default_k8s(policy: DefaultK8s, v: ClusterView) -> dict[str, int]:
     return shares
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(v=views(max_jobs=16, max_gpus=12), seed=hs.integers(0, 3))
 def test_default_k8s_walking_the_queue_while_gpus_are_free_decides_as_walking_it_all(
     v: ClusterView, seed: int

@@ -17,7 +17,7 @@ Choices where the sources leave room:
 * No memory: who runs is derived from the view, so a replay decides the same.
 
 Cost of a decision in a long queue (:meth:`FIFO.decide`): the running jobs are found
-with one C-level pass over the view (``current_gpus``), and the waiting jobs are walked
+with one tight pass over the view (``current_gpus``), and the waiting jobs are walked
 in arrival order only while GPUs are free: once none is, no later job can start (every
 start needs at least one GPU). :meth:`FIFO.decide_all` is the literal two-pass form
 (every job's request size, every waiting job walked); a property test checks both
@@ -28,15 +28,11 @@ simulation_speed_policies.md``).
 
 from __future__ import annotations
 
-import itertools
-import operator
 from collections.abc import Mapping
 from typing import Any
 
 from shoal.policies.base import ClusterView, Decision
 from shoal.policies.common import request_size, view_arrival_order
-
-_CURRENT = operator.attrgetter("current_gpus")
 
 
 class FIFO:
@@ -62,9 +58,9 @@ class FIFO:
         shares: dict[str, int] = {}
         # Running jobs, oldest first, keep their request while it fits. One that does
         # not fit now never fits below (free only shrinks): it waits with the others.
-        for job in itertools.compress(jobs, map(_CURRENT, jobs)):
+        for job in [j for j in jobs if j.current_gpus > 0]:
             size = request_size(job)
-            if 0 < size <= free and job.current_gpus > 0:
+            if 0 < size <= free:
                 shares[job.job_id] = size
                 free -= size
         if free <= 0:

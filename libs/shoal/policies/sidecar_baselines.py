@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -82,19 +80,13 @@ def _remaining(job: JobView) -> float:
     return max(1.0, job.iterations_done) if r is None else r
 
 
-_CURRENT = operator.attrgetter("current_gpus")
-
-
 def _keep_running(view: ClusterView, jobs: Sequence[JobView]) -> tuple[dict[str, int], int]:
-    """Running jobs keep their counts, oldest first, while they fit (GPUs may have been lost).
-
-    The running jobs are found with one C-level pass over the queue (a long queue
-    mostly waits)."""
+    """Running jobs keep their counts, oldest first, while they fit (GPUs may have been lost)."""
     shares: dict[str, int] = {}
     free = view.total_gpus
-    for j in itertools.compress(jobs, map(_CURRENT, jobs)):
+    for j in [j for j in jobs if j.current_gpus]:
         n = j.current_gpus
-        if n and n <= free and n in feasible_counts(j):
+        if n <= free and n in feasible_counts(j):
             shares[j.job_id] = n
             free -= n
     return shares, free
@@ -217,9 +209,7 @@ class Termination:
             free -= opts[0]
         if waiting:
             return Decision(shares=shares)
-        running = [
-            j for j in itertools.compress(jobs, map(_CURRENT, jobs)) if shares.get(j.job_id) == j.current_gpus
-        ]
+        running = [j for j in jobs if j.current_gpus and shares.get(j.job_id) == j.current_gpus]
         gpn = view.gpus_per_node
         best: tuple[float, str, int] | None = None
         for j in running:
