@@ -380,8 +380,6 @@ _LengthKey = tuple[float, float, str, int]
 smallest share)``. The last three order ties as :func:`~shoal.policies.common.arrival_order`
 does, so sorting by it is sorting by (length, position in arrival order)."""
 
-_JOB_CURRENT = operator.attrgetter("current_gpus")
-
 
 def _length_key_at_first(job: JobView) -> _LengthKey:
     """The job's :data:`_LengthKey`: :meth:`_Entry.length` at its smallest share, with
@@ -424,10 +422,15 @@ class _WaitingByLength:
         """job id -> its recorded key (the valid one of its keys in :attr:`keys`)."""
 
     def changed(self, jobs: Sequence[JobView]) -> list[JobView]:
-        """The jobs whose view is not the one their key was made from (the running jobs
-        among them), found with C-level passes."""
-        views = self.views
-        return list(itertools.compress(jobs, map(operator.is_not, map(views.get, map(_JOB_ID, jobs)), jobs)))
+        """The jobs whose view is not the one their key was made from, in one tight pass.
+
+        Every running job is among them: a key is made only of a waiting job's view
+        (``current_gpus == 0``), and a view is frozen, so a job that runs has another.
+        (A comprehension, not ``itertools.compress`` over ``attrgetter`` maps: on
+        CPython 3.11 the comprehension's specialised attribute reads of a
+        ``msgspec.Struct`` took about half the time over a 15,000-job queue.)"""
+        get = self.views.get
+        return [job for job in jobs if get(job.job_id) is not job]
 
     def update(self, changed: Sequence[JobView], jobs: Sequence[JobView], waiting: int) -> bool:
         """Key the waiting jobs among ``changed`` (:meth:`changed`) and drop the keys of
@@ -535,7 +538,9 @@ class AFSL:
         if self._afresh >= 2 and self._afresh % self.fresh_views_retry:
             self._waiting = None
             return self._decide_heap(view)
-        running = list(itertools.compress(jobs, map(_JOB_CURRENT, jobs)))
+        # The running jobs are among the changed ones (_WaitingByLength.changed); their
+        # keys are sorted below, so their order does not matter.
+        running = [job for job in changed if job.current_gpus]
         run_keys = sorted(map(_length_key_at_first, running))
         if not waiting.update(changed, jobs, len(jobs) - len(running)) or any(
             map(math.isnan, map(_FIRST, run_keys))

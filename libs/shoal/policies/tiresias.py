@@ -100,7 +100,7 @@ Cost of a decision in a long queue (:meth:`TiresiasL.decide`, no promotion): mos
 long queue is jobs that never ran, no record, no attained service, no GPUs. Their place
 is the back of ``Q0`` in arrival order, which is their order in the view, so they are
 walked lazily, and only as far as the GPUs go, merged with the few others (recorded,
-served or running; found with C-level passes over the view), which are sorted.
+served or running; found with one tight pass over the view), which are sorted.
 :meth:`TiresiasL.decide_all` builds and sorts a record for every job, and a property
 test checks both decide alike; with a ``promote_knob`` every waiting job's wait counts,
 so that form runs.
@@ -123,9 +123,6 @@ UNPLACED = float("inf")
 """The position of a job with no record: the back of ``Q0``, in arrival order."""
 SERVICE_EPS_GPU_S = 1e-6
 """A service this close below a threshold has reached it."""
-_ATTAINED = operator.attrgetter("attained_service_gpu_s")
-_CURRENT = operator.attrgetter("current_gpus")
-_JOB_ID = operator.attrgetter("job_id")
 
 
 def gang_size(job: JobView) -> int:
@@ -377,9 +374,7 @@ class TiresiasL:
             job = index.get(job_id)
             if job is not None:
                 others[job_id] = _record(job, raw, thresholds)
-        for job in itertools.chain(
-            itertools.compress(jobs, map(_ATTAINED, jobs)), itertools.compress(jobs, map(_CURRENT, jobs))
-        ):
+        for job in [j for j in jobs if j.attained_service_gpu_s or j.current_gpus]:
             if job.job_id not in others:
                 others[job.job_id] = _record(job, None, thresholds)
         position = _next_position(others.values())
@@ -434,6 +429,6 @@ def _fresh_records(
 ) -> Iterator[JobRecord]:
     """The jobs not in ``others`` (no record, no service, no GPUs), in arrival order, as
     records: their key is ``(0, unplaced, arrival, id)``, so this is their pass order."""
-    unrecorded = map(operator.not_, map(others.__contains__, map(_JOB_ID, jobs)))
-    for job in itertools.compress(jobs, unrecorded):
-        yield _record(job, None, thresholds)
+    for job in jobs:
+        if job.job_id not in others:
+            yield _record(job, None, thresholds)
