@@ -348,6 +348,13 @@ def main(argv: list[str] | None = None) -> int:
         "--cell", nargs=4, metavar=("TRACE", "POLICY", "SETTING", "LIMIT"), help=argparse.SUPPRESS
     )
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="rewrite --out from the results a run saved (its .json) instead of measuring; "
+        "give the run's other options too, as they head the report",
+    )
     args = parser.parse_args(argv)
 
     if args.cell:
@@ -357,6 +364,19 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(ROOT / "libs"))
     from shoal.policies.registry import policy_names
+
+    if args.render:
+        argv_used = list(argv if argv is not None else sys.argv[1:])
+        i = argv_used.index("--render")
+        del argv_used[i : i + 2]
+        _write(
+            args,
+            "python benchmarks/bench_sim.py " + " ".join(argv_used),
+            json.loads(args.render.read_text()),
+            [],
+        )
+        print(f"wrote {args.out}", file=sys.stderr)
+        return 0
 
     policies = [p for p in args.policies.split(",") if p] or policy_names()
     trees = [Tree("new", ROOT)]
@@ -510,9 +530,24 @@ def render(results: dict[str, Any], cmd: str, pending: list[Any], plot_name: str
     def cpu_cols(runs: list[dict[str, Any]]) -> str:
         out = []
         for r in runs:
-            out.append(_fmt(r.get("cpu_s")) + ("" if _done(r) else f" ({r['status']})"))
+            stopped = ""
+            if not _done(r):
+                got = f", {r['completed']:,} jobs done" if "completed" in r else ""
+                stopped = f" ({r['status']}{got})"
+            out.append(_fmt(r.get("cpu_s")) + stopped)
         if base is not None and runs[base].get("cpu_s") and runs[new].get("cpu_s"):
-            out.append(_fmt(runs[base]["cpu_s"] / runs[new]["cpu_s"], 1) + "x")
+            b, n = runs[base], runs[new]
+            ratio = _fmt(b["cpu_s"] / n["cpu_s"], 1) + "x"
+            # A run stopped at its CPU limit cost at least that much to finish: the ratio
+            # is then a bound, and with both stopped it compares unequal work.
+            if _done(b) and _done(n):
+                out.append(ratio)
+            elif _done(n):
+                out.append("more than " + ratio)
+            elif _done(b):
+                out.append("less than " + ratio)
+            else:
+                out.append("both stopped")
         elif base is not None:
             out.append("")
         return " | ".join(out)

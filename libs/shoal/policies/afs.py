@@ -400,7 +400,7 @@ class _WaitingByLength:
     A waiting job's key depends only on its view (remaining work, curve, shape), and the
     simulator keeps a waiting job's view object until something about it changes. So a
     decision finds the jobs whose view is not the one their key was made from with
-    C-level passes over the queue, keys only those, and inserts them (``bisect``); the
+    one pass over the queue, keys only those, and inserts them (``bisect``); the
     running jobs, whose remaining work changes all the time, are keyed afresh at every
     decision and never stored. A key is valid while it is the one recorded for its job,
     and the job is in the view with that very view object. A job's key goes when its
