@@ -133,7 +133,8 @@ def test_shoal_simulate_runs_them(tmp_path: Path, policy: str, costs: str) -> No
 
 
 def _literal_default_k8s(policy: DefaultK8s, v: ClusterView) -> dict[str, int]:
-    """Default-K8s as first written: every job looked at, every draw hashed afresh."""
+    """Default-K8s as first written: every job looked at, its options and draw computed
+    afresh."""
     import hashlib
 
     jobs = sorted(v.jobs, key=lambda j: (j.arrival_s, j.job_id))
@@ -147,7 +148,10 @@ def _literal_default_k8s(policy: DefaultK8s, v: ClusterView) -> dict[str, int]:
     for j in jobs:
         if j.job_id in shares:
             continue
-        opts = tuple(c for c in options(j) if c <= v.total_gpus)
+        counts = feasible_counts(j)
+        if not (j.allowed_gpu_counts or not j.elastic):
+            counts = tuple(c for c in counts if c & (c - 1) == 0 or c == j.requested_gpus)
+        opts = tuple(c for c in counts if c <= v.total_gpus)
         if not opts:
             continue
         h = hashlib.sha256(f"{policy.seed}:{j.job_id}".encode()).digest()

@@ -36,28 +36,22 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shoal.policies.base import ClusterView, Decision, JobView, _feasible_counts, feasible_counts
+from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
 from shoal.policies.common import arrival_order
 from shoal.sim.costs import ReconfigCosts, charge, get_costs, measured
 
 
 def options(job: JobView) -> tuple[int, ...]:
     """The job's optional GPU counts (SideCar jobs declare e.g. {1, 2, 4, 8})."""
-    allowed = job.allowed_gpu_counts
-    if allowed is not None and not isinstance(allowed, tuple):
-        allowed = tuple(allowed)  # a hand-built view may pass a list
-    return _options(job.elastic, job.requested_gpus, job.min_gpus, job.max_gpus, allowed)
+    return _options(feasible_counts(job), job.elastic, job.requested_gpus, bool(job.allowed_gpu_counts))
 
 
 @functools.lru_cache(maxsize=4096)
-def _options(
-    elastic: bool, requested: int, min_gpus: int, max_gpus: int, allowed: tuple[int, ...] | None
-) -> tuple[int, ...]:
-    """:func:`options` of the fields it reads (memoised, as
+def _options(counts: tuple[int, ...], elastic: bool, requested: int, declared: bool) -> tuple[int, ...]:
+    """:func:`options` of what it reads (memoised, as
     :func:`~shoal.policies.base.feasible_counts` is: a long queue asks again for each
     waiting job at every decision, and most jobs share a few shapes)."""
-    counts = _feasible_counts(elastic, requested, min_gpus, max_gpus, allowed)
-    if allowed or not elastic:
+    if declared or not elastic:
         return counts
     return tuple(c for c in counts if c & (c - 1) == 0 or c == requested)
 
