@@ -367,8 +367,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.render:
         argv_used = list(argv if argv is not None else sys.argv[1:])
-        i = argv_used.index("--render")
-        del argv_used[i : i + 2]
+        if "--render" in argv_used:
+            i = argv_used.index("--render")
+            del argv_used[i : i + 2]
+        argv_used = [a for a in argv_used if not a.startswith("--render=")]
         _write(
             args,
             "python benchmarks/bench_sim.py " + " ".join(argv_used),
