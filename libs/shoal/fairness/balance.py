@@ -105,11 +105,21 @@ def ticket_load_per_gpu(
     Returns:
         Node -> ticket load per GPU.
     """
-    load = {n: 0.0 for n in node_gpus}
+    load = dict.fromkeys(node_gpus, 0.0)
     for job, nodes in placement.items():
         tpg = job_tickets_per_gpu[job]
-        for node, gpus in gpus_on_nodes(job_size[job], nodes, node_gpus).items():
-            load[node] += gpus * tpg
+        if len(nodes) == 1:  # gpus_on_nodes of a one-node gang, inline (most gangs)
+            node = nodes[0]
+            load[node] += min(node_gpus[node], job_size[job]) * tpg
+        elif len(set(nodes)) == len(nodes):  # the same, on distinct nodes
+            rest = job_size[job]
+            for node in nodes:
+                take = min(node_gpus[node], rest)
+                load[node] += take * tpg
+                rest -= take
+        else:
+            for node, gpus in gpus_on_nodes(job_size[job], nodes, node_gpus).items():
+                load[node] += gpus * tpg
     return {n: (load[n] / g if g > 0 else math.inf) for n, g in node_gpus.items()}
 
 
@@ -193,9 +203,13 @@ def rebalance(
         if len(finite) < 2:
             break
         mean = sum(finite.values()) / len(finite)
-        order = list(finite)
-        hi = max(order, key=lambda n: (finite[n], -order.index(n)))
-        lo = min(order, key=lambda n: (finite[n], order.index(n)))
+        # The most loaded node and the least, each the first in node order among equals.
+        hi = lo = next(iter(finite))
+        for n, v in finite.items():
+            if v > finite[hi]:
+                hi = n
+            if v < finite[lo]:
+                lo = n
         if finite[hi] - finite[lo] <= threshold * mean:
             break
         best: tuple[tuple[int, float, str], str] | None = None
@@ -290,7 +304,10 @@ def packing_migrations(
             on_node[nodes[0]].append(job)
 
     def risk(node: str) -> int:
-        return idle_risk(node_gpus[node], [job_size[j] for j in on_node[node]])
+        here = on_node[node]
+        if len(here) < 2:
+            return 0  # idle_risk of one job or none (no other job to leave room for)
+        return idle_risk(node_gpus[node], [job_size[j] for j in here])
 
     moves: list[Migration] = []
     tried: set[str] = set()

@@ -144,8 +144,10 @@ def choose_generation(
     usable = [g for g in order if capacity is None or capacity.get(g, 0) >= size]
     if pinned is not None:
         return pinned if pinned in usable else None
-    if not usable:
-        return None
+    if len(usable) <= 1:
+        # One generation holds the gang (always so on a homogeneous cluster): every rule
+        # below picks it.
+        return usable[0] if usable else None
     shared = [g for g in usable if entitlement.get(g, 0.0) > 0]
     profiled = rates is not None and shared and all(rates.get(g, 0.0) > 0 for g in shared)
     if not profiled:

@@ -84,6 +84,7 @@ carries what happened in this decision for the caller to publish: ``node_hints``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -132,6 +133,24 @@ one of 17 or more none at all. Give ``costs="measured"`` to simulate that."""
 
 def gang_size(job: JobView) -> int:
     """The GPUs a job runs with under Gandiva_fair (it is not resized)."""
+    key = (job.elastic, job.requested_gpus, job.min_gpus, job.max_gpus, job.allowed_gpu_counts)
+    try:
+        hit = _GANG_SIZES.get(key)
+    except TypeError:  # a hand-built view with a list of allowed counts
+        return _gang_size(job)
+    if hit is None:
+        hit = _gang_size(job)
+        if len(_GANG_SIZES) < 4096:
+            _GANG_SIZES[key] = hit
+    return hit
+
+
+_GANG_SIZES: dict[tuple[Any, ...], int] = {}
+"""Memo of :func:`gang_size`: it reads only the fields of the key, and a decision asks
+for every active job's size (most jobs share a few shapes)."""
+
+
+def _gang_size(job: JobView) -> int:
     counts = feasible_counts(job)
     if not counts:
         return 0
@@ -141,7 +160,10 @@ def gang_size(job: JobView) -> int:
     return below[-1] if below else counts[0]
 
 
+@functools.lru_cache(maxsize=256)
 def _node_gpus(gen: str, gpus: int, per_node: int) -> dict[str, int]:
+    """The servers of a generation and their GPUs (memoised: every decision asks; callers
+    only read it)."""
     per = per_node if per_node > 0 else gpus
     nodes: dict[str, int] = {}
     full, rest = divmod(gpus, per) if per > 0 else (0, 0)
@@ -154,7 +176,12 @@ def _node_gpus(gen: str, gpus: int, per_node: int) -> dict[str, int]:
 
 def _generation_of(placement: Mapping[str, list[str]]) -> dict[str, str]:
     """Job -> generation, read back from node names ``<generation>#<index>``."""
-    return {j: nodes[0].rsplit("#", 1)[0] for j, nodes in placement.items() if nodes}
+    return {j: _generation_of_node(nodes[0]) for j, nodes in placement.items() if nodes}
+
+
+@functools.lru_cache(maxsize=4096)
+def _generation_of_node(node: str) -> str:
+    return node.rsplit("#", 1)[0]
 
 
 class GandivaFairPolicy:
@@ -270,30 +297,43 @@ class GandivaFairPolicy:
             else {"": view.total_gpus}
         )
         order = generation_order(gens, self.generation_rank)
-        size = {j.job_id: n for j in view.jobs if (n := gang_size(j)) > 0}
-        jobs = {j.job_id: j for j in view.jobs if j.job_id in size}
+        size: dict[str, int] = {}
+        jobs: dict[str, JobView] = {}
+        for jv in view.jobs:
+            n = gang_size(jv)
+            if n > 0:
+                size[jv.job_id] = n
+                jobs[jv.job_id] = jv
         by_user: dict[str, list[str]] = {}
-        for jid in sorted(jobs, key=lambda k: (-jobs[k].priority, jobs[k].arrival_s, k)):
-            by_user.setdefault(jobs[jid].user, []).append(jid)
+        for _, _, jid, user in sorted((-j.priority, j.arrival_s, k, j.user) for k, j in jobs.items()):
+            by_user.setdefault(user, []).append(jid)
+        old_gen = _generation_of(mem.get("placement", {}))
 
-        # 1. Opportunistic profiling (§3.5).
-        profiles: dict[str, dict[str, list[float]]] = mem.get("profiles", {})
-        profiles = {u: dict(p) for u, p in profiles.items() if u in by_user}
+        # 1. Opportunistic profiling (§3.5). The per-user and per-job dicts of the old
+        # memory are shared, and copied before one is changed.
+        profiles: dict[str, dict[str, list[float]]] = {
+            u: p for u, p in mem.get("profiles", {}).items() if u in by_user
+        }
         job_rates: dict[str, dict[str, float]] = {
-            j: dict(r) for j, r in mem.get("job_rates", {}).items() if j in jobs
+            j: r for j, r in mem.get("job_rates", {}).items() if j in jobs
         }
         if new_quantum:
             t0 = float(mem.get("ran_at", now))
-            last_gen = _generation_of(mem.get("placement", {}))
+            copied: set[str] = set()
             for jid, it0 in sorted(mem.get("ran", {}).items()):
                 job = jobs.get(jid)
-                gen = last_gen.get(jid)
+                gen = old_gen.get(jid)
                 if job is None or gen is None or now <= t0 or job.iterations_done <= it0:
                     continue
                 sample = (job.iterations_done - it0) / (now - t0) / size[jid]
-                per_user = profiles.setdefault(job.user, {})
+                if job.user not in copied:
+                    copied.add(job.user)
+                    profiles[job.user] = dict(profiles.get(job.user, {}))
+                per_user = profiles[job.user]
                 per_user[gen] = record_sample(per_user.get(gen, []), sample, window=self.profile_window)
-                job_rates.setdefault(jid, {})[gen] = sample
+                rates_j = dict(job_rates.get(jid, {}))
+                rates_j[gen] = sample
+                job_rates[jid] = rates_j
         rates_of: dict[str, dict[str, float]] = {}
 
         def rates(user: str) -> dict[str, float]:
@@ -304,6 +344,7 @@ class GandivaFairPolicy:
 
         # 2. Entitlements: newest generation first, pinned demand on its generation.
         cap = dict(gens)
+        largest = max(cap.values(), default=0)
         flexible: dict[str, float] = {}
         pinned: dict[str, dict[str, float]] = {}
         for user, jids in by_user.items():
@@ -312,7 +353,7 @@ class GandivaFairPolicy:
                 if pin is not None:
                     if cap.get(pin, 0) >= size[jid]:
                         pinned.setdefault(user, {})[pin] = pinned.get(user, {}).get(pin, 0.0) + size[jid]
-                elif any(n >= size[jid] for n in cap.values()):
+                elif largest >= size[jid]:  # some generation can hold the gang
                     flexible[user] = flexible.get(user, 0.0) + size[jid]
         tickets = {u: float(view.user_tickets.get(u, self.default_tickets)) for u in by_user}
         entitled = fair_shares_newest_first(tickets, flexible, gens, order, pinned)
@@ -374,7 +415,6 @@ class GandivaFairPolicy:
 
         # 4. Generation of each job (Algorithm 2) and one cross-generation move (§3.5).
         gen_of: dict[str, str] = {}
-        old_gen = _generation_of(mem.get("placement", {}))
         load: dict[str, dict[str, float]] = {u: {} for u in by_user}
         for user, jids in by_user.items():
             # Jobs stay where they are while they fit the user's holding there; the
@@ -459,20 +499,31 @@ class GandivaFairPolicy:
             fresh: list[str] = []
             for j in here:
                 prev_nodes = placement_mem.get(j)
-                if (
-                    prev_nodes
-                    and all(n in node_gpus for n in prev_nodes)
+                if not prev_nodes:
+                    fresh.append(j)
+                elif len(prev_nodes) == 1:
+                    gpus = node_gpus.get(prev_nodes[0])
+                    if gpus is not None and gpus >= size[j]:
+                        placed[j] = tuple(prev_nodes)
+                    else:
+                        fresh.append(j)
+                elif (
+                    all(n in node_gpus for n in prev_nodes)
                     and sum(node_gpus[n] for n in prev_nodes) >= size[j]
                 ):
                     placed[j] = tuple(prev_nodes)
                 else:
                     fresh.append(j)
-            node_load = {n: 0.0 for n in node_gpus}
+            node_load = dict.fromkeys(node_gpus, 0.0)
             node_sizes: dict[str, list[int]] = {n: [] for n in node_gpus}
             for j, nodes in placed.items():
-                self._add_load(node_load, node_gpus, nodes, size[j], tpg[j])
                 if len(nodes) == 1:
-                    node_sizes[nodes[0]].append(size[j])
+                    # _add_load of a gang on one node, inline (most gangs).
+                    node = nodes[0]
+                    node_load[node] += min(node_gpus[node], size[j]) * tpg[j]
+                    node_sizes[node].append(size[j])
+                else:
+                    self._add_load(node_load, node_gpus, nodes, size[j], tpg[j])
             for j in sorted(fresh, key=lambda k: (jobs[k].arrival_s, k)):
                 loads = {n: v / node_gpus[n] for n, v in node_load.items()}
                 nodes = place_job(size[j], node_gpus, loads, node_sizes if self.pack_on_placement else None)
@@ -522,18 +573,19 @@ class GandivaFairPolicy:
             new_placement.update({j: list(n) for j, n in placed.items()})
             new_slots.update(self._slots(node_gpus, placed, size, placement_mem, slots_mem, jobs))
 
+        scheduled = sorted(shares)
         mem.update(
             {
                 "v": MEMORY_VERSION,
                 "placement": new_placement,
-                NODE_HINTS: {j: new_placement[j] for j in sorted(shares)},
+                NODE_HINTS: {j: new_placement[j] for j in scheduled},
                 "slots": new_slots,
-                NODE_SLOTS: {j: new_slots[j] for j in sorted(shares) if j in new_slots},
+                NODE_SLOTS: {j: new_slots[j] for j in scheduled if j in new_slots},
                 "central": central_all,
                 "local": local_all,
                 "profiles": profiles,
                 "job_rates": job_rates,
-                "ran": {j: jobs[j].iterations_done for j in sorted(shares)},
+                "ran": {j: jobs[j].iterations_done for j in scheduled},
                 "ran_at": now,
                 "trades": [msgspec.structs.asdict(t) for t in active],
                 "trades_executed": [msgspec.structs.asdict(t) for t in executed],

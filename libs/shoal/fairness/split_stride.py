@@ -116,7 +116,9 @@ def split_stride_quantum(
     for key, size, is_large, tickets, servers in entries:  # Algorithm 1 over central entries
         if free_count == 0:
             break
-        if not all(free.get(s, False) for s in servers):
+        if not (
+            free.get(servers[0], False) if len(servers) == 1 else all(free.get(s, False) for s in servers)
+        ):
             continue
         for s in servers:
             free[s] = False

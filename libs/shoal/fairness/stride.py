@@ -104,8 +104,9 @@ def gang_aware_stride(
     """
     start = new_job_pass(passes[j.job_id] for j in jobs if j.job_id in passes)
     current = {j.job_id: passes.get(j.job_id, start) for j in jobs}
+    # order_key, inline (a call per job is measurable here).
     ordered = sorted(
-        jobs, key=lambda j: order_key(current[j.job_id], j.job_tickets, j.size, j.arrival_s, j.job_id)
+        jobs, key=lambda j: (j.job_tickets <= 0, current[j.job_id], j.size, j.arrival_s, j.job_id)
     )
     free = num_gpus
     scheduled: list[str] = []
