@@ -52,6 +52,8 @@ RUNS: tuple[tuple[str, str, int, bool], ...] = (
         for seed, flat in ((0, True), (1, False))
     ),
     ("philly:2869ce:120", "gandiva-fair", 0, False),
+    ("philly:2869ce:120", "gandiva-fair", 0, True),
+    ("s55:4", "gandiva-fair", 0, False),
     ("philly:2869ce:250", "elastic-tiresias", 0, False),
     ("philly:2869ce:250", "srsf-e", 0, True),
     ("philly:2869ce:250", "afs-p-naive", 0, False),
@@ -62,7 +64,24 @@ RUNS: tuple[tuple[str, str, int, bool], ...] = (
     ("philly:2869ce:250", "sidecar-default-k8s", 1, False),
     ("philly:2869ce:250", "sidecar-termination", 0, False),
 )
-"""(trace, policy, seed, flat): 58 runs; seed is the model draw's and the policy's."""
+"""(trace, policy, seed, flat): 60 runs; seed is the model draw's and the policy's.
+
+``s55:<n>`` is not a trace: it is Gandiva_fair's §5.5 workload (``n`` jobs per user) on
+the §5.5 heterogeneous cluster (V100, P100 and K80 servers of 4 GPUs), where profiling,
+trading and per-generation placement run (:func:`_workload`)."""
+
+
+def _workload(trace: str, seed: int) -> tuple[Any, dict[str, Any]]:
+    """The jobs of a run and what its :class:`SimConfig` adds for them."""
+    from shoal.workloads import load_workload
+
+    if trace.startswith("s55:"):
+        from shoal.fairness.workloads import SECTION55_GPUS, section55_workload
+
+        jobs = section55_workload(jobs_per_user=int(trace[4:]), resnet_source="gavel")
+        users = dict.fromkeys(sorted({j.spec.user for j in jobs}), 100)
+        return jobs, {"cluster": dict(SECTION55_GPUS), "gpus_per_node": 4, "users": users}
+    return load_workload(trace, seed=seed), {}
 
 
 def _hex(x: Any) -> Any:
@@ -79,14 +98,13 @@ def record_one(trace: str, policy_name: str, seed: int, flat: bool) -> dict[str,
     """Run one simulation (log retained) and return what it produced."""
     import msgspec
     from shoal.sim.engine import SimConfig, Simulator, make_policy
-    from shoal.workloads import load_workload
 
-    jobs = load_workload(trace, seed=seed)
+    jobs, extra = _workload(trace, seed)
     policy = make_policy(policy_name, seed=seed)
     # Runs with seed 0 keep the log (its hash is compared); the others do not, as long
     # traces are run, so both paths of the log are covered.
     retain = seed == 0
-    sim = Simulator(jobs, policy, SimConfig(flat=flat, retain_log=retain), trace=trace)
+    sim = Simulator(jobs, policy, SimConfig(flat=flat, retain_log=retain, **extra), trace=trace)
     c0 = time.process_time()
     result = sim.run()
     cpu = time.process_time() - c0
