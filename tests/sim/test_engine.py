@@ -410,9 +410,12 @@ _NO_PROGRESS = [n for n in policy_names() if not policy_reads_progress(make_poli
 def test_a_policy_that_reads_no_progress_decides_the_same_given_it(name: str, flat: bool) -> None:
     """A policy that declares ``reads_progress = False`` sees running jobs' views as of
     the newest event about them; it must decide exactly as when they are carried to
-    every decision (the whole result: summary, digest, per-job outcomes, series)."""
-    assert {"afs-p", "max-min"} <= set(_NO_PROGRESS)
-    cfg = SimConfig(total_gpus=16, flat=flat)
+    every decision (the whole result: summary, digest, per-job outcomes, series).
+
+    32 GPUs: the slice's largest request, so a rigid policy (FIFO) can start every job
+    (on 16 it stalls either way, with 17 jobs of 32 GPUs left waiting)."""
+    assert {"afs-p", "max-min", "fifo", "sidecar-default-k8s"} <= set(_NO_PROGRESS)
+    cfg = SimConfig(total_gpus=32, flat=flat)
     jobs = load_workload("philly:2869ce:150", seed=0)
     carried: Any = make_policy(name)
     carried.reads_progress = True  # the instance only

@@ -41,6 +41,9 @@ class FIFO:
     name = "fifo"
     elastic = False
     """All-or-nothing: each share is the job's request, never regulated (:attr:`shoal.policies.base.Policy.elastic`)."""
+    reads_progress = False
+    """It reads arrival, request, feasible counts and current GPUs only, never progress
+    (:func:`shoal.policies.base.policy_reads_progress`)."""
 
     def __init__(self, backfill: bool = True) -> None:
         self.backfill = backfill

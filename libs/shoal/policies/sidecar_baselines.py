@@ -99,6 +99,9 @@ class DefaultK8s:
 
     name = "sidecar-default-k8s"
     elastic = True
+    reads_progress = False
+    """It reads counts, arrival and current GPUs only, never progress
+    (:func:`shoal.policies.base.policy_reads_progress`)."""
 
     def __init__(self, *, seed: int = 0) -> None:
         """Args:
