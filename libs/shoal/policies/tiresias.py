@@ -99,8 +99,9 @@ record (memory written before queues were kept) is read as queue by service, pos
 Cost of a decision in a long queue (:meth:`TiresiasL.decide`, no promotion): most of a
 long queue is jobs that never ran, no record, no attained service, no GPUs. Their place
 is the back of ``Q0`` in arrival order, which is their order in the view, so they are
-walked lazily, and only as far as the GPUs go, merged with the few others (recorded,
-served or running; found with one tight pass over the view), which are sorted.
+walked lazily, and only as far as the GPUs go, between the few others (recorded,
+served or running; found with one tight pass over the view, and sorted) that hold a
+place in ``Q0`` and those of the later queues.
 :meth:`TiresiasL.decide_all` builds and sorts a record for every job, and a property
 test checks both decide alike; with a ``promote_knob`` every waiting job's wait counts,
 so that form runs.
@@ -145,19 +146,27 @@ class JobRecord:
 
     __slots__ = ("base", "first_start", "job", "level", "position", "queue", "service", "stopped_at")
 
-    def __init__(self, job: JobView, raw: Sequence[float] | None) -> None:
+    def __init__(self, job: JobView, raw: Sequence[float] | None, thresholds: Sequence[float]) -> None:
+        """The record of ``job`` from its memory entry ``raw`` (None: no record), with its
+        service since ``base`` and the queue that service gives."""
         self.job = job
-        self.base, self.first_start, self.stopped_at = 0.0, NEVER, NEVER
-        self.queue, self.position = 0, UNPLACED
-        self.service = 0.0
-        self.level = 0
-        """The queue the service alone puts the job in (its queue once demotions are done)."""
         if raw is not None and len(raw) >= 3:
-            self.base, self.first_start, self.stopped_at = float(raw[0]), float(raw[1]), float(raw[2])
+            base = self.base = float(raw[0])
+            self.first_start, self.stopped_at = float(raw[1]), float(raw[2])
             if len(raw) >= 5:
                 self.queue, self.position = int(raw[3]), float(raw[4])
-            else:  # no queue kept: the service decides it (see _record)
+            else:  # no queue kept: the service decides it (below)
                 self.queue, self.position = -1, 0.0
+        else:
+            base = self.base = 0.0
+            self.first_start = self.stopped_at = NEVER
+            self.queue, self.position = 0, UNPLACED
+        service = job.attained_service_gpu_s - base
+        self.service = service = service if service > 0.0 else 0.0  # max(0.0, service)
+        self.level = bisect.bisect_right(thresholds, service + SERVICE_EPS_GPU_S)
+        """The queue the service alone puts the job in (its queue once demotions are done)."""
+        if self.queue < 0:  # a three-number record: no queue kept
+            self.queue = self.level
 
     def dump(self) -> list[float]:
         return [self.base, self.first_start, self.stopped_at, float(self.queue), self.position]
@@ -175,19 +184,13 @@ def _stored(memory: Mapping[str, Any]) -> Mapping[str, Any]:
     return stored if isinstance(stored, Mapping) else {}
 
 
-def _record(job: JobView, raw: Sequence[float] | None, thresholds: Sequence[float]) -> JobRecord:
-    """A job's record with its service since ``base`` and the queue that service gives."""
-    rec = JobRecord(job, raw)
-    rec.service = max(0.0, job.attained_service_gpu_s - rec.base)
-    rec.level = bisect.bisect_right(thresholds, rec.service + SERVICE_EPS_GPU_S)
-    if rec.queue < 0:  # a three-number record: no queue kept
-        rec.queue = rec.level
-    return rec
+_record = JobRecord
+"""``_record(job, raw, thresholds)``: a job's record (:class:`JobRecord`)."""
 
 
 def _next_position(records: Iterable[JobRecord]) -> float:
     """One more than the largest position held: the back of any queue."""
-    return max((r.position for r in records if r.placed()), default=-1.0) + 1.0
+    return max((p for r in records if (p := r.position) != UNPLACED), default=-1.0) + 1.0
 
 
 def _requeue(rec: JobRecord, position: float, now: float, promote_knob: float | None) -> float:
@@ -257,6 +260,13 @@ def las_memory(
     """
     now = view.now_s
     position = _next_position(records)
+    # The placed jobs in pass order, built without sorting: those that keep their place
+    # (in the order of ``records``), then those given one now (at the back of their
+    # queue, in the order given); a stable sort by queue then interleaves the queues.
+    kept: list[JobRecord] = []
+    given: list[JobRecord] = []
+    levels = len(thresholds)
+    wake = float("inf")
     for rec in records:
         job = rec.job
         gpus = shares.get(job.job_id, 0)
@@ -274,11 +284,20 @@ def las_memory(
         elif not gpus and (job.current_gpus or (rec.stopped_at < 0 and rec.first_start >= 0)):
             # Preempted now (or started last time but never placed): the wait starts.
             rec.stopped_at = now
-        if (gpus or job.current_gpus) and not rec.placed():
+        if rec.position != UNPLACED:
+            kept.append(rec)
+        elif gpus or job.current_gpus:
             rec.position = position
             position += 1.0
-    placed = sorted((r for r in records if r.placed()), key=JobRecord.order_key)
-    for _, group in itertools.groupby(placed, key=operator.attrgetter("queue")):
+            given.append(rec)
+        # The next wake-up: a demotion of a running job, a promotion of a waiting one.
+        if gpus and rec.queue < levels:
+            wake = min(wake, now + max(0.0, thresholds[rec.queue] - rec.service) / gpus)
+        elif not gpus and promote_knob is not None and rec.queue > 0 and rec.stopped_at >= 0:
+            due = rec.stopped_at + promote_knob * rec.service / max(1, gang_size(job))
+            wake = min(wake, max(due, now))
+    placed = sorted(kept + given, key=_QUEUE)
+    for _, group in itertools.groupby(placed, key=_QUEUE):
         queue = list(group)
         running = [bool(shares.get(r.job.job_id)) for r in queue]
         if True in running and False in running[: len(running) - running[::-1].index(True)]:
@@ -287,18 +306,7 @@ def las_memory(
                 if not run:
                     rec.position = position
                     position += 1.0
-    wake = float("inf")
-    jobs: dict[str, list[float]] = {}
-    for rec in records:
-        job = rec.job
-        gpus = shares.get(job.job_id, 0)
-        if gpus and rec.queue < len(thresholds):
-            wake = min(wake, now + max(0.0, thresholds[rec.queue] - rec.service) / gpus)
-        elif not gpus and promote_knob is not None and rec.queue > 0 and rec.stopped_at >= 0:
-            due = rec.stopped_at + promote_knob * rec.service / max(1, gang_size(job))
-            wake = min(wake, max(due, now))
-        if rec.placed():
-            jobs[job.job_id] = rec.dump()
+    jobs = {rec.job.job_id: rec.dump() for rec in records if rec.position != UNPLACED}
     memory: dict[str, Any] = {"jobs": jobs}
     if wake != float("inf"):
         memory["next_decision_at_s"] = wake
@@ -312,7 +320,7 @@ def _pass(records: Iterable[JobRecord], total_gpus: int) -> dict[str, int]:
     for rec in records:
         if free <= 0:
             break
-        g = gang_size(rec.job)
+        g = _gang_size(rec.job)
         if 0 < g <= free:
             shares[rec.job.job_id] = g
             free -= g
@@ -383,13 +391,24 @@ class TiresiasL:
         for rec in sorted((r for r in others.values() if r.level > r.queue), key=_arrival_key):
             position = _requeue(rec, position, now, None)
         ordered = sorted(others.values(), key=JobRecord.order_key)
-        fresh = _fresh_records(jobs, others, thresholds)
-        walked: list[JobRecord] = []
-        shares = _pass(_walk(heapq.merge(ordered, fresh, key=JobRecord.order_key), walked), view.total_gpus)
-        started_fresh = (rec for rec in walked if rec.job.job_id not in others and rec.job.job_id in shares)
+        # The fresh jobs' key is (0, unplaced, arrival, id): behind Q0's placed jobs,
+        # ahead of Q1. Only the unplaced records of Q0 (jobs with service or GPUs but no
+        # place, rare) share that stretch with them, by arrival.
+        q1 = bisect.bisect_left(ordered, 1, key=_QUEUE)
+        unplaced = bisect.bisect_left(ordered, UNPLACED, 0, q1, key=_POSITION)
+        fresh: Iterable[JobRecord] = _fresh_records(jobs, others, thresholds)
+        if unplaced < q1:
+            fresh = heapq.merge(ordered[unplaced:q1], fresh, key=JobRecord.order_key)
+        shares = _pass(itertools.chain(ordered[:unplaced], fresh, ordered[q1:]), view.total_gpus)
+        started_fresh = sorted(
+            (_record(index[j], None, thresholds) for j in shares if j not in others), key=JobRecord.order_key
+        )
+        if started_fresh:  # their place is that of the fresh jobs, as in the pass
+            middle = heapq.merge(ordered[unplaced:q1], started_fresh, key=JobRecord.order_key)
+            ordered = [*ordered[:unplaced], *middle, *ordered[q1:]]
         new_memory = las_memory(
             view,
-            list(heapq.merge(ordered, started_fresh, key=JobRecord.order_key)),
+            ordered,
             shares,
             thresholds,
             service_since_restart=self.service_since_restart,
@@ -413,15 +432,30 @@ class TiresiasL:
         return Decision(shares=shares, memory=new_memory)
 
 
+_GANG_SIZES: dict[tuple[Any, ...], int] = {}
+
+
+def _gang_size(job: JobView) -> int:
+    """:func:`gang_size`, memoised on the fields it reads (the pass asks for the size of
+    every job it walks, and most jobs share a few shapes)."""
+    key = (job.elastic, job.requested_gpus, job.min_gpus, job.max_gpus, job.allowed_gpu_counts)
+    try:
+        hit = _GANG_SIZES.get(key)
+    except TypeError:  # a hand-built view with a list of allowed counts
+        return gang_size(job)
+    if hit is None:
+        hit = gang_size(job)
+        if len(_GANG_SIZES) < 4096:
+            _GANG_SIZES[key] = hit
+    return hit
+
+
+_QUEUE = operator.attrgetter("queue")
+_POSITION = operator.attrgetter("position")
+
+
 def _arrival_key(rec: JobRecord) -> tuple[float, str]:
     return (rec.job.arrival_s, rec.job.job_id)
-
-
-def _walk(records: Iterable[JobRecord], seen: list[JobRecord]) -> Iterator[JobRecord]:
-    """``records``, each also appended to ``seen`` as it is taken."""
-    for rec in records:
-        seen.append(rec)
-        yield rec
 
 
 def _fresh_records(
