@@ -193,10 +193,6 @@ def rebalance(
     place = {j: tuple(n) for j, n in placement.items()}
     moves: list[Migration] = []
 
-    def sizes_on(node: str, without: str = "", extra: int = 0) -> list[int]:
-        out = [job_size[j] for j, n in place.items() if n == (node,) and j != without]
-        return [*out, extra] if extra else out
-
     for _ in range(max_migrations):
         loads = ticket_load_per_gpu(node_gpus, place, job_size, job_tickets_per_gpu)
         finite = {n: v for n, v in loads.items() if math.isfinite(v)}
@@ -212,12 +208,14 @@ def rebalance(
                 lo = n
         if finite[hi] - finite[lo] <= threshold * mean:
             break
+        # The single-node jobs of both nodes (and their sizes), in placement order.
+        on_hi = [(j, job_size[j]) for j, n in place.items() if n == (hi,)]
+        on_lo = [job_size[j] for j, n in place.items() if n == (lo,)]
         best: tuple[tuple[int, float, str], str] | None = None
-        risk_before = idle_risk(node_gpus[hi], sizes_on(hi)) + idle_risk(node_gpus[lo], sizes_on(lo))
-        for job, nodes in place.items():
-            if nodes != (hi,) or (movable is not None and not movable.get(job, True)):
+        risk_before = idle_risk(node_gpus[hi], [s for _, s in on_hi]) + idle_risk(node_gpus[lo], on_lo)
+        for job, size in on_hi:
+            if movable is not None and not movable.get(job, True):
                 continue
-            size = job_size[job]
             if size > node_gpus[lo]:
                 continue
             delta = size * job_tickets_per_gpu[job]
@@ -225,8 +223,8 @@ def rebalance(
             new_lo = finite[lo] + delta / node_gpus[lo]
             if max(new_hi, new_lo) >= finite[hi]:
                 continue  # would not improve: no ping-pong
-            risk_after = idle_risk(node_gpus[hi], sizes_on(hi, without=job)) + idle_risk(
-                node_gpus[lo], sizes_on(lo, extra=size)
+            risk_after = idle_risk(node_gpus[hi], [s for j, s in on_hi if j != job]) + idle_risk(
+                node_gpus[lo], [*on_lo, size] if size else on_lo
             )
             if risk_after > risk_before:
                 continue  # balance never undoes packing (§3.3)
