@@ -35,6 +35,10 @@ Usage::
     python benchmarks/bench_sim.py --baseline-ref 5f4972a            # everything
     python benchmarks/bench_sim.py --sections flat,startup --baseline-ref main
     python benchmarks/bench_sim.py --sections policies --policies afs-p,srtf --baseline-ref none
+    python benchmarks/bench_sim.py --sections flat --repeat 3 --baseline-ref main   # medians of 3
+
+One run per cell can move by tens of percent on a shared machine; ``--repeat N`` runs each
+cell N times per tree, the trees alternating, and reports the median.
 """
 
 from __future__ import annotations
