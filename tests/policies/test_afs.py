@@ -383,7 +383,9 @@ def _random_memory(view: ClusterView, data: hs.DataObject, unit: float) -> dict[
     # Lease ends exactly now (the job is evicted) as often as mid-unit ones.
     ages = hs.one_of(hs.sampled_from((unit, 2 * unit)), hs.integers(0, int(2.5 * unit)))
     leases = {j: view.now_s - data.draw(ages) for j in holders}
-    return {"counters": {j: c for j, c in counters.items() if c}, "leases": leases}
+    # This policy never writes a zero counter; memory from elsewhere may hold one.
+    zeros = data.draw(hs.booleans())
+    return {"counters": {j: c for j, c in counters.items() if c or zeros}, "leases": leases}
 
 
 @settings(max_examples=150, deadline=None)
@@ -424,9 +426,10 @@ def test_afs_p_stage_one_goes_by_lease_then_counter_then_arrival(
 def test_afs_p_remembering_the_counted_order_changes_no_decision(
     view: ClusterView, data: hs.DataObject
 ) -> None:
-    """One AFS-P fed its own memory (it then reuses the counted jobs' order it kept) and a
-    fresh one per decision fed the memory as the log returns it (decoded, so the memo
-    is never used) decide the same at every step, while jobs run, finish and arrive."""
+    """One AFS-P fed its own memory (it then reuses the counted jobs' order and the lease
+    holders it kept) and a fresh one per decision fed the memory as the log returns it
+    (decoded, so no memo is used) decide the same at every step, memory listed in the
+    same order, while jobs run, finish and arrive."""
     unit = 100.0
     memory = _random_memory(view, data, unit)
     kept = AFSP(unit_s=unit)
@@ -436,8 +439,33 @@ def test_afs_p_remembering_the_counted_order_changes_no_decision(
         d_fresh = AFSP(unit_s=unit).decide(view, msgspec.msgpack.decode(msgspec.msgpack.encode(fresh_memory)))
         assert d_kept.shares == d_fresh.shares
         assert d_kept.memory == d_fresh.memory
+        # Listed in the same order too: the log records the memory as listed.
+        assert list(d_kept.shares) == list(d_fresh.shares)
+        for part in ("counters", "leases"):
+            assert list(d_kept.memory[part]) == list(d_fresh.memory[part])
         kept_memory, fresh_memory = d_kept.memory, d_fresh.memory
-        view = later(view, d_kept, data.draw(hs.sampled_from((1.0, 50.0, 100.0, 250.0))))
+        if data.draw(hs.booleans()):
+            # The simulator keeps its memory when the new one is equal (and the shares
+            # unchanged): equal leases, another object, the same counters object.
+            kept_memory = {**kept_memory, "leases": dict(kept_memory["leases"])}
+            if kept_memory["leases"] and data.draw(hs.booleans()):
+                # Not equal: a lease gone (the same counters object). Both take it.
+                kept_memory["leases"].pop(data.draw(hs.sampled_from(sorted(kept_memory["leases"]))))
+                fresh_memory = kept_memory
+        dt = data.draw(hs.sampled_from((1.0, 50.0, 100.0, 250.0)))
+        if data.draw(hs.booleans()):
+            view = later(view, d_kept, dt)
+        else:  # as the simulator does: a job whose share is unchanged keeps its view
+            view = msgspec.structs.replace(
+                view,
+                now_s=view.now_s + dt,
+                jobs=tuple(
+                    j
+                    if d_kept.shares.get(j.job_id, 0) == j.current_gpus
+                    else msgspec.structs.replace(j, current_gpus=d_kept.shares.get(j.job_id, 0))
+                    for j in view.jobs
+                ),
+            )
         jobs = list(view.jobs)
         if jobs and data.draw(hs.booleans()):  # one finishes
             jobs.pop(data.draw(hs.integers(0, len(jobs) - 1)))

@@ -102,7 +102,7 @@ import heapq
 import itertools
 import math
 import operator
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from shoal.policies.base import ClusterView, Decision, JobView, jobs_by_id
@@ -706,6 +706,9 @@ in it, without finding that position in a long queue)."""
 _Waiting = tuple[int, _Rank, JobView]
 """A waiting job in stage one's order: ``(counter, rank, job)``."""
 
+_Held = tuple[_Rank, JobView, int, int]
+"""A job stage one of an AFS-P decision started: ``(rank, job, smallest share, counter)``."""
+
 
 def _rank(job: JobView) -> _Rank:
     # The loops over the whole queue (_counted_keys, _ByCounter, the lease holders of
@@ -784,7 +787,7 @@ class _ByCounter:
     hand-made memory holds one) counts as 0.
     """
 
-    __slots__ = ("_bumped", "_held", "_index", "_j", "_jobs", "_old", "_uncounted", "keys")
+    __slots__ = ("_bumped", "_clean", "_held", "_index", "_j", "_jobs", "_old", "_uncounted", "keys")
 
     def __init__(
         self,
@@ -794,7 +797,10 @@ class _ByCounter:
         bumped: Mapping[str, int],
         held: Collection[str],
         keys: list[tuple[int, _Rank]] | None,
+        clean: bool,
     ) -> None:
+        self._clean = clean
+        """Every counter in ``old`` is at least 1."""
         self._jobs = jobs
         self._index = index
         self._old = old
@@ -812,7 +818,7 @@ class _ByCounter:
         if uncounted is None:
             # The ids of the jobs without a positive counter in memory, walked in C.
             old = self._old
-            positive = old if not old or min(old.values()) >= 1 else {j: c for j, c in old.items() if c >= 1}
+            positive = old if self._clean else {j: c for j, c in old.items() if c >= 1}
             uncounted = self._uncounted = itertools.filterfalse(
                 positive.__contains__, map(_JOB_ID, self._jobs)
             )
@@ -886,10 +892,10 @@ class _WaitingOrder:
 
 
 def first_evicting_lease_end(
-    running: Sequence[tuple[str, _Rank, int, int]],
+    running: Sequence[_Held],
     leases: Mapping[str, float],
     waiting: _WaitingOrder,
-    total: int,
+    left: int,
     unit: float,
 ) -> float:
     """The first lease end at which AFS-P would change shares, if nothing else happens.
@@ -907,11 +913,11 @@ def first_evicting_lease_end(
     ending at one instant, or more steps than a few rounds of units, stop the search
     early: waking at a lease end is always correct, only slower.
 
-    ``running``: the jobs stage one started, as ``(job id, rank, smallest share,
-    counter)``; ``leases``: their lease starts.
+    ``running``: the jobs stage one started (:data:`_Held`); ``leases``: their lease
+    starts; ``left``: the GPUs stage one left (``L``).
     """
-    free = total - sum(first for _, _, first, _ in running)
-    ends = [(leases[job_id] + unit, rank, first, counter) for job_id, rank, first, counter in running]
+    free = left
+    ends = [(leases[job.job_id] + unit, rank, first, counter) for rank, job, first, counter in running]
     heapq.heapify(ends)
     for _ in range(4 * len(ends) + 16):
         end, rank, first, counter = heapq.heappop(ends)
@@ -924,16 +930,24 @@ def first_evicting_lease_end(
 
 
 def _counters_out(
-    old: Mapping[str, Any], bumped: Mapping[str, int], active: Mapping[str, Any]
+    old: Mapping[str, Any],
+    bumped: Mapping[str, int],
+    active: Mapping[str, Any],
+    *,
+    clean: bool = False,
+    every: Callable[[], Mapping[str, int]] | None = None,
 ) -> dict[str, Any]:
     """AFS-P's counters to remember: the positive ones of the active jobs (``active``:
     keyed by them), ``bumped`` over ``old``.
 
     While no counted job finished (the usual case in a long queue) it is the previous
     mapping, or a copy with the lease holders' new counts; otherwise it is rebuilt from
-    the counted jobs alone (never a pass over every job of the queue).
+    the counted jobs alone (never a pass over every job of the queue). ``clean``: every
+    counter of ``old`` is known to be at least 1. ``every``: when ``bumped`` lists only
+    the changed counters, the mapping of every lease holder's (the rebuilt mapping lists
+    them in its order).
     """
-    if isinstance(old, dict) and active.keys() >= old.keys() and 0 not in old.values():
+    if isinstance(old, dict) and active.keys() >= old.keys() and (clean or 0 not in old.values()):
         changed = {j: c for j, c in bumped.items() if c != old.get(j, 0)}
         if not changed:
             return old
@@ -944,9 +958,121 @@ def _counters_out(
             else:
                 out.pop(j, None)
         return out
+    if every is not None:
+        bumped = every()
     out = {j: c for j, c in old.items() if c and j in active and j not in bumped}
     out.update((j, c) for j, c in bumped.items() if c)
     return out
+
+
+class _Holders:
+    """The lease holders of the leases mapping an :class:`AFSP` returned (:attr:`of`, with
+    its counters :attr:`counters_of`; both compared by identity), kept for the next
+    decision.
+
+    The pass over the lease holders redid every holder's units, counter, lease and
+    smallest share, though at most decisions one lease ended and the others are
+    mid-unit: their counters, leases and shares are those of the decision before. A
+    holder's units since its lease started never rise as the start is later, so the
+    holders whose lease ended are the smallest starts of a heap (:meth:`advance`), and
+    the others are carried over; held jobs whose view was rebuilt are read again. Memory
+    from elsewhere (decoded from the log) is not the same object and takes the full pass,
+    so the memo never changes a decision (``test_afs_p_remembering_the_counted_order_``
+    ``changes_no_decision`` runs both and compares decisions and memory, in order).
+    """
+
+    __slots__ = ("counters_of", "heap", "need", "of", "rows")
+
+    def __init__(
+        self, leases: dict[str, float], counters: Mapping[str, Any], started: Sequence[_Held]
+    ) -> None:
+        self.of: Mapping[str, float] = leases
+        self.counters_of = counters
+        self.rows: dict[str, _Held] = {h[1].job_id: h for h in started}
+        """job id -> the job as stage one started it, for every key of :attr:`of`."""
+        self.heap = [(leases[job_id], h[0], job_id) for job_id, h in self.rows.items()]
+        """``(lease start, rank, job id)``, a heap; an entry whose job left or whose start
+        is no longer the job's in :attr:`of` is stale and skipped."""
+        heapq.heapify(self.heap)
+        self.need = sum(h[2] for h in started)
+        """The sum of the rows' smallest shares."""
+
+    def advance(
+        self, now: float, unit: float, index: Mapping[str, JobView]
+    ) -> tuple[dict[str, float], dict[str, int], dict[str, int], list[_Held], int] | None:
+        """What the pass over the lease holders of :attr:`of` computes at ``now``.
+
+        Returns ``(leases, bumped, units, held, need)``: the leases still held (in the
+        order of :attr:`of`), the new counters of the holders whose lease ended (the full
+        pass lists every holder; the others' counters are unchanged), those holders'
+        units, the held jobs in rank order (the order of :attr:`of`) and the sum of their
+        smallest shares. None when the full pass must run instead: a held job's arrival
+        changed or its smallest share is 0. The memo is spent either way (the decision
+        makes it the next one's with :meth:`carry`).
+        """
+        old, counters, rows = self.of, self.counters_of, self.rows
+        need = self.need
+        get = index.get
+        leases = dict(old)
+        # Jobs that left, and held jobs whose view was rebuilt (read again).
+        for job_id in [job_id for job_id, row in rows.items() if get(job_id) is not row[1]]:
+            row = rows[job_id]
+            job = get(job_id)
+            if job is None:  # finished: the full pass skips it
+                del rows[job_id], leases[job_id]
+                need -= row[2]
+                continue
+            rank = (job.arrival_s, job_id)
+            first = _ladder(job)[1]
+            if rank != row[0] or not first:
+                return None
+            need += first - row[2]
+            rows[job_id] = (rank, job, first, row[3])
+        # Leases that ended: the smallest starts (see the class docstring).
+        heap = self.heap
+        ended: list[tuple[_Rank, str, float]] = []
+        while heap:
+            start, rank, job_id = heap[0]
+            if job_id not in rows or old[job_id] != start:
+                heapq.heappop(heap)  # stale
+                continue
+            if max(0, int((now - start) / unit + _LEASE_EPS)) == 0:
+                break
+            heapq.heappop(heap)
+            ended.append((rank, job_id, start))
+        bumped: dict[str, int] = {}
+        units_of: dict[str, int] = {}
+        ended.sort()  # rank order, the order of ``old``
+        for rank, job_id, start in ended:
+            # The full pass's arithmetic, for these holders only.
+            units = units_of[job_id] = max(0, int((now - start) / unit + _LEASE_EPS))
+            counter = bumped[job_id] = int(counters.get(job_id, 0)) + units
+            start += units * unit
+            row = rows[job_id]
+            if now - start > _LEASE_EPS:
+                leases[job_id] = start  # a later unit, in progress: held
+                rows[job_id] = (rank, row[1], row[2], counter)
+                heapq.heappush(heap, (start, rank, job_id))
+            else:  # the unit ended just now: evicted
+                del leases[job_id], rows[job_id]
+                need -= row[2]
+        self.need = need
+        return leases, bumped, units_of, list(map(rows.__getitem__, leases)), need
+
+    def carry(self, leases: dict[str, float], counters: Mapping[str, Any], started: Iterable[_Held]) -> None:
+        """Become the memo of the decision that started the held jobs (every row
+        :meth:`advance` left) and then ``started``, returning these leases and counters."""
+        rows, heap = self.rows, self.heap
+        for h in started:
+            job_id = h[1].job_id
+            rows[job_id] = h
+            heapq.heappush(heap, (leases[job_id], h[0], job_id))
+            self.need += h[2]
+        if len(heap) > 2 * len(rows) + 64:  # mostly stale entries
+            heap[:] = [(leases[job_id], h[0], job_id) for job_id, h in rows.items()]
+            heapq.heapify(heap)
+        self.of = leases
+        self.counters_of = counters
 
 
 class AFSP:
@@ -974,6 +1100,9 @@ class AFSP:
         self.unit_s = float(unit_s)
         self.wake_at_every_lease_end = wake_at_every_lease_end
         self._counted: _Counted | None = None
+        self._holders: _Holders | None = None
+        self._clean_counters: Mapping[str, Any] | None = None
+        """The counters this instance last returned, when each is at least 1."""
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Processor sharing by counters when jobs exceed GPUs, then eq. (3) by ``f``.
@@ -990,35 +1119,75 @@ class AFSP:
         # Counters in memory are ints (this policy writes them).
         old_counters: Mapping[str, Any] = memory.get("counters") or {}
         old_leases: Mapping[str, Any] = memory.get("leases") or {}
-        leases: dict[str, float] = {}
-        bumped: dict[str, int] = {}
-        # The lease holders as (counter, rank, job, smallest share).
+        total = view.total_gpus
+        # The lease holders: carried over from the decision before when it returned this
+        # very memory (_Holders), else a pass over every one.
+        holders, self._holders = self._holders, None
+        carried = None
+        if (
+            holders is not None
+            and holders.counters_of is old_counters
+            # The simulator keeps the memory it had when a decision changes nothing
+            # (equal memory, shares unchanged): the same leases, listed alike, will do.
+            and (holders.of is old_leases or list(holders.of.items()) == list(old_leases.items()))
+        ):
+            carried = holders.advance(now, unit, index)
+            if carried is not None and carried[4] > total:
+                carried = None  # the held jobs no longer fit: the full pass sorts it out
+        # held: the lease holders as (counter, rank, job, smallest share) for the full
+        # pass; held_rows: as stage one starts them, in rank order, when carried over.
         held: list[tuple[int, _Rank, JobView, int]] = []
-        for job_id, start in old_leases.items():
-            job = index.get(job_id)
-            if job is None:
-                continue  # finished
-            start = float(start)
-            # Every whole unit executed since the lease started adds one (§3.3); the
-            # lease goes on in phase, so a unit in progress is not lost.
-            units = max(0, int((now - start) / unit + _LEASE_EPS))  # clock skew: no negative
-            counter = bumped[job_id] = int(old_counters.get(job_id, 0)) + units
-            start += units * unit
-            if units == 0 or now - start > _LEASE_EPS:
-                leases[job_id] = start  # mid-unit: held (non-preemptive)
-                held.append((counter, (job.arrival_s, job_id), job, _ladder(job)[1]))
-            # else: the unit ended just now, the job is evicted.
+        held_rows: list[_Held] | None = None
+        units_of: dict[str, int] | None = None  # carried over: the holders whose lease ended
+        if carried is not None:
+            leases, bumped, units_of, held_rows, need = carried
+            held_need = need
+        else:
+            holders = None
+            leases = {}
+            bumped = {}
+            for job_id, start in old_leases.items():
+                job = index.get(job_id)
+                if job is None:
+                    continue  # finished
+                start = float(start)
+                # Every whole unit executed since the lease started adds one (§3.3); the
+                # lease goes on in phase, so a unit in progress is not lost.
+                units = max(0, int((now - start) / unit + _LEASE_EPS))  # clock skew: no negative
+                counter = bumped[job_id] = int(old_counters.get(job_id, 0)) + units
+                start += units * unit
+                if units == 0 or now - start > _LEASE_EPS:
+                    leases[job_id] = start  # mid-unit: held (non-preemptive)
+                    held.append((counter, (job.arrival_s, job_id), job, _ladder(job)[1]))
+                # else: the unit ended just now, the job is evicted.
+            need = 0
+            for h in held:
+                need += h[3]
+
+        # Every counter is at least 1 in memory this policy wrote (it drops zeros, and
+        # counters never fall); a mapping from elsewhere is checked once.
+        clean = old_counters is self._clean_counters or not old_counters or min(old_counters.values()) >= 1
+
+        def every() -> dict[str, int]:
+            """The full pass's bumped: every active lease holder's counter."""
+            assert units_of is not None
+            return {
+                job_id: int(old_counters.get(job_id, 0)) + units_of.get(job_id, 0)
+                for job_id in old_leases
+                if job_id in index
+            }
+
+        def counters_out() -> dict[str, Any]:
+            return _counters_out(
+                old_counters, bumped, index, clean=clean, every=every if units_of is not None else None
+            )
 
         # The memo of the counted jobs' order (see _Counted), taken: it is handed back
         # below only once it matches this decision's counters.
         counted, self._counted = self._counted, None
-        total = view.total_gpus
         # Contention: the smallest shares of all jobs exceed the GPUs. Every smallest
         # share is >= 0, so the lease holders' (known already) are summed first and the
         # other jobs then only as far as needed: the same answer as any order's.
-        need = 0
-        for h in held:
-            need += h[3]
         contended = need > total
         if not contended:
             for job in jobs:
@@ -1036,30 +1205,37 @@ class AFSP:
             if free > 0:
                 self._stage_two(entries, free)
             shares = _shares(entries)
+            new_counters = counters_out()
+            self._clean_counters = (
+                new_counters if clean or min(new_counters.values(), default=1) >= 1 else None
+            )
             return Decision(
                 shares=shares,
-                memory={
-                    "counters": _counters_out(old_counters, bumped, index),
-                    "leases": {j: leases.get(j, float(now)) for j in shares},
-                },
+                memory={"counters": new_counters, "leases": {j: leases.get(j, float(now)) for j in shares}},
             )
 
         # Stage one, processor sharing: jobs holding a lease keep running
         # (non-preemptive); the rest by increasing counter (ties: arrival). A started job
         # is ``(rank, job, smallest share, counter)``: a working record (_Entry) is made
         # only when GPUs are left for stage two.
-        started: list[tuple[_Rank, JobView, int, int]] = []
-        free = total
         # A lease holder that no longer fits (the cluster shrank) waits now: the exact
         # wake-up below does not model that, so it falls back to every lease end.
         dropped = False
-        held.sort(key=_WAITING_KEY)
-        for counter, rank, job, first in held:
-            if first and first <= free:
-                started.append((rank, job, first, counter))
-                free -= first
-            else:
-                dropped = True
+        started: list[_Held]
+        if held_rows is not None:  # carried over: every one fits (need <= total)
+            started = held_rows
+            free = total - held_need
+        else:
+            started = []
+            free = total
+            held.sort(key=_WAITING_KEY)
+            for counter, rank, job, first in held:
+                if first and first <= free:
+                    started.append((rank, job, first, counter))
+                    free -= first
+                else:
+                    dropped = True
+        n_held = len(started)
         # The same pass over the waiting jobs in (counter, rank) order, taken only until
         # the GPUs run out (a long queue mostly gets nothing).
         keys = None
@@ -1067,7 +1243,7 @@ class AFSP:
             keys = counted.keys
             if not _move_keys(keys, old_counters, bumped, index):
                 keys = None
-        waiting = _ByCounter(jobs, index, old_counters, bumped, leases, keys)
+        waiting = _ByCounter(jobs, index, old_counters, bumped, leases, keys, clean)
         passed: list[_Waiting] = []  # waiting jobs the pass looked at and did not start, in order
         while free > 0:
             w = waiting.pop()
@@ -1080,6 +1256,7 @@ class AFSP:
                 free -= first
             else:
                 passed.append(w)
+        fresh = started[n_held:]  # the jobs started from the queue
         started.sort(key=_FIRST)
         if free > 0:
             entries = []
@@ -1092,15 +1269,26 @@ class AFSP:
         else:
             shares = {job.job_id: first for _, job, first, _ in started}
 
-        counters_out = _counters_out(old_counters, bumped, index)
+        new_counters = counters_out()
         new_leases = {j: leases.get(j, float(now)) for j in shares}
-        memory_out: dict[str, Any] = {"counters": counters_out, "leases": new_leases}
-        if waiting.keys is not None and min(counters_out.values(), default=1) >= 1:
-            # keys: every positive counter of counters_out, and the finished jobs'.
+        memory_out: dict[str, Any] = {"counters": new_counters, "leases": new_leases}
+        # Counters never fall, and zeros are dropped: clean memory stays clean.
+        new_clean = clean or min(new_counters.values(), default=1) >= 1
+        self._clean_counters = new_counters if new_clean else None
+        if waiting.keys is not None and new_clean:
+            # keys: every positive counter of new_counters, and the finished jobs'.
             keys = waiting.keys
-            if len(keys) != len(counters_out):  # a counted job finished
-                keys = [k for k in keys if k[1][1] in counters_out]
-            self._counted = _Counted(counters_out, keys)
+            if len(keys) != len(new_counters):  # a counted job finished
+                keys = [k for k in keys if k[1][1] in new_counters]
+            self._counted = _Counted(new_counters, keys)
+        if not dropped:
+            # The lease holders of new_leases (every held job, then those started from
+            # the queue), kept for the next decision.
+            if holders is not None:
+                holders.carry(new_leases, new_counters, fresh)
+            else:
+                holders = _Holders(new_leases, new_counters, started)
+            self._holders = holders
         if started:
             # Only an eviction changes shares. While every job fits, units are counted at
             # the next decision instead.
@@ -1108,11 +1296,7 @@ class AFSP:
                 memory_out["next_decision_at_s"] = min(new_leases.values()) + unit
             else:
                 memory_out["next_decision_at_s"] = first_evicting_lease_end(
-                    [(job.job_id, rank, first, counter) for rank, job, first, counter in started],
-                    new_leases,
-                    _WaitingOrder(passed, waiting),
-                    total,
-                    unit,
+                    started, new_leases, _WaitingOrder(passed, waiting), free, unit
                 )
         return Decision(shares=shares, memory=memory_out)
 
