@@ -1270,7 +1270,7 @@ class AFSP:
             shares = {job.job_id: first for _, job, first, _ in started}
 
         new_counters = counters_out()
-        new_leases = {j: leases.get(j, float(now)) for j in shares}
+        new_leases = dict(zip(shares, map(leases.get, shares, itertools.repeat(float(now)))))
         memory_out: dict[str, Any] = {"counters": new_counters, "leases": new_leases}
         # Counters never fall, and zeros are dropped: clean memory stays clean.
         new_clean = clean or min(new_counters.values(), default=1) >= 1
