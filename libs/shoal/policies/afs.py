@@ -84,6 +84,9 @@ Choices where the paper is silent or inexact (documented, deterministic):
   keys. Memory decoded from the log is another object, so the keys are then sorted
   afresh: the memo never changes a decision (a property test compares both).
   Ranks are ``(arrival_s, job_id)``, the arrival order itself, not positions in it.
+  The lease holders (every running job) are likewise carried over from the decision
+  that returned the memory (:class:`_Holders`): only those whose lease ended, found as
+  the smallest lease starts, and those whose view changed are looked at again.
 * **Cost of a decision in a long queue** (AFS-L). Stage one needs every job's length at
   its smallest share, in order. A waiting job's does not change while its view does not,
   so from :attr:`AFSL.keep_keys_from` active jobs on an AFS-L instance keeps the waiting
@@ -1270,7 +1273,7 @@ class AFSP:
             shares = {job.job_id: first for _, job, first, _ in started}
 
         new_counters = counters_out()
-        new_leases = dict(zip(shares, map(leases.get, shares, itertools.repeat(float(now)))))
+        new_leases = dict(zip(shares, map(leases.get, shares, itertools.repeat(float(now))), strict=True))
         memory_out: dict[str, Any] = {"counters": new_counters, "leases": new_leases}
         # Counters never fall, and zeros are dropped: clean memory stays clean.
         new_clean = clean or min(new_counters.values(), default=1) >= 1
