@@ -103,7 +103,8 @@ from shoal.fairness.split_stride import PlacedJob, split_stride_quantum
 from shoal.fairness.stride import STRIDE1
 from shoal.fairness.trader import Trade, holdings, homogeneous_user, trading_round, undo_trades
 from shoal.placement.hinted import NODE_HINTS, NODE_SLOTS
-from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
+from shoal.policies.base import ClusterView, Decision, JobView
+from shoal.policies.tiresias import gang_size_by_shape
 from shoal.sim.costs import ReconfigCosts, get_costs
 
 MEMORY_VERSION = 1
@@ -131,33 +132,9 @@ which at a 60 s quantum leaves a gang of 16 GPUs under 1 s of training per quant
 one of 17 or more none at all. Give ``costs="measured"`` to simulate that."""
 
 
-def gang_size(job: JobView) -> int:
-    """The GPUs a job runs with under Gandiva_fair (it is not resized)."""
-    key = (job.elastic, job.requested_gpus, job.min_gpus, job.max_gpus, job.allowed_gpu_counts)
-    try:
-        hit = _GANG_SIZES.get(key)
-    except TypeError:  # a hand-built view with a list of allowed counts
-        return _gang_size(job)
-    if hit is None:
-        hit = _gang_size(job)
-        if len(_GANG_SIZES) < 4096:
-            _GANG_SIZES[key] = hit
-    return hit
-
-
-_GANG_SIZES: dict[tuple[Any, ...], int] = {}
-"""Memo of :func:`gang_size`: it reads only the fields of the key, and a decision asks
-for every active job's size (most jobs share a few shapes)."""
-
-
-def _gang_size(job: JobView) -> int:
-    counts = feasible_counts(job)
-    if not counts:
-        return 0
-    if job.requested_gpus in counts:
-        return job.requested_gpus
-    below = [c for c in counts if c <= job.requested_gpus]
-    return below[-1] if below else counts[0]
+gang_size = gang_size_by_shape
+"""The GPUs a job runs with under Gandiva_fair (it is not resized): its gang size,
+:func:`shoal.policies.tiresias.gang_size` (its request when feasible), memoised by shape."""
 
 
 @functools.lru_cache(maxsize=256)

@@ -171,10 +171,6 @@ class JobRecord:
     def dump(self) -> list[float]:
         return [self.base, self.first_start, self.stopped_at, float(self.queue), self.position]
 
-    def placed(self) -> bool:
-        """Whether the job has a place of its own in a queue (else: back of ``Q0``)."""
-        return self.position != UNPLACED
-
     def order_key(self) -> tuple[int, float, float, str]:
         return (self.queue, self.position, self.job.arrival_s, self.job.job_id)
 
@@ -320,7 +316,7 @@ def _pass(records: Iterable[JobRecord], total_gpus: int) -> dict[str, int]:
     for rec in records:
         if free <= 0:
             break
-        g = _gang_size(rec.job)
+        g = gang_size_by_shape(rec.job)
         if 0 < g <= free:
             shares[rec.job.job_id] = g
             free -= g
@@ -435,9 +431,10 @@ class TiresiasL:
 _GANG_SIZES: dict[tuple[Any, ...], int] = {}
 
 
-def _gang_size(job: JobView) -> int:
-    """:func:`gang_size`, memoised on the fields it reads (the pass asks for the size of
-    every job it walks, and most jobs share a few shapes)."""
+def gang_size_by_shape(job: JobView) -> int:
+    """:func:`gang_size`, memoised on the fields it reads (a Tiresias-L pass or a
+    Gandiva_fair decision asks for the size of every job it walks, and most jobs share a
+    few shapes)."""
     key = (job.elastic, job.requested_gpus, job.min_gpus, job.max_gpus, job.allowed_gpu_counts)
     try:
         hit = _GANG_SIZES.get(key)
