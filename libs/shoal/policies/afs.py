@@ -970,8 +970,10 @@ def _counters_out(
 
 class _Holders:
     """The lease holders of the leases mapping an :class:`AFSP` returned (:attr:`of`, with
-    its counters :attr:`counters_of`; both compared by identity), kept for the next
-    decision.
+    its counters :attr:`counters_of`), kept for the next decision, which takes them when
+    its memory holds that very counters mapping and those leases (the same object, or
+    one listing the same items in the same order: the simulator keeps the memory it had
+    when a decision changes nothing and returns equal memory).
 
     The pass over the lease holders redid every holder's units, counter, lease and
     smallest share, though at most decisions one lease ended and the others are
@@ -979,8 +981,8 @@ class _Holders:
     holder's units since its lease started never rise as the start is later, so the
     holders whose lease ended are the smallest starts of a heap (:meth:`advance`), and
     the others are carried over; held jobs whose view was rebuilt are read again. Memory
-    from elsewhere (decoded from the log) is not the same object and takes the full pass,
-    so the memo never changes a decision (``test_afs_p_remembering_the_counted_order_``
+    decoded from the log holds another counters mapping and takes the full pass, so the
+    memo never changes a decision (``test_afs_p_remembering_the_counted_order_``
     ``changes_no_decision`` runs both and compares decisions and memory, in order).
     """
 
