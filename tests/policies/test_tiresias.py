@@ -394,3 +394,55 @@ def test_lazy_queue_walk_decides_as_sorting_every_job(
         assert fast == policy.decide_all(v, memory)
         memory = fast.memory
         v = next_view(v, fast, 400.0)
+
+
+def kept_next_view(v: ClusterView, decision: Decision, dt: float, step: int) -> ClusterView:
+    """:func:`next_view`, keeping the view object of every job that neither holds nor is
+    given GPUs (as the simulator does for a job nothing changed); ``step`` 3 ends the
+    first job given GPUs, ``step`` 4 adds an arrival that never ran."""
+    jobs = []
+    moved = next_view(v, decision, dt).jobs
+    for old, new in zip(v.jobs, moved, strict=True):
+        jobs.append(old if not old.current_gpus and not decision.shares.get(old.job_id) else new)
+    if step == 3:
+        jobs = [j for j in jobs if j.job_id != next(iter(decision.shares), None)]
+    if step == 4:
+        jobs.append(job(f"new{v.now_s}", arrival_s=v.now_s + dt, requested_gpus=2, max_gpus=2))
+    return ClusterView(now_s=v.now_s + dt, total_gpus=v.total_gpus, jobs=tuple(jobs))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    queued_views(),
+    hs.sampled_from([(300.0,), (300.0, 5000.0), (180_000.0,)]),
+    hs.booleans(),
+    hs.lists(hs.integers(0, 4), min_size=3, max_size=6),
+)
+def test_tiresias_l_carried_records_change_no_decision(
+    case: tuple[ClusterView, dict[str, Any]],
+    thresholds: tuple[float, ...],
+    since_restart: bool,
+    steps: list[int],
+) -> None:
+    """A policy that carries its records over between decisions decides as one that reads
+    every record from memory: shares, and memory with its entries in the same order.
+    Each round hands it its own memory, an equal copy (decoded from msgpack), or a
+    changed one (a record's base moved: the carried records must not be taken), over
+    views that keep unchanged jobs' objects, with completions and arrivals."""
+    v, memory = case
+    kw: dict[str, Any] = {"queue_thresholds_gpu_s": thresholds, "service_since_restart": since_restart}
+    carried = TiresiasL(**kw)
+    for step in steps:
+        fresh = TiresiasL(**kw).decide(v, memory)
+        d = carried.decide(v, memory)
+        assert d == fresh
+        assert list(d.memory["jobs"].items()) == list(fresh.memory["jobs"].items())
+        memory = d.memory
+        if step == 1:
+            memory = msgspec.msgpack.decode(msgspec.msgpack.encode(memory))
+        elif step == 2 and memory["jobs"]:
+            first = next(iter(memory["jobs"]))
+            entry = list(memory["jobs"][first])
+            entry[0] += 50.0
+            memory = {**memory, "jobs": {**memory["jobs"], first: entry}}
+        v = kept_next_view(v, d, 400.0, step)

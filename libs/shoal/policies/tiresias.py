@@ -112,6 +112,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import math
 import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -144,12 +145,28 @@ def gang_size(job: JobView) -> int:
 class JobRecord:
     """Tiresias bookkeeping of one job, rebuilt from and written back to memory."""
 
-    __slots__ = ("base", "first_start", "job", "level", "position", "queue", "service", "stopped_at")
+    __slots__ = (
+        "base",
+        "first_start",
+        "job",
+        "key",
+        "level",
+        "position",
+        "queue",
+        "saved",
+        "service",
+        "stopped_at",
+    )
 
     def __init__(self, job: JobView, raw: Sequence[float] | None, thresholds: Sequence[float]) -> None:
         """The record of ``job`` from its memory entry ``raw`` (None: no record), with its
         service since ``base`` and the queue that service gives."""
         self.job = job
+        self.saved: list[float] | None = None
+        """What :meth:`dump` gave, until a dumped field changes (every assignment to one
+        clears it, and :attr:`key`)."""
+        self.key: tuple[int, float, float, str] | None = None
+        """:meth:`order_key`, once asked."""
         if raw is not None and len(raw) >= 3:
             base = self.base = float(raw[0])
             self.first_start, self.stopped_at = float(raw[1]), float(raw[2])
@@ -168,11 +185,31 @@ class JobRecord:
         if self.queue < 0:  # a three-number record: no queue kept
             self.queue = self.level
 
+    def see(self, job: JobView, thresholds: Sequence[float]) -> None:
+        """Take ``job``'s new view: its service since :attr:`base` and the queue that gives."""
+        self.job = job
+        self.key = None
+        service = job.attained_service_gpu_s - self.base
+        self.service = service = service if service > 0.0 else 0.0
+        self.level = bisect.bisect_right(thresholds, service + SERVICE_EPS_GPU_S)
+
     def dump(self) -> list[float]:
-        return [self.base, self.first_start, self.stopped_at, float(self.queue), self.position]
+        saved = self.saved
+        if saved is None:
+            saved = self.saved = [
+                self.base,
+                self.first_start,
+                self.stopped_at,
+                float(self.queue),
+                self.position,
+            ]
+        return saved
 
     def order_key(self) -> tuple[int, float, float, str]:
-        return (self.queue, self.position, self.job.arrival_s, self.job.job_id)
+        key = self.key
+        if key is None:
+            key = self.key = (self.queue, self.position, self.job.arrival_s, self.job.job_id)
+        return key
 
 
 def _stored(memory: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -186,7 +223,7 @@ _record = JobRecord
 
 def _next_position(records: Iterable[JobRecord]) -> float:
     """One more than the largest position held: the back of any queue."""
-    return max((p for r in records if (p := r.position) != UNPLACED), default=-1.0) + 1.0
+    return max(filter(math.isfinite, map(_POSITION, records)), default=-1.0) + 1.0
 
 
 def _requeue(rec: JobRecord, position: float, now: float, promote_knob: float | None) -> float:
@@ -206,10 +243,12 @@ def _requeue(rec: JobRecord, position: float, now: float, promote_knob: float | 
         rec.service = 0.0
         rec.level = rec.queue = 0
         rec.position = position
+        rec.saved = rec.key = None
         return position + 1.0
     if queue > rec.queue:
         rec.queue = queue
         rec.position = position
+        rec.saved = rec.key = None
         return position + 1.0
     return position
 
@@ -244,6 +283,26 @@ def las_memory(
     service_since_restart: bool,
     promote_knob: float | None,
 ) -> dict[str, Any]:
+    """Memory after a pass (:func:`las_memory_records`'s memory)."""
+    return las_memory_records(
+        view,
+        records,
+        shares,
+        thresholds,
+        service_since_restart=service_since_restart,
+        promote_knob=promote_knob,
+    )[0]
+
+
+def las_memory_records(
+    view: ClusterView,
+    records: Sequence[JobRecord],
+    shares: Mapping[str, int],
+    thresholds: Sequence[float],
+    *,
+    service_since_restart: bool,
+    promote_knob: float | None,
+) -> tuple[dict[str, Any], dict[str, JobRecord]]:
     """Memory after a pass: restarts, queue order, the wait clocks and the next wake-up.
 
     ``records`` must be in pass order (as :func:`las_records` returns them) and hold every
@@ -253,20 +312,30 @@ def las_memory(
     holding them without a place gets one at the back of its queue; then in each queue
     the jobs without GPUs move behind those with GPUs (each group keeps its order). Also
     asks for a re-run at the next demotion or promotion.
+
+    Returns the memory and the records it lists (job id -> record, in the order of
+    ``memory["jobs"]``; each record's fields are then its entry there).
     """
     now = view.now_s
     position = _next_position(records)
-    # The placed jobs in pass order, built without sorting: those that keep their place
-    # (in the order of ``records``), then those given one now (at the back of their
-    # queue, in the order given); a stable sort by queue then interleaves the queues.
+    # The placed jobs of each queue in pass order: those that keep their place (in the
+    # order of ``records``), then those given one now (at the back of their queue, in
+    # the order given). A queue where a job without GPUs is ahead of one with GPUs is
+    # marked as the jobs are met in that order.
     kept: list[JobRecord] = []
     given: list[JobRecord] = []
+    recorded: dict[str, JobRecord] = {}
+    waiting_in: set[int] = set()
+    waiting_queue = -1  # the last queue added to waiting_in (records come by queue)
+    behind: set[int] = set()
     levels = len(thresholds)
     wake = float("inf")
     for rec in records:
         job = rec.job
-        gpus = shares.get(job.job_id, 0)
+        job_id = job.job_id
+        gpus = shares.get(job_id, 0)
         if gpus and not job.current_gpus:
+            rec.saved = rec.key = None
             if service_since_restart:
                 rec.base = job.attained_service_gpu_s
                 rec.service = 0.0
@@ -280,45 +349,61 @@ def las_memory(
         elif not gpus and (job.current_gpus or (rec.stopped_at < 0 and rec.first_start >= 0)):
             # Preempted now (or started last time but never placed): the wait starts.
             rec.stopped_at = now
+            rec.saved = None
         if rec.position != UNPLACED:
             kept.append(rec)
+            recorded[job_id] = rec
+            if not gpus:
+                if rec.queue != waiting_queue:
+                    waiting_queue = rec.queue
+                    waiting_in.add(waiting_queue)
+            elif rec.queue in waiting_in:
+                behind.add(rec.queue)
         elif gpus or job.current_gpus:
             rec.position = position
+            rec.saved = rec.key = None
             position += 1.0
             given.append(rec)
+            recorded[job_id] = rec
         # The next wake-up: a demotion of a running job, a promotion of a waiting one.
         if gpus and rec.queue < levels:
-            wake = min(wake, now + max(0.0, thresholds[rec.queue] - rec.service) / gpus)
+            left = thresholds[rec.queue] - rec.service
+            due = now + (left if left > 0.0 else 0.0) / gpus
+            if due < wake:
+                wake = due
         elif not gpus and promote_knob is not None and rec.queue > 0 and rec.stopped_at >= 0:
             due = rec.stopped_at + promote_knob * rec.service / max(1, gang_size(job))
             wake = min(wake, max(due, now))
-    placed = sorted(kept + given, key=_QUEUE)
-    for _, group in itertools.groupby(placed, key=_QUEUE):
-        queue = list(group)
-        running = [bool(shares.get(r.job.job_id)) for r in queue]
-        if True in running and False in running[: len(running) - running[::-1].index(True)]:
-            # A job without GPUs ahead of one with GPUs: every waiting job goes behind.
-            for rec, run in zip(queue, running, strict=True):
-                if not run:
-                    rec.position = position
-                    position += 1.0
-    jobs = {rec.job.job_id: rec.dump() for rec in records if rec.position != UNPLACED}
-    memory: dict[str, Any] = {"jobs": jobs}
+    for rec in given:
+        if not shares.get(rec.job.job_id):
+            waiting_in.add(rec.queue)
+        elif rec.queue in waiting_in:
+            behind.add(rec.queue)
+    for queue in sorted(behind):
+        # A job without GPUs ahead of one with GPUs: every waiting job goes behind.
+        for rec in itertools.chain(kept, given):
+            if rec.queue == queue and not shares.get(rec.job.job_id):
+                rec.position = position
+                rec.saved = rec.key = None
+                position += 1.0
+    memory: dict[str, Any] = {
+        "jobs": dict(zip(recorded, map(JobRecord.dump, recorded.values()), strict=True))
+    }
     if wake != float("inf"):
         memory["next_decision_at_s"] = wake
-    return memory
+    return memory, recorded
 
 
-def _pass(records: Iterable[JobRecord], total_gpus: int) -> dict[str, int]:
+def _pass(jobs: Iterable[JobView], total_gpus: int) -> dict[str, int]:
     """The Tiresias pass: in order, a job whose gang fits the free GPUs gets it (backfill)."""
     free = total_gpus
     shares: dict[str, int] = {}
-    for rec in records:
+    for job in jobs:
         if free <= 0:
             break
-        g = gang_size_by_shape(rec.job)
+        g = gang_size_by_shape(job)
         if 0 < g <= free:
-            shares[rec.job.job_id] = g
+            shares[job.job_id] = g
             free -= g
     return shares
 
@@ -358,12 +443,24 @@ class TiresiasL:
         self.queue_thresholds_gpu_s = thresholds
         self.service_since_restart = service_since_restart
         self.promote_knob = promote_knob
+        self._memo: tuple[Mapping[str, Any], dict[str, JobRecord]] | None = None
+        """``(memory["jobs"], records)`` of the last :meth:`decide`: its records are
+        that mapping's entries (:func:`las_memory_records`), taken by the next decide whose
+        memory lists the same (see :meth:`decide`)."""
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """One Tiresias pass: queues in order, list order inside, requested GPUs, backfill.
 
         The jobs that never ran are walked lazily, in arrival order, only as far as the
         GPUs go (see the module docstring); the decision is :meth:`decide_all`'s.
+
+        The records of the recorded jobs are carried over from the last decide when
+        ``memory["jobs"]`` lists what that decide returned (the same mapping, or an equal
+        one: the simulator keeps the memory it had when a decision returns equal memory);
+        a record whose job's view is another object reads its service again, and an
+        unchanged record is not dumped again. Other memory (decoded from the log, another
+        policy's) builds every record from its entry, so the carried records never change
+        a decision (``test_tiresias_l_carried_records_change_no_decision``).
         """
         if self.promote_knob is not None:
             return self.decide_all(view, memory)
@@ -371,20 +468,38 @@ class TiresiasL:
         stored = _stored(memory)
         index = jobs_by_id(view)
         jobs = view_arrival_order(view)
+        memo, self._memo = self._memo, None  # spent either way; a failed decide leaves none
         # Every job that may have a place, be demoted, or be given one without a start:
         # the recorded ones, the served ones, the running ones.
         others: dict[str, JobRecord] = {}
-        for job_id, raw in stored.items():
-            job = index.get(job_id)
-            if job is not None:
-                others[job_id] = _record(job, raw, thresholds)
+        # The records that may be demoted: a carried record whose view is the same has
+        # the service it had after the last decide's demotions.
+        moved: list[JobRecord] | None = None
+        if memo is not None and (stored is memo[0] or stored == memo[0]):
+            moved = []
+            for job_id, rec in memo[1].items():
+                job = index.get(job_id)
+                if job is not None:
+                    if job is not rec.job:
+                        rec.see(job, thresholds)
+                        moved.append(rec)
+                    others[job_id] = rec
+        else:
+            for job_id, raw in stored.items():
+                job = index.get(job_id)
+                if job is not None:
+                    others[job_id] = _record(job, raw, thresholds)
+        position = _next_position(others.values())
         for job in [j for j in jobs if j.attained_service_gpu_s or j.current_gpus]:
             if job.job_id not in others:
-                others[job.job_id] = _record(job, None, thresholds)
-        position = _next_position(others.values())
+                others[job.job_id] = rec = _record(job, None, thresholds)
+                if moved is not None:
+                    moved.append(rec)
         now = view.now_s
         # Demotions, in arrival order (an arrival-ordered view is sorted by this key too).
-        for rec in sorted((r for r in others.values() if r.level > r.queue), key=_arrival_key):
+        for rec in sorted(
+            (r for r in (others.values() if moved is None else moved) if r.level > r.queue), key=_arrival_key
+        ):
             position = _requeue(rec, position, now, None)
         ordered = sorted(others.values(), key=JobRecord.order_key)
         # The fresh jobs' key is (0, unplaced, arrival, id): behind Q0's placed jobs,
@@ -392,17 +507,23 @@ class TiresiasL:
         # place, rare) share that stretch with them, by arrival.
         q1 = bisect.bisect_left(ordered, 1, key=_QUEUE)
         unplaced = bisect.bisect_left(ordered, UNPLACED, 0, q1, key=_POSITION)
-        fresh: Iterable[JobRecord] = _fresh_records(jobs, others, thresholds)
+        fresh: Iterable[JobView]
         if unplaced < q1:
-            fresh = heapq.merge(ordered[unplaced:q1], fresh, key=JobRecord.order_key)
-        shares = _pass(itertools.chain(ordered[:unplaced], fresh, ordered[q1:]), view.total_gpus)
+            merged = heapq.merge(
+                ordered[unplaced:q1], _fresh_records(jobs, others, thresholds), key=JobRecord.order_key
+            )
+            fresh = map(_JOB, merged)
+        else:  # the fresh jobs alone, in arrival order (no record needed)
+            fresh = (job for job in jobs if job.job_id not in others)
+        walk = itertools.chain(map(_JOB, ordered[:unplaced]), fresh, map(_JOB, ordered[q1:]))
+        shares = _pass(walk, view.total_gpus)
         started_fresh = sorted(
             (_record(index[j], None, thresholds) for j in shares if j not in others), key=JobRecord.order_key
         )
         if started_fresh:  # their place is that of the fresh jobs, as in the pass
             middle = heapq.merge(ordered[unplaced:q1], started_fresh, key=JobRecord.order_key)
             ordered = [*ordered[:unplaced], *middle, *ordered[q1:]]
-        new_memory = las_memory(
+        new_memory, recorded = las_memory_records(
             view,
             ordered,
             shares,
@@ -410,13 +531,14 @@ class TiresiasL:
             service_since_restart=self.service_since_restart,
             promote_knob=None,
         )
+        self._memo = (new_memory["jobs"], recorded)
         return Decision(shares=shares, memory=new_memory)
 
     def decide_all(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """:meth:`decide` with a record for every job, all sorted (the reference form;
         the one that runs with a ``promote_knob``)."""
         records = las_records(view, memory, self.queue_thresholds_gpu_s, self.promote_knob)
-        shares = _pass(records, view.total_gpus)
+        shares = _pass(map(_JOB, records), view.total_gpus)
         new_memory = las_memory(
             view,
             records,
@@ -447,6 +569,7 @@ def gang_size_by_shape(job: JobView) -> int:
     return hit
 
 
+_JOB = operator.attrgetter("job")
 _QUEUE = operator.attrgetter("queue")
 _POSITION = operator.attrgetter("position")
 
