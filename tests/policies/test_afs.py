@@ -171,6 +171,20 @@ def test_afs_l_fast_equals_naive(view: ClusterView, vector_from: int) -> None:
     assert [e.count for e in e1] == [e.count for e in e2]
 
 
+@pytest.mark.parametrize("vector_from", [0, 64])
+def test_afs_l_tie_in_eq3_keeps_the_gpu_with_the_earlier_finisher(vector_from: int) -> None:
+    """(3) is strict: with ``g_b == h_a`` (0.5 each) the job finishing earlier gets the
+    GPU, on both backends of the chain search, as in the literal scan."""
+    a = job("a", (0.0, 2.0, 3.0), 10.0)  # h = (3 - 2) / 2 = 0.5, length 5 s
+    b = job("b", (0.0, 1.0, 2.0), 100.0)  # g = (2 - 1) / 2 = 0.5, length 100 s
+    view = cluster(3, a, b)
+    e1, e2 = _entries(view, length_aware=True), _entries(view, length_aware=True)
+    for e in (*e1, *e2):
+        e.set_count(e.first)
+    assert afs_l_stage_two_fast(e1, 1, vector_from=vector_from) == afs_l_stage_two_naive(e2, 1) == 0
+    assert [e.count for e in e1] == [e.count for e in e2] == [2, 1]
+
+
 def test_afs_l_fast_equals_naive_at_scale() -> None:
     """A 500-job, 1,024-GPU view with ties: numpy chain = literal scan."""
     import random
