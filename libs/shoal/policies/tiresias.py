@@ -282,27 +282,8 @@ def las_memory(
     *,
     service_since_restart: bool,
     promote_knob: float | None,
+    recorded: dict[str, JobRecord] | None = None,
 ) -> dict[str, Any]:
-    """Memory after a pass (:func:`las_memory_records`'s memory)."""
-    return las_memory_records(
-        view,
-        records,
-        shares,
-        thresholds,
-        service_since_restart=service_since_restart,
-        promote_knob=promote_knob,
-    )[0]
-
-
-def las_memory_records(
-    view: ClusterView,
-    records: Sequence[JobRecord],
-    shares: Mapping[str, int],
-    thresholds: Sequence[float],
-    *,
-    service_since_restart: bool,
-    promote_knob: float | None,
-) -> tuple[dict[str, Any], dict[str, JobRecord]]:
     """Memory after a pass: restarts, queue order, the wait clocks and the next wake-up.
 
     ``records`` must be in pass order (as :func:`las_records` returns them) and hold every
@@ -313,8 +294,9 @@ def las_memory_records(
     the jobs without GPUs move behind those with GPUs (each group keeps its order). Also
     asks for a re-run at the next demotion or promotion.
 
-    Returns the memory and the records it lists (job id -> record, in the order of
-    ``memory["jobs"]``; each record's fields are then its entry there).
+    ``recorded``, when given (empty), receives the records the memory lists (job id ->
+    record, in the order of ``memory["jobs"]``; each record's fields are then its entry
+    there).
     """
     now = view.now_s
     position = _next_position(records)
@@ -324,7 +306,8 @@ def las_memory_records(
     # marked as the jobs are met in that order.
     kept: list[JobRecord] = []
     given: list[JobRecord] = []
-    recorded: dict[str, JobRecord] = {}
+    if recorded is None:
+        recorded = {}
     waiting_in: set[int] = set()
     waiting_queue = -1  # the last queue added to waiting_in (records come by queue)
     behind: set[int] = set()
@@ -391,7 +374,7 @@ def las_memory_records(
     }
     if wake != float("inf"):
         memory["next_decision_at_s"] = wake
-    return memory, recorded
+    return memory
 
 
 def _pass(jobs: Iterable[JobView], total_gpus: int) -> dict[str, int]:
@@ -445,7 +428,7 @@ class TiresiasL:
         self.promote_knob = promote_knob
         self._memo: tuple[Mapping[str, Any], dict[str, JobRecord]] | None = None
         """``(memory["jobs"], records)`` of the last :meth:`decide`: its records are
-        that mapping's entries (:func:`las_memory_records`), taken by the next decide whose
+        that mapping's entries (:func:`las_memory`'s ``recorded``), taken by the next decide whose
         memory lists the same (see :meth:`decide`)."""
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
@@ -523,13 +506,15 @@ class TiresiasL:
         if started_fresh:  # their place is that of the fresh jobs, as in the pass
             middle = heapq.merge(ordered[unplaced:q1], started_fresh, key=JobRecord.order_key)
             ordered = [*ordered[:unplaced], *middle, *ordered[q1:]]
-        new_memory, recorded = las_memory_records(
+        recorded: dict[str, JobRecord] = {}
+        new_memory = las_memory(
             view,
             ordered,
             shares,
             thresholds,
             service_since_restart=self.service_since_restart,
             promote_knob=None,
+            recorded=recorded,
         )
         self._memo = (new_memory["jobs"], recorded)
         return Decision(shares=shares, memory=new_memory)
