@@ -102,6 +102,10 @@ is the back of ``Q0`` in arrival order, which is their order in the view, so the
 walked lazily, and only as far as the GPUs go, between the few others (recorded,
 served or running; found with one tight pass over the view, and sorted) that hold a
 place in ``Q0`` and those of the later queues.
+The records of the recorded jobs are carried over from one decision to the next while
+the memory is the one the last decision returned (only those whose view changed read
+their service again), and a record is written out afresh only when one of its fields
+changed.
 :meth:`TiresiasL.decide_all` builds and sorts a record for every job, and a property
 test checks both decide alike; with a ``promote_knob`` every waiting job's wait counts,
 so that form runs.
@@ -143,7 +147,8 @@ def gang_size(job: JobView) -> int:
 
 
 class JobRecord:
-    """Tiresias bookkeeping of one job, rebuilt from and written back to memory."""
+    """Tiresias bookkeeping of one job, read from memory (or carried over from the last
+    decision, see :meth:`TiresiasL.decide`) and written back to it."""
 
     __slots__ = (
         "base",
@@ -163,10 +168,10 @@ class JobRecord:
         service since ``base`` and the queue that service gives."""
         self.job = job
         self.saved: list[float] | None = None
-        """What :meth:`dump` gave, until a dumped field changes (every assignment to one
-        clears it, and :attr:`key`)."""
+        """What :meth:`dump` gave; every assignment to a dumped field clears it."""
         self.key: tuple[int, float, float, str] | None = None
-        """:meth:`order_key`, once asked."""
+        """What :meth:`order_key` gave; cleared when the queue, the position or the
+        view changes."""
         if raw is not None and len(raw) >= 3:
             base = self.base = float(raw[0])
             self.first_start, self.stopped_at = float(raw[1]), float(raw[2])
