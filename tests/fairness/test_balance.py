@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 from shoal.fairness.balance import (
     idle_risk,
     job_tickets,
@@ -84,3 +88,33 @@ def test_idle_risk_and_packing_of_one_gpu_jobs() -> None:
     n0 = [size[j] for j, n in after.items() if n == ("n0",)]
     n1 = [size[j] for j, n in after.items() if n == ("n1",)]
     assert idle_risk(4, n0) == 0 and idle_risk(4, n1) == 0
+
+
+def _idle_risk_by_enumeration(num_gpus: int, sizes: list[int]) -> int:
+    """§3.3's definition, every subset of the others listed: the worst shortfall over J."""
+    usable = min(num_gpus, sum(sizes))
+    worst = 0
+    for i, own in enumerate(sizes):
+        room = usable - own
+        others = sizes[:i] + sizes[i + 1 :]
+        best = max(
+            (
+                t
+                for r in range(len(others) + 1)
+                for c in itertools.combinations(others, r)
+                if (t := sum(c)) <= room
+            ),
+            default=0,
+        )
+        worst = max(worst, room - best)
+    return worst
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    num_gpus=hs.sampled_from([1, 2, 4, 8, 16]),
+    sizes=hs.lists(hs.sampled_from([1, 2, 3, 4, 5, 8, 16]), max_size=9),
+)
+def test_idle_risk_is_the_worst_subset_sum_shortfall(num_gpus: int, sizes: list[int]) -> None:
+    # idle_risk works per distinct size with bitsets and early exits; the definition does not.
+    assert idle_risk(num_gpus, sizes) == _idle_risk_by_enumeration(num_gpus, sizes)

@@ -255,17 +255,31 @@ def idle_risk(num_gpus: int, sizes: Sequence[int]) -> int:
     Returns:
         The idle risk in GPUs (0 when the node is well packed or empty).
     """
-    worst = 0
     usable = min(num_gpus, sum(sizes))
-    for i, own in enumerate(sizes):
+    count: dict[int, int] = {}
+    for s in sizes:
+        count[s] = count.get(s, 0) + 1
+    worst = 0
+    # Jobs of one size leave the same room and see the same others, so each distinct
+    # size is one case. The subset sums of a multiset do not depend on the order in
+    # which its sizes are added, and stop changing once the room is reachable or
+    # another copy of a size adds nothing.
+    for own in count:
         room = usable - own
-        if room <= 0:
-            continue
+        if room <= worst:
+            continue  # no shortfall here can exceed ``worst`` (and room <= 0 has none)
+        full = (1 << (room + 1)) - 1
         reachable = 1  # bit k set: k GPUs can be filled by some subset of the others
-        for k, s in enumerate(sizes):
-            if k != i and s <= room:
-                reachable |= reachable << s
-        reachable &= (1 << (room + 1)) - 1
+        for s, n in count.items():
+            if s > room:
+                continue
+            for _ in range(n - 1 if s == own else n):
+                grown = (reachable | reachable << s) & full
+                if grown == reachable:
+                    break
+                reachable = grown
+            if reachable >> room:
+                break
         worst = max(worst, room - (reachable.bit_length() - 1))
     return worst
 
