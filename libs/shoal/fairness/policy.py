@@ -393,6 +393,7 @@ class GandivaFairPolicy:
         # 4. Generation of each job (Algorithm 2) and one cross-generation move (§3.5).
         gen_of: dict[str, str] = {}
         load: dict[str, dict[str, float]] = {u: {} for u in by_user}
+        only = order[0] if len(order) == 1 else None
         for user, jids in by_user.items():
             # Jobs stay where they are while they fit the user's holding there; the
             # rest (new jobs, jobs whose holding shrank after a trade) are chosen
@@ -411,15 +412,18 @@ class GandivaFairPolicy:
                     gen_of[jid] = g
                     load[user][g] = load[user].get(g, 0.0) + size[jid]
             for jid in rest:
-                g = choose_generation(
-                    size[jid],
-                    order,
-                    held[user],
-                    load[user],
-                    rates(user) or None,
-                    capacity=cap,
-                    previous=old_gen.get(jid),
-                )
+                if only is not None:  # choose_generation's answer with one generation
+                    g = only if cap[only] >= size[jid] else None
+                else:
+                    g = choose_generation(
+                        size[jid],
+                        order,
+                        held[user],
+                        load[user],
+                        rates(user) or None,
+                        capacity=cap,
+                        previous=old_gen.get(jid),
+                    )
                 if g is not None:
                     gen_of[jid] = g
                     load[user][g] = load[user].get(g, 0.0) + size[jid]
@@ -590,23 +594,34 @@ class GandivaFairPolicy:
         suspension returns to the GPUs it ran on (``gpu_slots``, see the module docstring).
         """
         out: dict[str, int] = {}
-        used: dict[str, list[int]] = {n: [0] * g for n, g in node_gpus.items()}
-        single = [j for j, nodes in placed.items() if len(nodes) == 1 and size[j] < node_gpus[nodes[0]]]
+        kept: dict[str, list[str]] = {}  # node -> its jobs that keep their slot
         rest = []
-        for j in single:
-            n, k = placed[j][0], old_slots.get(j)
-            if k is not None and old_nodes.get(j) == [n] and 0 <= k <= node_gpus[n] - size[j]:
+        for j, nodes in placed.items():
+            if len(nodes) != 1:
+                continue
+            n, s = nodes[0], size[j]
+            if s >= node_gpus[n]:
+                continue
+            k = old_slots.get(j)
+            if k is not None and old_nodes.get(j) == [n] and 0 <= k <= node_gpus[n] - s:
                 out[j] = k
-                for i in range(k, k + size[j]):
-                    used[n][i] += 1
+                kept.setdefault(n, []).append(j)
             else:
                 rest.append(j)
+        # The occupancy of a node's GPUs is needed only where a job takes a new slot.
+        used: dict[str, list[int]] = {}
         for j in sorted(rest, key=lambda k: (jobs[k].arrival_s, k)):
             n, s = placed[j][0], size[j]
-            k = min(range(0, node_gpus[n] - s + 1, s), key=lambda o: (sum(used[n][o : o + s]), o))
+            here = used.get(n)
+            if here is None:
+                here = used[n] = [0] * node_gpus[n]
+                for i in kept.get(n, ()):
+                    for g in range(out[i], out[i] + size[i]):
+                        here[g] += 1
+            k = min(range(0, node_gpus[n] - s + 1, s), key=lambda o: (sum(here[o : o + s]), o))
             out[j] = k
             for i in range(k, k + s):
-                used[n][i] += 1
+                here[i] += 1
         return out
 
     @staticmethod
