@@ -302,14 +302,13 @@ def plan(args: argparse.Namespace, policies: list[str]) -> list[tuple[str, str, 
     if "large" in sections:
         for p in ("afs-p", "afs-l"):
             out += [("large", LARGE, p, s, args.cpu_limit, False) for s in ("flat", "topology")]
+    fairness = [p for p in args.fairness_policies.split(",") if p]
     if "fairness" in sections:
-        out += [("fairness", SMALL, p, "topology", args.cpu_limit, False) for p in ("gandiva-fair", "themis")]
+        out += [("fairness", SMALL, p, "topology", args.cpu_limit, False) for p in fairness]
     if "engine" in sections:
         out += [("engine", LARGE, "engine-only", "topology", args.engine_limit, False)]
     if "fairness" in sections:
-        out += [
-            ("fairness", LARGE, p, "topology", args.large_limit, False) for p in ("gandiva-fair", "themis")
-        ]
+        out += [("fairness", LARGE, p, "topology", args.large_limit, False) for p in fairness]
     if "queue" in sections:
         out += [("queue", LARGE, "engine-only", "topology", args.engine_limit, True)]
     if "policies" in sections:
@@ -342,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         "--large-policies",
         default="all",
         help="policies of the 'policies' section run on 6214e9 too ('none')",
+    )
+    parser.add_argument(
+        "--fairness-policies",
+        default="gandiva-fair,themis",
+        help="policies of the 'fairness' section (a target left out reads 'not measured')",
     )
     parser.add_argument("--cpu-limit", type=float, default=300.0, help="CPU s before a run is stopped")
     parser.add_argument(
