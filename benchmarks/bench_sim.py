@@ -303,8 +303,9 @@ def plan(args: argparse.Namespace, policies: list[str]) -> list[tuple[str, str, 
         for p in ("afs-p", "afs-l"):
             out += [("large", LARGE, p, s, args.cpu_limit, False) for s in ("flat", "topology")]
     fairness = [p for p in args.fairness_policies.split(",") if p]
+    fair_settings = [s for s in args.fairness_settings.split(",") if s]
     if "fairness" in sections:
-        out += [("fairness", SMALL, p, "topology", args.cpu_limit, False) for p in fairness]
+        out += [("fairness", SMALL, p, s, args.cpu_limit, False) for p in fairness for s in fair_settings]
     if "engine" in sections:
         out += [("engine", LARGE, "engine-only", "topology", args.engine_limit, False)]
     if "fairness" in sections:
@@ -346,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
         "--fairness-policies",
         default="gandiva-fair,themis",
         help="policies of the 'fairness' section (a target left out reads 'not measured')",
+    )
+    parser.add_argument(
+        "--fairness-settings",
+        default="topology",
+        help="settings of the 'fairness' section's 2869ce runs, of topology and flat (6214e9 and the targets: topology)",
     )
     parser.add_argument("--cpu-limit", type=float, default=300.0, help="CPU s before a run is stopped")
     parser.add_argument(
