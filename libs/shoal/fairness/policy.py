@@ -615,8 +615,8 @@ class GandivaFairPolicy:
             here = used.get(n)
             if here is None:
                 here = used[n] = [0] * node_gpus[n]
-                for i in kept.get(n, ()):
-                    for g in range(out[i], out[i] + size[i]):
+                for other in kept.get(n, ()):
+                    for g in range(out[other], out[other] + size[other]):
                         here[g] += 1
             k = min(range(0, node_gpus[n] - s + 1, s), key=lambda o: (sum(here[o : o + s]), o))
             out[j] = k
