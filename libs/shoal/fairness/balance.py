@@ -38,6 +38,7 @@ Choices where the paper is silent:
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from msgspec import Struct
@@ -256,9 +257,7 @@ def idle_risk(num_gpus: int, sizes: Sequence[int]) -> int:
         The idle risk in GPUs (0 when the node is well packed or empty).
     """
     usable = min(num_gpus, sum(sizes))
-    count: dict[int, int] = {}
-    for s in sizes:
-        count[s] = count.get(s, 0) + 1
+    count = Counter(sizes)
     worst = 0
     # Jobs of one size leave the same room and see the same others, so each distinct
     # size is one case. The subset sums of a multiset do not depend on the order in
