@@ -793,8 +793,12 @@ class ElasticJob:
             return
         if self._trace is None:
             Path(self.cfg.trace_dir).mkdir(parents=True, exist_ok=True)
+            # Unbuffered: each line goes out in one write(2), so a worker killed while
+            # recording (a close without checkpoint, a kill -9) leaves no half line. A
+            # buffered text file wrote a line longer than its 8 KiB buffer (one with
+            # the parameters) in pieces, and CI once read such a torn last line.
             self._trace = open(  # noqa: SIM115 - kept open for the process's life
-                Path(self.cfg.trace_dir) / f"steps-w{self.cfg.worker}-p{os.getpid()}.jsonl", "a"
+                Path(self.cfg.trace_dir) / f"steps-w{self.cfg.worker}-p{os.getpid()}.jsonl", "ab", buffering=0
             )
         line = {
             "step": step.iteration,
@@ -811,5 +815,4 @@ class ElasticJob:
             line["params_after"] = torch.cat(
                 [p.detach().reshape(-1).double().cpu() for p in self.model.parameters()]
             ).tolist()
-        self._trace.write(json.dumps(line) + "\n")
-        self._trace.flush()
+        self._trace.write((json.dumps(line) + "\n").encode())
