@@ -161,17 +161,41 @@ def job_view(
 def job_view_at(view: JobView, job: JobState, *, now: float, iterations_done: float) -> JobView:
     """:func:`job_view` of the same job later, when only time has passed since ``view``
     was built (no event about the job was folded in between): the fields that move
-    with time are recomputed with the same arithmetic, the rest are kept."""
-    total = view.total_iterations
-    service = job.attained_service_gpu_s
-    if job.gpus and job.status not in FINISHED_STATUSES:
-        service += job.gpus * max(0.0, now - job.since)
-    return msgspec.structs.replace(
-        view,
-        remaining_iterations=None if total is None else max(0.0, total - iterations_done),
-        iterations_done=iterations_done,
-        attained_service_gpu_s=service,
-    )
+    with time are recomputed with the same arithmetic, the rest are kept
+    (:func:`views_at` for one job)."""
+    job_id = view.job_id
+    table = {job_id: view}
+    views_at(table, {job_id: job}, ((job_id, iterations_done),), now=now)
+    return table[job_id]
+
+
+def views_at(
+    views: dict[str, JobView],
+    jobs: Mapping[str, JobState],
+    progress: Iterable[tuple[str, float]],
+    *,
+    now: float,
+) -> None:
+    """:func:`job_view_at` of each ``(job id, iterations done at now)`` in ``progress``,
+    in place in ``views`` (job id -> view): one call for all the running jobs of a
+    decision (a call per job was a measurable part of the simulator's decisions)."""
+    replace = msgspec.structs.replace
+    finished = FINISHED_STATUSES
+    for job_id, iterations_done in progress:
+        view = views[job_id]
+        job = jobs[job_id]
+        total = view.total_iterations
+        service = job.attained_service_gpu_s
+        gpus = job.gpus
+        if gpus and job.status not in finished:
+            since = now - job.since
+            service += gpus * (since if since > 0.0 else 0.0)
+        views[job_id] = replace(
+            view,
+            remaining_iterations=None if total is None else max(0.0, total - iterations_done),
+            iterations_done=iterations_done,
+            attained_service_gpu_s=service,
+        )
 
 
 def build_view(

@@ -240,6 +240,8 @@ class _CheckView:
         self.sim: Simulator | None = None
         self.checked = 0
         self.waiting = 0
+        self.before: tuple[int, dict[str, Any]] | None = None
+        self.kept = 0
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self.policy, attr)
@@ -271,6 +273,19 @@ class _CheckView:
         if view.arrival_ordered:
             assert list(view.jobs) == arrival_order(view.jobs)
         assert jobs_by_id(view) == {j.job_id: j for j in view.jobs}
+        # Every view not named rebuilt since the previous decision's is the very object
+        # it was then (LiveJobs.rebuilt_since), and the engine names them every time.
+        serial = getattr(view.jobs, "serial", 0)
+        table = {j.job_id: j for j in view.jobs}
+        if self.before is not None and serial:
+            before_serial, before = self.before
+            rebuilt = view.jobs.rebuilt_since(before_serial)  # type: ignore[attr-defined]
+            assert rebuilt is not None
+            for job_id, job in table.items():
+                if job_id not in rebuilt:
+                    assert before.get(job_id) is job
+                    self.kept += 1
+        self.before = (serial, table) if serial else None
         self.checked += 1
         self.waiting += sum(1 for j in view.jobs if not j.current_gpus)
         return self.policy.decide(view, memory)
@@ -308,6 +323,8 @@ def test_engine_view_equals_build_view(trace: str, cfg: SimConfig, policy: str) 
     sim.run()
     assert checked.checked > 20
     assert checked.waiting > 0  # the memoised (waiting) views were exercised
+    if cfg.profiling != "overestimate":  # (then the policy decides on a copy, a tuple)
+        assert checked.kept > 0  # and named as not rebuilt
 
 
 class _CheckedMetrics(Simulator):

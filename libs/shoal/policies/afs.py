@@ -415,7 +415,7 @@ class _WaitingByLength:
     :meth:`AFSL._decide_literal` instead).
     """
 
-    __slots__ = ("key_of", "keys", "views")
+    __slots__ = ("key_of", "keys", "recheck", "synced", "views")
 
     def __init__(self) -> None:
         self.keys: list[_LengthKey] = []
@@ -423,17 +423,40 @@ class _WaitingByLength:
         """job id -> the view its recorded key was made from."""
         self.key_of: dict[str, _LengthKey] = {}
         """job id -> its recorded key (the valid one of its keys in :attr:`keys`)."""
+        self.synced = 0
+        """The serial (:attr:`shoal.policies.base.LiveJobs.serial`) of the jobs of the
+        decision these records were last brought up to date with; 0 when they were not
+        simulator's jobs."""
+        self.recheck: list[str] = []
+        """The jobs of that decision that may hold no valid key with an unchanged view:
+        those that ran (never keyed) and those it started (key forgotten)."""
 
-    def changed(self, jobs: Sequence[JobView]) -> list[JobView]:
-        """The jobs whose view is not the one their key was made from, in one tight pass.
+    def changed(self, jobs: Sequence[JobView], index: Mapping[str, JobView]) -> list[JobView]:
+        """The jobs whose view is not the one their key was made from (``index``: job id
+        -> job of ``jobs``).
 
         Every running job is among them: a key is made only of a waiting job's view
         (``current_gpus == 0``), and a view is frozen, so a job that runs has another.
-        (A comprehension, not ``itertools.compress`` over ``attrgetter`` maps: on
-        CPython 3.11 the comprehension's specialised attribute reads of a
-        ``msgspec.Struct`` took about half the time over a 15,000-job queue.)"""
+
+        When the simulator says which views it rebuilt since the decision these records
+        were last brought up to date with (:meth:`shoal.policies.base.LiveJobs.rebuilt_since`),
+        only those and :attr:`recheck` are looked at: any other job has the view it had
+        then, when it held a valid key with that view unless it was in :attr:`recheck`.
+        The jobs are the same either way; only their order differs, which
+        :meth:`AFSL.decide` does not read (keys are sorted, and unique by job id).
+        Otherwise a tight pass over the queue. (A comprehension, not
+        ``itertools.compress`` over ``attrgetter`` maps: on CPython 3.11 the
+        comprehension's specialised attribute reads of a ``msgspec.Struct`` took about
+        half the time over a 15,000-job queue.)"""
         get = self.views.get
-        return [job for job in jobs if get(job.job_id) is not job]
+        since = getattr(jobs, "rebuilt_since", None)
+        rebuilt = since(self.synced) if since is not None and self.synced else None
+        self.synced = getattr(jobs, "serial", 0)
+        if rebuilt is None:
+            return [job for job in jobs if get(job.job_id) is not job]
+        look = set(rebuilt)
+        look.update(self.recheck)
+        return [job for job_id in look if (job := index.get(job_id)) is not None and get(job_id) is not job]
 
     def update(self, changed: Sequence[JobView], jobs: Sequence[JobView], waiting: int) -> bool:
         """Key the waiting jobs among ``changed`` (:meth:`changed`) and drop the keys of
@@ -536,7 +559,8 @@ class AFSL:
         waiting = self._waiting
         if waiting is None:
             waiting = self._waiting = _WaitingByLength()
-        changed = waiting.changed(jobs)
+        index = jobs_by_id(view)
+        changed = waiting.changed(jobs, index)
         self._afresh = self._afresh + 1 if 2 * len(changed) > len(jobs) else 0
         if self._afresh >= 2 and self._afresh % self.fresh_views_retry:
             self._waiting = None
@@ -550,7 +574,6 @@ class AFSL:
         ):
             self._waiting = None  # a NaN length: the plain sort, without the kept keys
             return self._decide_literal(view)
-        index = jobs_by_id(view)
         views, key_of, keys = waiting.views, waiting.key_of, waiting.keys
         free = view.total_gpus
         started: list[_LengthKey] = []
@@ -589,6 +612,8 @@ class AFSL:
         # now, so that a short job that finishes before then leaves no stale key at the
         # front. (Should it still wait with the same view, it is keyed again.)
         waiting.forget(starting)
+        waiting.recheck = [job.job_id for job in running]
+        waiting.recheck += [k[2] for k in starting]
         started.sort(key=_ARRIVAL_OF_KEY)
         if free <= 0:  # no stage two: the smallest shares, in arrival order
             return Decision(shares={k[2]: k[3] for k in started})

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any, Protocol, overload
 
 from msgspec import Struct
@@ -57,14 +57,41 @@ class LiveJobs(Sequence[JobView]):
     it next changes the table (its next event or decision), after which any use raises
     ``RuntimeError`` rather than show later jobs. ``tuple(view.jobs)`` keeps a copy.
     Iteration and ``len`` read the table directly; indexing builds a tuple once.
+
+    The simulator may also say which entries it rebuilt since the sequence before
+    (:meth:`rebuilt_since`), so that a policy that keeps something per job view from one
+    decision to the next finds the changed ones without a pass over a long queue.
     """
 
-    __slots__ = ("_live", "_table", "_tuple")
+    __slots__ = ("_after", "_live", "_rebuilt", "_table", "_tuple", "serial")
 
-    def __init__(self, table: Mapping[str, JobView]) -> None:
+    def __init__(
+        self,
+        table: Mapping[str, JobView],
+        *,
+        serial: int = 0,
+        after: int = 0,
+        rebuilt: Collection[str] | None = None,
+    ) -> None:
         self._table = table
         self._live = True
         self._tuple: tuple[JobView, ...] | None = None
+        self.serial = serial
+        """Names this sequence for :meth:`rebuilt_since` (0: unnamed; the simulator
+        numbers its sequences from a counter shared by every simulator in the process)."""
+        self._after = after
+        self._rebuilt = rebuilt
+
+    def rebuilt_since(self, serial: int) -> Collection[str] | None:
+        """The ids of this sequence's jobs whose view may not be the very object it was
+        in the sequence numbered ``serial`` (a job that was not in it counts as rebuilt),
+        when that is the sequence immediately before this one over the same table and
+        the simulator recorded them; ``None`` when unknown (then any job may differ).
+        The ids may include jobs no longer in the table. Valid while this sequence is."""
+        self._check()
+        if serial and serial == self._after:
+            return self._rebuilt
+        return None
 
     def expire(self) -> None:
         """The table is about to change: this sequence may no longer be read."""

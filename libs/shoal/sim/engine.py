@@ -102,6 +102,7 @@ rather than loop forever.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -127,7 +128,7 @@ from shoal.sim.costs import PRESETS, ReconfigCosts, charge, classify, measured
 from shoal.sim.log import InMemoryLog, VirtualClock
 from shoal.sim.metrics import Series, UserShares, jct_summary
 from shoal.state import digest
-from shoal.view import cluster_gpus, estimated_jobs, job_curve, job_view, job_view_at
+from shoal.view import cluster_gpus, estimated_jobs, job_curve, job_view, views_at
 from shoal.workloads import TraceJob
 
 _EPS = 1e-6
@@ -145,6 +146,10 @@ _VIEW_NEUTRAL = (
 _CLUSTER_NEUTRAL = (ev.SharesDecided, ev.PlacementDecided)
 """Events without a ``job_id`` that change neither nodes, GPUs nor users (the fold of
 these two touches only jobs, shares and placements)."""
+
+_VIEW_SERIALS = itertools.count(1)
+"""Serials of the simulators' views (:attr:`shoal.policies.base.LiveJobs.serial`), one
+counter for every simulator in the process, so that no two views share one."""
 
 PROFILING_MODES: tuple[str, ...] = ("oracle", "overestimate")
 
@@ -442,6 +447,8 @@ class Simulator:
         self._stale: set[str] = set()
         self._live_jobs: LiveJobs | None = None
         """The jobs of the newest view, over ``_views`` (expired before _views changes)."""
+        self._view_serial = 0
+        """The serial of the newest view's jobs (LiveJobs.serial); 0 before the first."""
         self._cluster: tuple[dict[str, int], dict[str, float]] | None = None
         """GPUs by generation (:func:`shoal.view.cluster_gpus`) and users' tickets of the
         state, kept until an event that can change them is folded (see _emit)."""
@@ -884,20 +891,23 @@ class Simulator:
         # A running job about which nothing was folded since its view was built has
         # only moved in time (job_view_at), which a policy that reads no progress does
         # not see; the others are built afresh.
+        moved: list[str] = []  # the jobs moved in time
+        progress: list[tuple[str, float]] = []
         for job_id in state.shares if self._carry_progress else ():
-            if job_id not in stale:
-                old = views.get(job_id)
-                if old is not None:
-                    # _Job.progress(now), inlined (a call per running job per decision
-                    # was a measurable part of the view): the same arithmetic.
-                    job = active[job_id]
-                    rate = job.rate
-                    done = job.done
-                    if rate > 0.0:
-                        start = job.settled_at if job.settled_at > job.resume_at else job.resume_at
-                        if now > start:
-                            done = min(job.total, done + rate * (now - start))
-                    views[job_id] = job_view_at(old, jobs[job_id], now=now, iterations_done=done)
+            if job_id not in stale and views.get(job_id) is not None:
+                moved.append(job_id)
+                # _Job.progress(now), inlined (a call per running job per decision
+                # was a measurable part of the view): the same arithmetic.
+                job = active[job_id]
+                rate = job.rate
+                done = job.done
+                if rate > 0.0:
+                    start = job.settled_at if job.settled_at > job.resume_at else job.resume_at
+                    if now > start:
+                        done = min(job.total, done + rate * (now - start))
+                progress.append((job_id, done))
+        if progress:
+            views_at(views, jobs, progress, now=now)  # type: ignore[arg-type]  # those entries are views
         rebuild = [j for j in stale if j in views]
         stale.clear()
         for job_id in rebuild:
@@ -915,8 +925,15 @@ class Simulator:
                 iterations_done=active[job_id].progress(now),
             )
         # The view's jobs read _views itself (no copy of a long queue at each decision),
-        # until the next change of _views expires them.
-        jobs_view = self._live_jobs = LiveJobs(views)  # type: ignore[arg-type]  # every entry was just built
+        # until the next change of _views expires them. Between two views, _views changes
+        # only here (the jobs moved in time and those rebuilt), at an arrival (the job is
+        # stale, so rebuilt here) and at a completion (the job leaves): those two lists
+        # are the entries rebuilt since the previous view (LiveJobs.rebuilt_since).
+        if rebuild:
+            moved += rebuild
+        serial = next(_VIEW_SERIALS)
+        jobs_view = self._live_jobs = LiveJobs(views, serial=serial, after=self._view_serial, rebuilt=moved)  # type: ignore[arg-type]  # every entry was just built
+        self._view_serial = serial
         if self._cluster is None:
             self._cluster = (
                 cluster_gpus(state)[1],
