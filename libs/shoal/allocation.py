@@ -46,6 +46,7 @@ from shoal.policies.base import (
     feasible_counts,
     jobs_by_id,
     policy_is_elastic,
+    share_is_feasible,
 )
 
 if TYPE_CHECKING:
@@ -66,16 +67,32 @@ def pack_shares(view: ClusterView, decision: Decision) -> Decision:
 
     Returns:
         A decision with regulated shares (same memory and GPU types); the input
-        unchanged when the view is a flat pool.
+        itself when the view is a flat pool or when regulation keeps every share.
     """
     g = view.gpus_per_node
     if g <= 1:
         return decision
-    from shoal.placement import regulate_shares
+    from shoal.placement import regulate_shares, sub_node_sizes
 
+    jobs = jobs_by_id(view)
+    if not (view.gpus_by_type and decision.gpu_types):
+        # Every positive share already a regulated size (a sub-node size or a multiple
+        # of G) and feasible, and all of them fit: regulation keeps each share (Proposition
+        # 2's x_i is s_i itself) and has nothing to shave or hand back, so the decision
+        # is returned as it is. With a long queue, most decisions give out such shares.
+        subs = sub_node_sizes(g)
+        used = 0
+        for job_id, s in decision.shares.items():
+            if s:
+                job = jobs.get(job_id)
+                if job is None or not (s in subs or s % g == 0) or not share_is_feasible(job, s):
+                    break
+                used += s
+        else:
+            if used <= view.total_gpus:
+                return decision
     # Only jobs with a positive share need their counts: regulation never reads the
     # counts of a job planned at 0 (it stays at 0, appendix E).
-    jobs = jobs_by_id(view)
     feasible = {j: feasible_counts(jobs[j]) for j, s in decision.shares.items() if s > 0 and j in jobs}
     if view.gpus_by_type and decision.gpu_types:
         shares: dict[str, int] = {}
@@ -122,8 +139,10 @@ def decide_shares(
     decision = policy.decide(view, memory)
     check_decision(view, decision)
     if network_packing and policy_is_elastic(policy):
-        decision = pack_shares(view, decision)
-        check_decision(view, decision)
+        packed = pack_shares(view, decision)
+        if packed is not decision:  # (the same object: nothing regulated, checked above)
+            check_decision(view, packed)
+        decision = packed
     shares = {j: s for j, s in sorted(decision.shares.items()) if s > 0}
     gpu_types = {j: t for j, t in sorted(decision.gpu_types.items()) if j in shares and t}
     return SharesDecided(

@@ -214,6 +214,16 @@ def feasible_counts(job: JobView) -> tuple[int, ...]:
     return _feasible_counts(job.elastic, job.requested_gpus, job.min_gpus, job.max_gpus, allowed)
 
 
+def share_is_feasible(job: JobView, gpus: int) -> bool:
+    """Whether the positive share ``gpus`` is one of :func:`feasible_counts` of ``job``,
+    decided without building the counts in the two common shapes."""
+    if not job.elastic:
+        return gpus == job.requested_gpus
+    if not job.allowed_gpu_counts:
+        return job.min_gpus <= gpus <= job.max_gpus
+    return gpus in feasible_counts(job)
+
+
 @functools.lru_cache(maxsize=4096)
 def _feasible_counts(
     elastic: bool, requested: int, min_gpus: int, max_gpus: int, allowed_gpu_counts: tuple[int, ...] | None
@@ -270,15 +280,7 @@ def check_decision(view: ClusterView, decision: Decision) -> None:
             raise DecisionError(f"negative share {gpus} for {job_id!r}")
         if gpus:
             job = jobs[job_id]
-            # feasible_counts(job) contains gpus, decided without building the counts in
-            # the two common shapes (the same rule as _feasible_counts).
-            if not job.elastic:
-                ok = gpus == job.requested_gpus
-            elif not job.allowed_gpu_counts:
-                ok = job.min_gpus <= gpus <= job.max_gpus
-            else:
-                ok = gpus in feasible_counts(job)
-            if not ok:
+            if not share_is_feasible(job, gpus):
                 raise DecisionError(f"{job_id!r} given {gpus} GPUs, feasible {feasible_counts(job)}")
         total += gpus
     if total > view.total_gpus:
