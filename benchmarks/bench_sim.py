@@ -300,8 +300,13 @@ def plan(args: argparse.Namespace, policies: list[str]) -> list[tuple[str, str, 
                 if not only or (vc, p) in only
             ]
     if "large" in sections:
+        large_only = {tuple(c.split(":", 1)) for c in args.large_cells.split(",") if c}
         for p in ("afs-p", "afs-l"):
-            out += [("large", LARGE, p, s, args.cpu_limit, False) for s in ("flat", "topology")]
+            out += [
+                ("large", LARGE, p, s, args.cpu_limit, False)
+                for s in ("flat", "topology")
+                if not large_only or (p, s) in large_only
+            ]
     fairness = [p for p in args.fairness_policies.split(",") if p]
     fair_settings = [s for s in args.fairness_settings.split(",") if s]
     if "fairness" in sections:
@@ -337,6 +342,11 @@ def main(argv: list[str] | None = None) -> int:
         "--flat-cells",
         default="",
         help="only these cells of the 'flat' section, as VC:POLICY,... (default: all 20)",
+    )
+    parser.add_argument(
+        "--large-cells",
+        default="",
+        help="only these cells of the 'large' section, as POLICY:SETTING,... (default: all 4)",
     )
     parser.add_argument(
         "--large-policies",
