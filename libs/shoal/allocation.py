@@ -80,6 +80,8 @@ def pack_shares(view: ClusterView, decision: Decision) -> Decision:
         # of G) and feasible, and all of them fit: regulation keeps each share (Proposition
         # 2's x_i is s_i itself) and has nothing to shave or hand back, so the decision
         # is returned as it is. With a long queue, most decisions give out such shares.
+        # (shoal.placement.is_regulated's rule for a positive share, with the sizes
+        # worked out once per decision instead of once per share.)
         subs = sub_node_sizes(g)
         used = 0
         for job_id, s in decision.shares.items():
