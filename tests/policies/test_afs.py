@@ -526,6 +526,58 @@ def test_afs_p_remembering_the_counted_order_changes_no_decision(
         view = msgspec.structs.replace(view, jobs=tuple(jobs), arrival_ordered=False)
 
 
+@settings(max_examples=150, deadline=None)
+@given(view=views(max_jobs=16, max_gpus=10), data=hs.data())
+def test_afs_p_kept_uncounted_jobs_with_the_rebuilt_views_named_change_no_decision(
+    view: ClusterView, data: hs.DataObject
+) -> None:
+    """An AFS-P fed its own memory with the jobs as the simulator passes them (LiveJobs
+    naming the views rebuilt since the decision before: exactly those, more, or not
+    known), which keeps the jobs without a counter between decisions (_Uncounted), and a
+    fresh one per decision fed the decoded memory and a tuple of the jobs decide the
+    same, memory listed alike, while jobs run, finish, come back and arrive."""
+    unit = 100.0
+    kept = AFSP(unit_s=unit)
+    kept_memory = fresh_memory = _random_memory(view, data, unit)
+    before: dict[str, JobView] = {}
+    gone: list[JobView] = []
+    for serial in range(1, 7):
+        table = {j.job_id: j for j in view.jobs}
+        rebuilt = [i for i, j in table.items() if before.get(i) is not j]
+        if data.draw(hs.booleans()):  # more than those: some kept views and jobs gone
+            rebuilt += data.draw(hs.lists(hs.sampled_from([*table, *before, "nobody"]), max_size=4))
+        known = data.draw(hs.booleans()) or serial == 1
+        live = LiveJobs(table, serial=serial, after=serial - 1 if known else 0, rebuilt=rebuilt)
+        d_kept = kept.decide(msgspec.structs.replace(view, jobs=live), kept_memory)
+        live.expire()
+        d_fresh = AFSP(unit_s=unit).decide(view, msgspec.msgpack.decode(msgspec.msgpack.encode(fresh_memory)))
+        assert d_kept.shares == d_fresh.shares
+        assert d_kept.memory == d_fresh.memory
+        assert list(d_kept.shares) == list(d_fresh.shares)
+        for part in ("counters", "leases"):
+            assert list(d_kept.memory[part]) == list(d_fresh.memory[part])
+        kept_memory, fresh_memory = d_kept.memory, d_fresh.memory
+        if data.draw(hs.integers(0, 4)) == 0:  # memory from elsewhere (another counters mapping)
+            kept_memory = fresh_memory = _random_memory(view, data, unit)
+        before = table
+        dt = data.draw(hs.sampled_from((1.0, 50.0, 100.0, 250.0)))
+        # As the simulator does: a job whose share is unchanged keeps its view.
+        jobs = [
+            j
+            if d_kept.shares.get(j.job_id, 0) == j.current_gpus
+            else msgspec.structs.replace(j, current_gpus=d_kept.shares.get(j.job_id, 0))
+            for j in view.jobs
+        ]
+        if jobs and data.draw(hs.booleans()):  # one finishes (or leaves, to come back)
+            gone.append(jobs.pop(data.draw(hs.integers(0, len(jobs) - 1))))
+        if gone and data.draw(hs.booleans()):  # one that left comes back
+            jobs.append(gone.pop(data.draw(hs.integers(0, len(gone) - 1))))
+        if data.draw(hs.booleans()):  # one arrives
+            jobs.append(job(f"new{serial}", (0.0, 1.0, 1.5), None, arrival=view.now_s + dt))
+        jobs.sort(key=lambda j: (j.arrival_s, j.job_id))
+        view = msgspec.structs.replace(view, now_s=view.now_s + dt, jobs=tuple(jobs), arrival_ordered=True)
+
+
 # -- in the simulator -------------------------------------------------------------------
 
 

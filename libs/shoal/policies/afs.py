@@ -802,20 +802,81 @@ def _move_keys(
     return True
 
 
+class _Uncounted:
+    """The ranks of the jobs without a positive counter, sorted (that is, in arrival
+    order), kept by an :class:`AFSP` from one decision to the next, so that stage one
+    finds the counter-0 jobs without walking past every counted job ahead of them.
+
+    It may list more (jobs counted or finished since; they are dropped when a walk
+    reaches them, :meth:`_ByCounter.pop`) but never fewer: at the end of a decision it
+    holds every job of that decision without a positive counter in the counters it
+    returned (:attr:`counters`). Counters never fall, so the next decision, when it gets
+    that very mapping back and the simulator names the jobs it rebuilt since
+    (:meth:`shoal.policies.base.LiveJobs.rebuilt_since`, where a job that arrived counts
+    as rebuilt), adds only the new jobs among those (:meth:`refresh`). Otherwise it is
+    not used, and is built again by a pass over the queue when stage one first needs it.
+    """
+
+    __slots__ = ("counters", "ids", "ranks", "serial")
+
+    def __init__(self, jobs: Iterable[JobView], positive: Collection[str]) -> None:
+        """``jobs`` in arrival order; ``positive``: the ids with a positive counter."""
+        self.ranks: list[_Rank] = [(job.arrival_s, job.job_id) for job in jobs if job.job_id not in positive]
+        self.ids: set[str] = {r[1] for r in self.ranks}
+        self.counters: Mapping[str, Any] | None = None
+        """The counters mapping it was kept with (compared by identity)."""
+        self.serial = 0
+        """The serial of that decision's jobs (:attr:`shoal.policies.base.LiveJobs.serial`)."""
+
+    def refresh(
+        self, jobs: Sequence[JobView], index: Mapping[str, JobView], counters: Mapping[str, Any]
+    ) -> bool:
+        """Bring it up to the decision of ``jobs`` whose counters in memory are
+        ``counters`` (each at least 1); False when it cannot be (then it is dropped)."""
+        if counters is not self.counters or len(self.ranks) > 2 * len(index) + 64:
+            return False
+        since = getattr(jobs, "rebuilt_since", None)
+        rebuilt = since(self.serial) if since is not None and self.serial else None
+        if rebuilt is None:
+            return False
+        ids, ranks = self.ids, self.ranks
+        for job_id in rebuilt:
+            if job_id not in ids and job_id not in counters:
+                job = index.get(job_id)
+                if job is not None:
+                    ids.add(job_id)
+                    bisect.insort(ranks, (job.arrival_s, job_id))
+        return True
+
+
 class _ByCounter:
     """The waiting jobs in stage one's order ``(counter, rank)``, lease holders left
     out, taken front to back and only as far as asked.
 
     A long queue is mostly jobs that never ran: counter 0, in arrival order, ahead of
-    every job with a positive counter. So the jobs are walked in arrival order for the
-    counter-0 ones first; when those run out, the counted jobs follow in the order of
-    their keys (:class:`_Counted`, sorted only if no decision before left them). Nothing
-    is done per job of the queue beyond the ones taken (the earlier form built and
-    sorted an array of every job's counter at each decision). A counter below 1 (only a
+    every job with a positive counter. So the counter-0 ones come first, in arrival
+    order: from the kept list of them (:class:`_Uncounted`, given as ``uncounted``), or
+    else by walking the jobs in arrival order past the counted ones. When those run
+    out, the counted jobs follow in the order of their keys (:class:`_Counted`, sorted
+    only if no decision before left them). Nothing is done per job of the queue beyond
+    the ones taken and the counted jobs walked past (the earlier form built and sorted
+    an array of every job's counter at each decision). A counter below 1 (only a
     hand-made memory holds one) counts as 0.
     """
 
-    __slots__ = ("_bumped", "_clean", "_held", "_index", "_j", "_jobs", "_old", "_uncounted", "keys")
+    __slots__ = (
+        "_bumped",
+        "_clean",
+        "_held",
+        "_index",
+        "_j",
+        "_jobs",
+        "_kept",
+        "_old",
+        "_u",
+        "_uncounted",
+        "keys",
+    )
 
     def __init__(
         self,
@@ -826,6 +887,7 @@ class _ByCounter:
         held: Collection[str],
         keys: list[tuple[int, _Rank]] | None,
         clean: bool,
+        uncounted: _Uncounted | None = None,
     ) -> None:
         self._clean = clean
         """Every counter in ``old`` is at least 1."""
@@ -835,6 +897,10 @@ class _ByCounter:
         self._bumped = bumped
         self._held = held
         self._uncounted: Iterator[str] | None = None
+        self._kept = uncounted
+        """The kept ranks of the jobs without a positive counter in ``old`` (and perhaps
+        more), brought up to this decision; ``None``: walk ``jobs``."""
+        self._u = 0
         self._j = 0
         self.keys = keys
         """The counted jobs' keys at the new counters (built when first needed)."""
@@ -842,6 +908,29 @@ class _ByCounter:
     def pop(self) -> _Waiting | None:
         """The next waiting job, or None when none is left."""
         held, bumped = self._held, self._bumped
+        kept = self._kept
+        if kept is not None:
+            # The kept ranks: a job counted or finished since goes from the list for good
+            # (counters never fall); a lease holder, or a job counted now, is passed over.
+            ranks, old, index = kept.ranks, self._old, self._index
+            u = self._u
+            while u < len(ranks):
+                rank = ranks[u]
+                job_id = rank[1]
+                job = index.get(job_id)
+                if job is None or job_id in old:
+                    del ranks[u]
+                    kept.ids.discard(job_id)
+                    continue
+                u += 1
+                if job_id in held:
+                    continue
+                counter = bumped.get(job_id)
+                if counter is None or counter < 1:  # (an evicted lease holder is counted now)
+                    self._u = u
+                    return (0, rank, job)
+            self._u = u
+            return self._pop_counted()
         uncounted = self._uncounted
         if uncounted is None:
             # The ids of the jobs without a positive counter in memory, walked in C.
@@ -857,6 +946,11 @@ class _ByCounter:
             if counter is None or counter < 1:  # (an evicted lease holder is counted now)
                 job = self._index[job_id]
                 return (0, (job.arrival_s, job_id), job)
+        return self._pop_counted()
+
+    def _pop_counted(self) -> _Waiting | None:
+        """The next waiting job with a positive counter, or None."""
+        held, bumped = self._held, self._bumped
         keys = self.keys
         if keys is None:
             old = self._old
@@ -1131,6 +1225,7 @@ class AFSP:
         self.wake_at_every_lease_end = wake_at_every_lease_end
         self._counted: _Counted | None = None
         self._holders: _Holders | None = None
+        self._uncounted: _Uncounted | None = None
         self._clean_counters: Mapping[str, Any] | None = None
         """The counters this instance last returned, when each is at least 1."""
 
@@ -1212,9 +1307,11 @@ class AFSP:
                 old_counters, bumped, index, clean=clean, every=every if units_of is not None else None
             )
 
-        # The memo of the counted jobs' order (see _Counted), taken: it is handed back
-        # below only once it matches this decision's counters.
+        # The memos of the counted jobs' order (see _Counted) and of the jobs without a
+        # counter (_Uncounted), taken: each is handed back below only once it matches
+        # this decision's counters.
         counted, self._counted = self._counted, None
+        uncounted, self._uncounted = self._uncounted, None
         # Contention: the smallest shares of all jobs exceed the GPUs. Every smallest
         # share is >= 0, so the lease holders' (known already) are summed first and the
         # other jobs then only as far as needed: the same answer as any order's.
@@ -1273,7 +1370,13 @@ class AFSP:
             keys = counted.keys
             if not _move_keys(keys, old_counters, bumped, index):
                 keys = None
-        waiting = _ByCounter(jobs, index, old_counters, bumped, leases, keys, clean)
+        if uncounted is not None and not (clean and uncounted.refresh(view.jobs, index, old_counters)):
+            uncounted = None
+        if uncounted is None and clean and getattr(view.jobs, "serial", 0):
+            # The simulator's jobs, which name the views rebuilt between decisions: the
+            # list is kept for the next (a pass over the queue, once).
+            uncounted = _Uncounted(jobs, old_counters)
+        waiting = _ByCounter(jobs, index, old_counters, bumped, leases, keys, clean, uncounted)
         passed: list[_Waiting] = []  # waiting jobs the pass looked at and did not start, in order
         while free > 0:
             w = waiting.pop()
@@ -1311,6 +1414,12 @@ class AFSP:
             if len(keys) != len(new_counters):  # a counted job finished
                 keys = [k for k in keys if k[1][1] in new_counters]
             self._counted = _Counted(new_counters, keys)
+        if uncounted is not None and new_clean:
+            # It holds every job without a positive counter in new_counters (they are
+            # among those without one in old_counters, and it dropped none of those).
+            uncounted.counters = new_counters
+            uncounted.serial = getattr(view.jobs, "serial", 0)
+            self._uncounted = uncounted
         if not dropped:
             # The lease holders of new_leases (every held job, then those started from
             # the queue), kept for the next decision.
