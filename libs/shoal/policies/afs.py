@@ -814,7 +814,8 @@ class _Uncounted:
     that very mapping back and the simulator names the jobs it rebuilt since
     (:meth:`shoal.policies.base.LiveJobs.rebuilt_since`, where a job that arrived counts
     as rebuilt), adds only the new jobs among those (:meth:`refresh`). Otherwise it is
-    not used, and is built again by a pass over the queue when stage one first needs it.
+    dropped, and a contended decision over the simulator's jobs builds it again by a
+    pass over the queue.
     """
 
     __slots__ = ("counters", "ids", "ranks", "serial")
