@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -223,6 +225,18 @@ def test_afs_l_kept_keys_decide_as_every_job_keyed(view: ClusterView, data: hs.D
             view = msgspec.structs.replace(view, jobs=tuple(msgspec.structs.replace(j) for j in view.jobs))
 
 
+def _live_jobs(
+    table: dict[str, JobView], before: Mapping[str, JobView], serial: int, data: hs.DataObject
+) -> LiveJobs:
+    """The jobs as the simulator passes them, naming the views rebuilt since the previous
+    table ``before``: exactly those, or more (kept views, jobs gone), or not known."""
+    rebuilt = [i for i, j in table.items() if before.get(i) is not j]
+    if data.draw(hs.booleans()):  # more than those: some kept views and jobs gone
+        rebuilt += data.draw(hs.lists(hs.sampled_from([*table, *before, "nobody"]), max_size=4))
+    known = data.draw(hs.booleans()) or serial == 1
+    return LiveJobs(table, serial=serial, after=serial - 1 if known else 0, rebuilt=rebuilt)
+
+
 @settings(max_examples=150, deadline=None)
 @given(views(max_jobs=16, max_gpus=40, sane=False), hs.data())
 def test_afs_l_kept_keys_with_the_rebuilt_views_named_decide_as_every_job_keyed(
@@ -240,11 +254,7 @@ def test_afs_l_kept_keys_with_the_rebuilt_views_named_decide_as_every_job_keyed(
     before: dict[str, JobView] = {}
     for serial in range(1, 7):
         table = {j.job_id: j for j in view.jobs}
-        rebuilt = [i for i, j in table.items() if before.get(i) is not j]
-        if data.draw(hs.booleans()):  # more than those: some kept views and jobs gone
-            rebuilt += data.draw(hs.lists(hs.sampled_from([*table, *before, "nobody"]), max_size=4))
-        known = data.draw(hs.booleans()) or serial == 1
-        live = LiveJobs(table, serial=serial, after=serial - 1 if known else 0, rebuilt=rebuilt)
+        live = _live_jobs(table, before, serial, data)
         d = kept.decide(msgspec.structs.replace(view, jobs=live), {})
         assert d == heap.decide(view, {}) == AFSLNaive().decide(view, {})
         assert list(d.shares) == list(heap.decide(view, {}).shares)  # same order too
@@ -543,11 +553,7 @@ def test_afs_p_kept_uncounted_jobs_with_the_rebuilt_views_named_change_no_decisi
     gone: list[JobView] = []
     for serial in range(1, 7):
         table = {j.job_id: j for j in view.jobs}
-        rebuilt = [i for i, j in table.items() if before.get(i) is not j]
-        if data.draw(hs.booleans()):  # more than those: some kept views and jobs gone
-            rebuilt += data.draw(hs.lists(hs.sampled_from([*table, *before, "nobody"]), max_size=4))
-        known = data.draw(hs.booleans()) or serial == 1
-        live = LiveJobs(table, serial=serial, after=serial - 1 if known else 0, rebuilt=rebuilt)
+        live = _live_jobs(table, before, serial, data)
         d_kept = kept.decide(msgspec.structs.replace(view, jobs=live), kept_memory)
         live.expire()
         d_fresh = AFSP(unit_s=unit).decide(view, msgspec.msgpack.decode(msgspec.msgpack.encode(fresh_memory)))
