@@ -1,0 +1,94 @@
+"""benchmarks/bench_sim.py: how it judges issue 24's targets (the calibration against the
+day of the issue's table, the medians of repeated runs, the report's verdicts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tests.scripts import load_script
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sim.py"
+bench = load_script(SCRIPT, "bench_sim")
+
+
+def _calib_cell(vc: str, policy: str, whole: float, status: str = "ok") -> dict[str, Any]:
+    run = {
+        "trace": f"philly:{vc}",
+        "policy": policy,
+        "setting": "flat",
+        "status": status,
+        "whole_cpu_s": whole,
+    }
+    return {"section": "calibrate", "runs": [run, dict(run, whole_cpu_s=whole / 2)]}
+
+
+def _results(
+    factor_by_cell: dict[tuple[str, str], float], sha: str = bench.ISSUE_TREE + "0" * 33
+) -> dict[str, Any]:
+    cells = [
+        _calib_cell(vc, p, f * bench.ISSUE_SHOAL_CPU_S[(vc, p)]) for (vc, p), f in factor_by_cell.items()
+    ]
+    return {"trees": ["baseline", "new"], "cells": cells, "startup": {}, "repeat": 1, "baseline_sha": sha}
+
+
+def test_the_factor_is_the_median_of_the_baselines_today_over_the_issues_figures() -> None:
+    cal = bench.calibration(
+        _results({("7f04ca", "afs-p"): 1.3, ("ee9e8c", "tiresias-l"): 0.9, ("b436b2", "afs-p"): 1.1})
+    )
+    assert cal is not None
+    assert abs(cal["factor"] - 1.1) < 1e-12
+    assert abs(cal["ratios"]["7f04ca afs-p"] - 1.3) < 1e-12
+
+
+def test_no_factor_unless_the_baseline_is_the_issues_tree_and_a_cell_finished() -> None:
+    assert bench.calibration(_results({("7f04ca", "afs-p"): 1.0}, sha="0123456789")) is None
+    stopped = _results({})
+    stopped["cells"] = [_calib_cell("7f04ca", "afs-p", 5.0, status="time limit")]
+    assert bench.calibration(stopped) is None
+
+
+def test_a_bound_shrinks_on_a_faster_day_and_never_grows_on_a_slower_one() -> None:
+    assert bench.threshold(30.0, None) == 30.0
+    assert bench.threshold(30.0, {"factor": 1.4}) == 30.0
+    assert bench.threshold(30.0, {"factor": 0.8}) == 24.0
+
+
+def test_medians_of_repeated_runs_keep_the_whole_process_figure_apart() -> None:
+    runs = [
+        {"status": "ok", "cpu_s": 3.0, "whole_cpu_s": 1.0},
+        {"status": "ok", "cpu_s": 1.0, "whole_cpu_s": 9.0},
+        {"status": "ok", "cpu_s": 2.0, "whole_cpu_s": 5.0},
+    ]
+    out = bench._median_run(runs)
+    assert out["cpu_s"] == 2.0 and out["whole_cpu_s"] == 5.0
+    assert out["whole_cpu_s_runs"] == [1.0, 9.0, 5.0]
+    only_whole = [{"status": "ok", "whole_cpu_s": w} for w in (4.0, 2.0, 3.0)]
+    assert bench._median_run(only_whole)["whole_cpu_s"] == 3.0
+
+
+def test_the_flat_verdict_is_on_the_whole_process_at_the_slower_of_the_two_speeds() -> None:
+    def flat(whole: float) -> dict[str, Any]:
+        run = {"trace": "philly:2869ce", "policy": "afs-p", "setting": "flat", "status": "ok", "cpu_s": 0.1}
+        return {
+            "section": "flat",
+            "runs": [dict(run, cpu_s=0.3, whole_cpu_s=1.0), dict(run, whole_cpu_s=whole)],
+        }
+
+    # The prototype's 0.95 s halved is 0.475 s; on a day 20 % faster than the issue's it is 0.38 s.
+    fast_day = {("7f04ca", "afs-p"): 0.8}
+    report = bench.render(
+        {**_results(fast_day), "cells": [flat(0.40), *_results(fast_day)["cells"]]}, "cmd", [], "q.png"
+    )
+    assert "`--flat` 2869ce afs-p" in report
+    line = next(x for x in report.splitlines() if x.startswith("- `--flat` 2869ce afs-p"))
+    assert "MISSED" in line and "0.38 s" in line, line
+    report = bench.render(
+        {**_results(fast_day), "cells": [flat(0.30), *_results(fast_day)["cells"]]}, "cmd", [], "q.png"
+    )
+    line = next(x for x in report.splitlines() if x.startswith("- `--flat` 2869ce afs-p"))
+    assert "met" in line, line
+    # The simulation alone (0.1 s) is reported, never judged.
+    report = bench.render({**_results({}), "cells": [flat(0.60)]}, "cmd", [], "q.png")
+    line = next(x for x in report.splitlines() if x.startswith("- `--flat` 2869ce afs-p"))
+    assert "MISSED" in line, line
