@@ -566,12 +566,32 @@ def _measure(
     (``whole_cpu_s``; the calibration cells only that)."""
     vc = trace.split(":")[1]
     if section == "calibrate":
-        return tree.whole_cpu(vc, policy, 3 * limit)
+        return _whole(tree, vc, policy, 3 * limit)
     run = tree.cell(trace, policy, setting, limit, probe)
     if section == "flat" and _done(run):
-        whole = tree.whole_cpu(vc, policy, 3 * limit)
+        whole = _whole(tree, vc, policy, 3 * limit)
         run["whole_cpu_s"], run["whole_status"] = whole["whole_cpu_s"], whole["status"]
+        run["whole_cpu_s_each"] = whole["whole_cpu_s_each"]
     return run
+
+
+WHOLE_RUNS = 3
+"""Whole processes per measurement of a cell (:func:`_whole`): one costs little next to
+the simulation alone, and a single one of a sub-second cell moved by half between runs."""
+
+
+def _whole(tree: Tree, vc: str, policy: str, limit_s: float) -> dict[str, Any]:
+    """The median of :data:`WHOLE_RUNS` whole processes (:meth:`Tree.whole_cpu`), all of
+    them in ``whole_cpu_s_each``; the first that does not finish is returned as it is."""
+    runs: list[dict[str, Any]] = []
+    for _ in range(WHOLE_RUNS):
+        runs.append(tree.whole_cpu(vc, policy, limit_s))
+        if not _done(runs[-1]):
+            break
+    each = [r["whole_cpu_s"] for r in runs]
+    if not _done(runs[-1]):
+        return dict(runs[-1], whole_cpu_s_each=each)
+    return dict(runs[0], whole_cpu_s=sorted(each)[(len(each) - 1) // 2], whole_cpu_s_each=each)
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -710,7 +730,7 @@ def render(results: dict[str, Any], cmd: str, pending: list[Any], plot_name: str
         "Those are whole processes (the issue puts the prototype's start-up at about 0.2 s), so shoal is "
         "judged against them by a whole process too: `whole CPU s` = user + system CPU of "
         "`shoal simulate --trace philly:<vc> --policy <p> --flat --quiet` (start-up, loading, the run, "
-        "the summary), the median of as many runs as above.",
+        "the summary), the median of 3 such processes (and of those medians, with runs repeated as above).",
         "",
     ]
     header, lines = lines, []

@@ -92,3 +92,28 @@ def test_the_flat_verdict_is_on_the_whole_process_at_the_slower_of_the_two_speed
     report = bench.render({**_results({}), "cells": [flat(0.60)]}, "cmd", [], "q.png")
     line = next(x for x in report.splitlines() if x.startswith("- `--flat` 2869ce afs-p"))
     assert "MISSED" in line, line
+
+
+class _FakeTree:
+    """Hands out whole-process figures in turn, as :meth:`Tree.whole_cpu` would."""
+
+    def __init__(self, *runs: tuple[float, str]) -> None:
+        self.runs = list(runs)
+
+    def whole_cpu(self, vc: str, policy: str, limit_s: float) -> dict[str, Any]:
+        cpu, status = self.runs.pop(0)
+        return {
+            "trace": f"philly:{vc}",
+            "policy": policy,
+            "setting": "flat",
+            "status": status,
+            "whole_cpu_s": cpu,
+        }
+
+
+def test_a_whole_process_figure_is_the_median_of_three_and_a_stopped_one_is_kept() -> None:
+    got = bench._whole(_FakeTree((0.9, "ok"), (0.3, "ok"), (0.4, "ok")), "2869ce", "srtf", 60)
+    assert got["whole_cpu_s"] == 0.4 and got["whole_cpu_s_each"] == [0.9, 0.3, 0.4]
+    stopped = bench._whole(_FakeTree((0.5, "ok"), (60.0, "time limit")), "2869ce", "srtf", 60)
+    assert stopped["status"] == "time limit" and stopped["whole_cpu_s"] == 60.0
+    assert stopped["whole_cpu_s_each"] == [0.5, 60.0]
