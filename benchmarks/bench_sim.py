@@ -289,45 +289,17 @@ class Tree:
             }
         return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
-    def startup_cpu(self, vc: str, reps: int = 3) -> float:
-        """Median CPU seconds of a whole ``shoal simulate --limit 1`` process.
+    def simulate_cpu(self, args: list[str], timeout_s: float | None = None) -> tuple[float, str]:
+        """CPU seconds (user + system) of one whole ``shoal simulate ARGS --quiet`` process,
+        and ``"ok"``, ``"time limit"`` (stopped after ``timeout_s`` wall-clock seconds) or
+        the error it ended with.
 
         With bytecode caches, as an installed package has them: the child may write
-        ``__pycache__`` (``PYTHONDONTWRITEBYTECODE`` is dropped from its environment) and
-        one unmeasured run writes them first. Compiling every module from source on each
-        start (this machine's shells set ``PYTHONDONTWRITEBYTECODE=1``) cost about 0.15 s.
+        ``__pycache__`` (``PYTHONDONTWRITEBYTECODE`` is dropped from its environment).
+        Compiling every module from source on each start (this machine's shells set
+        ``PYTHONDONTWRITEBYTECODE=1``) cost about 0.15 s.
         """
-        code = (
-            "import sys; from shoal.cli import main; sys.exit(main(['simulate', '--trace', "
-            f"'philly:{vc}', '--policy', 'afs-p', '--limit', '1', '--quiet']))"
-        )
-        env = self.env()
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
-        cpus = []
-        for rep in range(reps + 1):
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            subprocess.run(
-                [sys.executable, "-c", code],
-                env=env,
-                capture_output=True,
-                check=True,
-                cwd=tempfile.gettempdir(),
-            )
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            if rep:  # the first run writes the bytecode caches
-                cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
-        return statistics.median(cpus)
-
-    def whole_cpu(self, vc: str, policy: str, limit_s: float) -> dict[str, Any]:
-        """CPU seconds (user + system) of a whole ``shoal simulate --trace philly:<vc>
-        --policy <policy> --flat --quiet`` process: what issue 24's table measured, for
-        shoal and for the prototype (start-up, loading, the run, the summary). Bytecode
-        caches as :meth:`startup_cpu` leaves them. Stopped after ``limit_s`` wall-clock
-        seconds (then ``status`` says so and the figure is a lower bound)."""
-        code = (
-            "import sys; from shoal.cli import main; sys.exit(main(['simulate', '--trace', "
-            f"'philly:{vc}', '--policy', {policy!r}, '--flat', '--quiet']))"
-        )
+        code = f"import sys; from shoal.cli import main; sys.exit(main({['simulate', *args, '--quiet']!r}))"
         env = self.env()
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -340,14 +312,34 @@ class Tree:
                 text=True,
                 check=False,
                 cwd=tempfile.gettempdir(),
-                timeout=limit_s,
+                timeout=timeout_s,
             )
             if proc.returncode != 0:
                 status = f"error: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"
         except subprocess.TimeoutExpired:
             status = "time limit"
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+        return after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime, status
+
+    def startup_cpu(self, vc: str, reps: int = 3) -> float:
+        """Median CPU seconds of a whole ``shoal simulate --limit 1`` process
+        (:meth:`simulate_cpu`; one unmeasured run writes the bytecode caches first)."""
+        cpus = []
+        for rep in range(reps + 1):
+            cpu, status = self.simulate_cpu(["--trace", f"philly:{vc}", "--policy", "afs-p", "--limit", "1"])
+            if status != "ok":
+                raise RuntimeError(f"start-up run on {vc}: {status}")
+            if rep:  # the first run writes the bytecode caches
+                cpus.append(cpu)
+        return statistics.median(cpus)
+
+    def whole_cpu(self, vc: str, policy: str, limit_s: float) -> dict[str, Any]:
+        """CPU seconds of a whole ``shoal simulate --trace philly:<vc> --policy <policy>
+        --flat`` process (:meth:`simulate_cpu`): what issue 24's table measured, for shoal
+        and for the prototype (start-up, loading, the run, the summary). Stopped after
+        ``limit_s`` wall-clock seconds (then ``status`` says so and the figure is a lower
+        bound)."""
+        cpu, status = self.simulate_cpu(["--trace", f"philly:{vc}", "--policy", policy, "--flat"], limit_s)
         return {
             "trace": f"philly:{vc}",
             "policy": policy,
