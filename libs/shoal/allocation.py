@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 PLACERS: tuple[str, ...] = ("min-migration", "consolidated")
 
 
-def pack_shares(view: ClusterView, decision: Decision) -> Decision:
+def pack_shares(view: ClusterView, decision: Decision, *, checked: bool = False) -> Decision:
     """Regulate a decision's shares so they pack onto servers (AFS appendix E).
 
     Only for elastic policies (:func:`decide_shares` checks); a job with no regulated
@@ -64,6 +64,9 @@ def pack_shares(view: ClusterView, decision: Decision) -> Decision:
     Args:
         view: the view the decision was made on (gives feasible counts and node size).
         decision: the policy's decision.
+        checked: the decision passed :func:`check_decision` against ``view`` (every
+            share is a feasible count of a job of the view, and they fit): the test
+            for the common case then only reads the share sizes.
 
     Returns:
         A decision with regulated shares (same memory and GPU types); the input
@@ -83,6 +86,12 @@ def pack_shares(view: ClusterView, decision: Decision) -> Decision:
         # (shoal.placement.is_regulated's rule for a positive share, with the sizes
         # worked out once per decision instead of once per share.)
         subs = sub_node_sizes(g)
+        if checked:
+            for s in decision.shares.values():
+                if s and not (s in subs or s % g == 0):
+                    break
+            else:
+                return decision
         used = 0
         for job_id, s in decision.shares.items():
             if s:
@@ -141,7 +150,7 @@ def decide_shares(
     decision = policy.decide(view, memory)
     check_decision(view, decision)
     if network_packing and policy_is_elastic(policy):
-        packed = pack_shares(view, decision)
+        packed = pack_shares(view, decision, checked=True)
         if packed is not decision:  # (the same object: nothing regulated, checked above)
             check_decision(view, packed)
         decision = packed

@@ -229,12 +229,16 @@ def _live_jobs(
     table: dict[str, JobView], before: Mapping[str, JobView], serial: int, data: hs.DataObject
 ) -> LiveJobs:
     """The jobs as the simulator passes them, naming the views rebuilt since the previous
-    table ``before``: exactly those, or more (kept views, jobs gone), or not known."""
+    table ``before``: exactly those, or more (kept views, jobs gone), or not known; and
+    the jobs that left since: exactly those, or more (jobs still there, unknown ids)."""
     rebuilt = [i for i, j in table.items() if before.get(i) is not j]
     if data.draw(hs.booleans()):  # more than those: some kept views and jobs gone
         rebuilt += data.draw(hs.lists(hs.sampled_from([*table, *before, "nobody"]), max_size=4))
+    left = [i for i in before if i not in table]
+    if data.draw(hs.booleans()):  # more than those
+        left += data.draw(hs.lists(hs.sampled_from([*table, "nobody"]), max_size=3))
     known = data.draw(hs.booleans()) or serial == 1
-    return LiveJobs(table, serial=serial, after=serial - 1 if known else 0, rebuilt=rebuilt)
+    return LiveJobs(table, serial=serial, after=serial - 1 if known else 0, rebuilt=rebuilt, left=left)
 
 
 @settings(max_examples=150, deadline=None)

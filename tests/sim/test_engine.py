@@ -242,6 +242,7 @@ class _CheckView:
         self.waiting = 0
         self.before: tuple[int, dict[str, Any]] | None = None
         self.kept = 0
+        self.left = 0
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self.policy, attr)
@@ -285,6 +286,13 @@ class _CheckView:
                 if job_id not in rebuilt:
                     assert before.get(job_id) is job
                     self.kept += 1
+            # The jobs of the previous decision that are gone are named as having left
+            # (LiveJobs.left_since), and none that is still here.
+            left = view.jobs.left_since(before_serial)  # type: ignore[attr-defined]
+            assert left is not None
+            assert before.keys() - table.keys() <= set(left)
+            assert not table.keys() & set(left)
+            self.left += len(left)
         self.before = (serial, table) if serial else None
         self.checked += 1
         self.waiting += sum(1 for j in view.jobs if not j.current_gpus)
@@ -325,6 +333,7 @@ def test_engine_view_equals_build_view(trace: str, cfg: SimConfig, policy: str) 
     assert checked.waiting > 0  # the memoised (waiting) views were exercised
     if cfg.profiling != "overestimate":  # (then the policy decides on a copy, a tuple)
         assert checked.kept > 0  # and named as not rebuilt
+        assert checked.left > 0  # and the finished jobs named as having left
 
 
 class _CheckedMetrics(Simulator):

@@ -1059,6 +1059,7 @@ def _counters_out(
     *,
     clean: bool = False,
     every: Callable[[], Mapping[str, int]] | None = None,
+    left: Collection[str] | None = None,
 ) -> dict[str, Any]:
     """AFS-P's counters to remember: the positive ones of the active jobs (``active``:
     keyed by them), ``bumped`` over ``old``.
@@ -1068,9 +1069,17 @@ def _counters_out(
     the counted jobs alone (never a pass over every job of the queue). ``clean``: every
     counter of ``old`` is known to be at least 1. ``every``: when ``bumped`` lists only
     the changed counters, the mapping of every lease holder's (the rebuilt mapping lists
-    them in its order).
+    them in its order). ``left``, when given: every job of ``old`` was active when
+    ``old`` was made, and no job that left since is missing from ``left`` (so when none of
+    them is counted, no counted job finished, told without a pass over the counted jobs).
     """
-    if isinstance(old, dict) and active.keys() >= old.keys() and (clean or 0 not in old.values()):
+    if (
+        isinstance(old, dict)
+        # Every counted job is still active: none of them left (when that is known and
+        # none is named; a name may be of a job still here), else the pass.
+        and ((left is not None and old.keys().isdisjoint(left)) or active.keys() >= old.keys())
+        and (clean or 0 not in old.values())
+    ):
         changed = {j: c for j, c in bumped.items() if c != old.get(j, 0)}
         if not changed:
             return old
@@ -1106,7 +1115,7 @@ class _Holders:
     ``changes_no_decision`` runs both and compares decisions and memory, in order).
     """
 
-    __slots__ = ("counters_of", "heap", "need", "of", "rows")
+    __slots__ = ("counters_of", "heap", "need", "of", "rows", "serial")
 
     def __init__(
         self, leases: dict[str, float], counters: Mapping[str, Any], started: Sequence[_Held]
@@ -1121,9 +1130,16 @@ class _Holders:
         heapq.heapify(self.heap)
         self.need = sum(h[2] for h in started)
         """The sum of the rows' smallest shares."""
+        self.serial = 0
+        """The serial of the jobs of the decision these rows were carried to
+        (:attr:`shoal.policies.base.LiveJobs.serial`; 0: not a simulator's)."""
 
     def advance(
-        self, now: float, unit: float, index: Mapping[str, JobView]
+        self,
+        now: float,
+        unit: float,
+        index: Mapping[str, JobView],
+        look: Iterable[str] | None = None,
     ) -> tuple[dict[str, float], dict[str, int], dict[str, int], list[_Held], int] | None:
         """What the pass over the lease holders of :attr:`of` computes at ``now``.
 
@@ -1134,13 +1150,28 @@ class _Holders:
         smallest shares. None when the full pass must run instead: a held job's arrival
         changed or its smallest share is 0. The memo is spent either way (the decision
         makes it the next one's with :meth:`carry`).
+
+        ``look``, when given: the jobs whose view may have changed or that left since
+        the decision of :attr:`serial` (:meth:`shoal.policies.base.LiveJobs.rebuilt_since`
+        and ``left_since``); any other row's job has the view the row holds, so only
+        these are looked at instead of every row.
         """
         old, counters, rows = self.of, self.counters_of, self.rows
         need = self.need
         get = index.get
         leases = dict(old)
-        # Jobs that left, and held jobs whose view was rebuilt (read again).
-        for job_id in [job_id for job_id, row in rows.items() if get(job_id) is not row[1]]:
+        # Jobs that left, and held jobs whose view was rebuilt (read again). The order
+        # they are met in does not matter: each is dropped or read again on its own,
+        # and ``need`` is a sum of ints.
+        if look is None:
+            changed = [job_id for job_id, row in rows.items() if get(job_id) is not row[1]]
+        else:
+            changed = [
+                job_id
+                for job_id in set(look)
+                if (row := rows.get(job_id)) is not None and get(job_id) is not row[1]
+            ]
+        for job_id in changed:
             row = rows[job_id]
             job = get(job_id)
             if job is None:  # finished: the full pass skips it
@@ -1229,6 +1260,9 @@ class AFSP:
         self._uncounted: _Uncounted | None = None
         self._clean_counters: Mapping[str, Any] | None = None
         """The counters this instance last returned, when each is at least 1."""
+        self._counters_made: tuple[Mapping[str, Any], int] | None = None
+        """The counters this instance last returned and the serial of that decision's
+        jobs (:attr:`shoal.policies.base.LiveJobs.serial`)."""
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Processor sharing by counters when jobs exceed GPUs, then eq. (3) by ``f``.
@@ -1257,7 +1291,19 @@ class AFSP:
             # (equal memory, shares unchanged): the same leases, listed alike, will do.
             and (holders.of is old_leases or list(holders.of.items()) == list(old_leases.items()))
         ):
-            carried = holders.advance(now, unit, index)
+            # The jobs whose view may differ from the one a row holds, when the
+            # simulator says: those rebuilt and those that left since the decision
+            # the rows were carried to.
+            look: list[str] | None = None
+            if holders.serial:
+                rebuilt_since = getattr(view.jobs, "rebuilt_since", None)
+                left_since = getattr(view.jobs, "left_since", None)
+                if rebuilt_since is not None and left_since is not None:
+                    rebuilt = rebuilt_since(holders.serial)
+                    gone = left_since(holders.serial)
+                    if rebuilt is not None and gone is not None:
+                        look = [*rebuilt, *gone]
+            carried = holders.advance(now, unit, index, look)
             if carried is not None and carried[4] > total:
                 carried = None  # the held jobs no longer fit: the full pass sorts it out
         # held: the lease holders as (counter, rank, job, smallest share) for the full
@@ -1303,10 +1349,26 @@ class AFSP:
                 if job_id in index
             }
 
+        # The jobs that left since the decision that returned old_counters, when the
+        # simulator says (LiveJobs.left_since): every job of those counters was active then.
+        left: Collection[str] | None = None
+        serial = getattr(view.jobs, "serial", 0)
+        made, self._counters_made = self._counters_made, None
+        if made is not None and made[0] is old_counters:
+            since = getattr(view.jobs, "left_since", None)
+            left = since(made[1]) if since is not None else None
+
         def counters_out() -> dict[str, Any]:
-            return _counters_out(
-                old_counters, bumped, index, clean=clean, every=every if units_of is not None else None
+            out = _counters_out(
+                old_counters,
+                bumped,
+                index,
+                clean=clean,
+                every=every if units_of is not None else None,
+                left=left,
             )
+            self._counters_made = (out, serial) if serial else None
+            return out
 
         # The memos of the counted jobs' order (see _Counted) and of the jobs without a
         # counter (_Uncounted), taken: each is handed back below only once it matches
@@ -1428,6 +1490,7 @@ class AFSP:
                 holders.carry(new_leases, new_counters, fresh)
             else:
                 holders = _Holders(new_leases, new_counters, started)
+            holders.serial = serial
             self._holders = holders
         if started:
             # Only an eviction changes shares. While every job fits, units are counted at

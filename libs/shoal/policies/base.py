@@ -59,11 +59,12 @@ class LiveJobs(Sequence[JobView]):
     Iteration and ``len`` read the table directly; indexing builds a tuple once.
 
     The simulator may also say which entries it rebuilt since the sequence before
-    (:meth:`rebuilt_since`), so that a policy that keeps something per job view from one
+    (:meth:`rebuilt_since`), and which jobs left the table since then
+    (:meth:`left_since`), so that a policy that keeps something per job from one
     decision to the next finds the changed ones without a pass over a long queue.
     """
 
-    __slots__ = ("_after", "_live", "_rebuilt", "_table", "_tuple", "serial")
+    __slots__ = ("_after", "_left", "_live", "_rebuilt", "_table", "_tuple", "serial")
 
     def __init__(
         self,
@@ -72,6 +73,7 @@ class LiveJobs(Sequence[JobView]):
         serial: int = 0,
         after: int = 0,
         rebuilt: Collection[str] | None = None,
+        left: Collection[str] | None = None,
     ) -> None:
         self._table = table
         self._live = True
@@ -81,6 +83,7 @@ class LiveJobs(Sequence[JobView]):
         numbers its sequences from a counter shared by every simulator in the process)."""
         self._after = after
         self._rebuilt = rebuilt
+        self._left = left
 
     def rebuilt_since(self, serial: int) -> Collection[str] | None:
         """The ids of this sequence's jobs whose view may not be the very object it was
@@ -91,6 +94,16 @@ class LiveJobs(Sequence[JobView]):
         self._check()
         if serial and serial == self._after:
             return self._rebuilt
+        return None
+
+    def left_since(self, serial: int) -> Collection[str] | None:
+        """The ids of the jobs removed from the table since the sequence numbered
+        ``serial`` (a job of that sequence not among them is still in this one), when
+        that is the sequence immediately before this one over the same table and the
+        simulator recorded them; ``None`` when unknown. Valid while this sequence is."""
+        self._check()
+        if serial and serial == self._after:
+            return self._left
         return None
 
     def expire(self) -> None:

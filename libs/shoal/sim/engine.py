@@ -449,6 +449,8 @@ class Simulator:
         """The jobs of the newest view, over ``_views`` (expired before _views changes)."""
         self._view_serial = 0
         """The serial of the newest view's jobs (LiveJobs.serial); 0 before the first."""
+        self._left: list[str] = []
+        """The jobs removed from ``_views`` since the newest view (LiveJobs.left_since)."""
         self._cluster: tuple[dict[str, int], dict[str, float]] | None = None
         """GPUs by generation (:func:`shoal.view.cluster_gpus`) and users' tickets of the
         state, kept until an event that can change them is folded (see _emit)."""
@@ -762,6 +764,7 @@ class Simulator:
         del self.active[job.id]
         self._expire_view()
         del self._views[job.id]
+        self._left.append(job.id)
         self._pending_reconf.pop(job.id, None)
         self._emit(ev.JobCompleted(job_id=job.id, iterations=int(job.total)))
 
@@ -904,7 +907,11 @@ class Simulator:
                 if rate > 0.0:
                     start = job.settled_at if job.settled_at > job.resume_at else job.resume_at
                     if now > start:
-                        done = min(job.total, done + rate * (now - start))
+                        # min(job.total, ...) as a comparison (the same value).
+                        done += rate * (now - start)
+                        total = job.total
+                        if not done < total:
+                            done = total
                 progress.append((job_id, done))
         if progress:
             views_at(views, jobs, progress, now=now)  # type: ignore[arg-type]  # those entries are views
@@ -928,11 +935,19 @@ class Simulator:
         # until the next change of _views expires them. Between two views, _views changes
         # only here (the jobs moved in time and those rebuilt), at an arrival (the job is
         # stale, so rebuilt here) and at a completion (the job leaves): those two lists
-        # are the entries rebuilt since the previous view (LiveJobs.rebuilt_since).
+        # are the entries rebuilt since the previous view (LiveJobs.rebuilt_since); the
+        # completions are the jobs that left (LiveJobs.left_since).
         if rebuild:
             moved += rebuild
         serial = next(_VIEW_SERIALS)
-        jobs_view = self._live_jobs = LiveJobs(views, serial=serial, after=self._view_serial, rebuilt=moved)  # type: ignore[arg-type]  # every entry was just built
+        left, self._left = self._left, []
+        jobs_view = self._live_jobs = LiveJobs(
+            views,  # type: ignore[arg-type]  # every entry was just built
+            serial=serial,
+            after=self._view_serial,
+            rebuilt=moved,
+            left=left,
+        )
         self._view_serial = serial
         if self._cluster is None:
             self._cluster = (
