@@ -275,3 +275,44 @@ async def test_replay_recovers_once_from_the_backlog_of_a_partition(tmp_path: Pa
     finally:
         await partition.close()
         server.stop()
+
+
+async def test_a_replay_started_while_the_server_does_not_answer_waits_for_it(tmp_path: Path) -> None:
+    """The first consumer's create is retried while the JetStream API does not answer
+    in time (as during a cluster's leader election: the CI run where a replay right after
+    a rolling restart failed on one 5 s timeout); a refusal that cannot clear is not."""
+    import signal
+
+    import nats.js.errors
+
+    server = EmbeddedNats(store_dir=tmp_path / "js")
+    server.start()
+    try:
+        bus = await Bus.connect(server.url, prefix="rp")
+        try:
+            await bus.publish_many([submitted(i) for i in range(50)])
+            assert server.proc is not None
+            server.proc.send_signal(signal.SIGSTOP)
+            loop = asyncio.get_running_loop()
+            # Continued after the first create's 5 s request timeout has passed.
+            loop.call_later(6.5, server.proc.send_signal, signal.SIGCONT)
+            started = loop.time()
+            seen = [seq async for seq, _ in bus.replay()]
+            assert loop.time() - started >= 6.5
+            assert seen == list(range(1, 51))
+            # No such stream: refused at once, not retried for create_timeout_s.
+            other = await Bus.connect(server.url, prefix="nostream", declare=False)
+            try:
+                started = loop.time()
+                with pytest.raises(nats.js.errors.NotFoundError):
+                    async for _ in other.replay(create_timeout_s=30.0):
+                        pass
+                assert loop.time() - started < 5
+            finally:
+                await other.close()
+        finally:
+            await bus.close()
+    finally:
+        if server.proc is not None:
+            server.proc.send_signal(signal.SIGCONT)
+        server.stop()

@@ -1068,6 +1068,7 @@ class Bus:
         idle_expires_s: float = 1.0,
         dead_letter: bool = False,
         inactive_threshold_s: float = 30.0,
+        create_timeout_s: float = 30.0,
     ) -> AsyncIterator[Batch]:
         """Yield the log in order as batches of ``(stream_seq, envelope)``.
 
@@ -1094,8 +1095,16 @@ class Bus:
         The recreated consumer gets a fresh reply inbox: answers still due to the lost
         one's requests (a paused server's backlog) must not be read as its own.
 
+        Creating the first consumer is retried the same way for up to
+        ``create_timeout_s`` while the failure is one a cluster gives during a leader
+        election (see :meth:`_add_replay_consumer`).
+
         Raises:
             BusError: the bus was closed before the replay ended.
+            nats.errors.TimeoutError, nats.errors.NoRespondersError,
+            nats.js.errors.ServiceUnavailableError: no consumer could be created
+                within ``create_timeout_s``.
+            nats.js.errors.APIError: any other refusal (no such stream, not permitted).
         """
         stream = self.names.events_stream
 
@@ -1118,7 +1127,7 @@ class Bus:
                 cfg.filter_subjects = filter_subjects
             return cfg
 
-        info = await self.js.add_consumer(stream, config(None))
+        info = await self._add_replay_consumer(stream, config(None), create_timeout_s)
         consumer = info.name
         inbox = self.nc.new_inbox()
         buf: collections.deque[Msg] = collections.deque()
@@ -1268,6 +1277,33 @@ class Bus:
                 with contextlib.suppress(Exception):
                     await self.js.delete_consumer(stream, consumer)
             # else the server removes the consumer after its inactive_threshold
+
+    async def _add_replay_consumer(
+        self, stream: str, cfg: api.ConsumerConfig, timeout_s: float
+    ) -> api.ConsumerInfo:
+        """Create a replay's first (ephemeral) consumer, retrying for up to ``timeout_s``
+        with a backoff (0.25 s doubling to 5 s) while the JetStream API does not answer
+        in time, has no responders, or answers 503: what a cluster gives while the
+        meta or stream leader is being elected (a server killed or restarted). Any other
+        refusal is raised at once. A create whose answer was lost may still have made a
+        consumer; nobody pulls from it, so the server removes it after its
+        ``inactive_threshold``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        backoff = 0.25
+        while True:
+            try:
+                return await self.js.add_consumer(stream, cfg)
+            except (
+                nats.errors.TimeoutError,
+                nats.errors.NoRespondersError,
+                nats.js.errors.ServiceUnavailableError,
+            ) as exc:
+                if self._closing or self.nc.is_closed or loop.time() + backoff > deadline:
+                    raise
+                log.info("replay_consumer_create_retry", stream=stream, error=repr(exc), retry_in_s=backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
 
     async def replay(self, **kwargs: Any) -> AsyncIterator[tuple[int, Envelope]]:
         """Like :meth:`replay_batches`, one ``(seq, envelope)`` at a time."""
