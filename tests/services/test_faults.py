@@ -169,6 +169,16 @@ async def test_killed_node_daemon_is_lost_and_its_job_moves_to_the_survivor(
         for n in ("n0", "n1")
     }
     stop = asyncio.Event()
+    # The stamp of each node's newest heartbeat, as published (beats never reach the log).
+    beat_at: dict[str, float] = {}
+
+    async def on_beat(msg: object) -> None:
+        env = codec.decode(msg.data)  # type: ignore[attr-defined]
+        node = env.event.node_id  # type: ignore[attr-defined]
+        beat_at[node] = max(beat_at.get(node, env.at), env.at)
+
+    beats = await bus.nc.subscribe(bus.names.beat("*"), cb=on_beat)
+    await bus.nc.flush()
     alloc = AllocatorService(bus, FIFO(), holder="alloc", clock=clock, node_timeout_s=NODE_TIMEOUT_S)
     placer = PlacerService(bus, holder="placer", clock=clock)
     tasks = [asyncio.create_task(alloc.run(stop)), asyncio.create_task(placer.run(stop))]
@@ -191,6 +201,7 @@ async def test_killed_node_daemon_is_lost_and_its_job_moves_to_the_survivor(
         assert {g.node_id for g in state.jobs["b"].placement} == {survivor}
         await wait_until(lambda: sidecars_of(procs[victim].pid), timeout=10)
         orphans = sidecars_of(procs[victim].pid)
+        await wait_until(lambda: victim in beat_at, timeout=10)
 
         procs[victim].send_signal(signal.SIGKILL)
         procs[victim].wait(timeout=10)
@@ -218,10 +229,22 @@ async def test_killed_node_daemon_is_lost_and_its_job_moves_to_the_survivor(
         assert procs[survivor].poll() is None, children.log(survivor)
     finally:
         await stop_services(stop, tasks)
-    assert lost_after >= NODE_TIMEOUT_S * 0.9, "not declared lost before its heartbeats were overdue"
+        await beats.unsubscribe()
 
-    log = [(seq, env.event) async for seq, env in bus.replay()]
+    envelopes = [(seq, env) async for seq, env in bus.replay()]
+    log = [(seq, env.event) for seq, env in envelopes]
     lost = [(seq, e) for seq, e in log if isinstance(e, ev.NodeLost)]
+    # Overdue is judged on the heartbeats' own stamps (virtual seconds of the scaled
+    # clock): the NodeLost comes a whole timeout after the victim's newest heartbeat,
+    # which may be up to a heartbeat interval (0.2 s) before the kill, or more if the
+    # daemon lagged. The wall check only rules out a premature declaration.
+    lost_stamp = next(env.at for _, env in envelopes if isinstance(env.event, ev.NodeLost))
+    assert lost_stamp - beat_at[victim] >= NODE_TIMEOUT_S * SCALE, (
+        "declared lost before its heartbeats were overdue",
+        lost_stamp,
+        beat_at[victim],
+    )
+    assert lost_after >= NODE_TIMEOUT_S / 2, ("declared lost too soon after the kill", lost_after)
     assert lost and {e.node_id for _, e in lost} == {victim}, "only the dead node is lost"
     lost_seq = lost[0][0]
     after = [e for seq, e in log if seq > lost_seq]
