@@ -47,7 +47,14 @@ async def submit_until_accepted(client: Client, job_id: str, timeout_s: float = 
 
 async def wait_completed(client: Client, job_id: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while (await client.status(job_id)).status != "completed":
+    while True:
+        try:
+            if (await client.status(job_id)).status == "completed":
+                return
+        except TimeoutError:
+            # A JetStream request (the log's last sequence) unanswered during a leader
+            # election: a user polling asks again.
+            pass
         assert time.monotonic() < deadline, f"{job_id} not completed within {timeout_s}s"
         await asyncio.sleep(0.2)
 
