@@ -45,7 +45,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import msgspec
@@ -369,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
 
     cells: dict[tuple[str, str, str], Cell] = {}
     stale: dict[tuple[str, str, str], Cell] = {}
+    # Stored cells of an extra variant from an earlier code version: never read, but the
+    # report says where they are rather than leave those traces out silently.
+    stale_extras: set[tuple[str, str, str]] = set()
     """Stored cells whose fingerprint no longer matches (kept to record what a rerun replaced)."""
     todo: list[RunSpec] = []
     keys: list[tuple[str, str, str]] = []
@@ -401,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
                     stored = msgspec.json.decode(path.read_bytes(), type=Cell)
                     if stored.fingerprint == extra_print:
                         cells[(setting, vc, policy)] = stored
+                    else:
+                        stale_extras.add((setting, vc, policy))
     setting_of = {(s.trace, s.policy, s.config.flat): k[0] for s, k in zip(todo, keys, strict=True)}
     print(f"{len(cells)} stored cells reused, {len(todo)} to run", file=sys.stderr)
 
@@ -446,7 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     older = sorted(k for k in stale if k not in cells) if args.stale else []
     for k in older:
         cells[k] = stale[k]
-    args.out.write_text(render(cells, settings, vcs, policies, args, cmd.strip(), older=older))
+    args.out.write_text(
+        render(cells, settings, vcs, policies, args, cmd.strip(), older=older, stale_extras=stale_extras)
+    )
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
@@ -558,6 +565,7 @@ def render(
     cmd: str,
     *,
     older: Sequence[tuple[str, str, str]] = (),
+    stale_extras: Iterable[tuple[str, str, str]] = (),
 ) -> str:
     ids = {vc: i + 1 for i, vc in enumerate(PHILLY_VCS)}
     order = [vc for vc in PHILLY_VCS if vc in vcs]
@@ -611,7 +619,7 @@ def render(
     lines += _seed_section(args, order, ids)
     lines += _timing_section(cells, settings, order, policies)
     lines += [ANALYSIS_HEADER, ""]
-    lines += _disagreements(cells, settings, order)
+    lines += _disagreements(cells, settings, order, stale_extras=stale_extras)
     return "\n".join(lines) + "\n"
 
 
@@ -917,7 +925,11 @@ ANALYSIS_HEADER = "## Where the results disagree with the paper, and why"
 
 
 def _disagreements(
-    cells: dict[tuple[str, str, str], Cell], settings: list[str], order: list[str]
+    cells: dict[tuple[str, str, str], Cell],
+    settings: list[str],
+    order: list[str],
+    *,
+    stale_extras: Iterable[tuple[str, str, str]] = (),
 ) -> list[str]:
     """Measured facts only: where a ratio falls outside the paper's range, per setting."""
     lines = []
@@ -945,12 +957,14 @@ def _disagreements(
                 )
     if not lines:
         lines.append("- No measured ratio falls outside the paper's ranges.")
-    lines += ["", *_causes(cells, settings, order)]
+    lines += ["", *_causes(cells, settings, order, stale_extras=stale_extras)]
     return lines
 
 
-def _unaware_themis(vcs: list[str], avg_h: Callable[[str, str], float]) -> str:
-    """What the length-unaware Themis (an extra policy's stored cells) says about ``vcs``."""
+def _unaware_themis(vcs: list[str], avg_h: Callable[[str, str], float], older_vcs: Iterable[str] = ()) -> str:
+    """What the length-unaware Themis (an extra policy's stored cells) says about ``vcs``;
+    ``older_vcs``: those of ``vcs`` whose stored cell is an earlier code version's (not read)."""
+    older_vcs = set(older_vcs)
     paper = PAPER_RANGES.get(("afs-p", "themis"))
     measured = [(vc, avg_h(vc, "themis-unaware")) for vc in vcs]
     measured = [(vc, h) for vc, h in measured if h == h]
@@ -981,11 +995,7 @@ def _unaware_themis(vcs: list[str], avg_h: Callable[[str, str], float]) -> str:
             if len(ahead) == len(measured)
             else f", AFS-P ahead of it on {len(ahead)} of {len(measured)}"
         )
-        + (
-            " (no result on " + ", ".join(vc for vc in vcs if vc not in dict(measured)) + ")"
-            if len(measured) < len(vcs)
-            else ""
-        )
+        + _missing_unaware(vcs, dict(measured), older_vcs)
         + ". So the column that disagrees is the one told lengths. The paper's own setting, Themis without "
         "lengths (the `afs-p vs themis-unaware` row of each comparison table), gives AFS-P reductions of "
         + f"{min(h / avg_h(vc, 'afs-p') for vc, h in measured):.2f}–"
@@ -994,7 +1004,34 @@ def _unaware_themis(vcs: list[str], avg_h: Callable[[str, str], float]) -> str:
     )
 
 
-def _causes(cells: dict[tuple[str, str, str], Cell], settings: list[str], order: list[str]) -> list[str]:
+def _missing_unaware(vcs: list[str], measured: Mapping[str, float], older_vcs: set[str]) -> str:
+    """The ``(no result on ...)`` aside of :func:`_unaware_themis`: which of ``vcs`` have no
+    current cell, and of those which have one stored from an earlier code version."""
+    missing = [vc for vc in vcs if vc not in measured]
+    if not missing:
+        return ""
+    older = [vc for vc in missing if vc in older_vcs]
+    none = [vc for vc in missing if vc not in older_vcs]
+    parts = []
+    if older:
+        parts.append(
+            "no result at this code version on "
+            + ", ".join(older)
+            + ": the cells stored there are from an earlier one and are left out; the command above "
+            "recomputes them"
+        )
+    if none:
+        parts.append("no result on " + ", ".join(none))
+    return " (" + "; ".join(parts) + ")"
+
+
+def _causes(
+    cells: dict[tuple[str, str, str], Cell],
+    settings: list[str],
+    order: list[str],
+    *,
+    stale_extras: Iterable[tuple[str, str, str]] = (),
+) -> list[str]:
     """Why results differ from the paper: each point states the measurement it rests on."""
     setting = "flat" if "flat" in settings else settings[0]
     out = ["What the measurements say about the causes:", ""]
@@ -1097,7 +1134,11 @@ def _causes(cells: dict[tuple[str, str, str], Cell], settings: list[str], order:
             + "). The short lease is not the cause: with Themis' lease at AFS-P's 2 hours "
             "(`shoal simulate --trace philly:<vc> --policy themis --gpus 64 --flat --policy-param "
             "lease_s=7200`, tried on 0e4a51 and 7f04ca) Themis did no worse. "
-            + _unaware_themis(themis_wins, avg_h)
+            + _unaware_themis(
+                themis_wins,
+                avg_h,
+                {vc for s, vc, p in stale_extras if s == setting and p == "themis-unaware"},
+            )
         )
     out.append(
         "- Baselines are reimplementations (Themis, Optimus, Tiresias-L in `shoal.policies`), following "

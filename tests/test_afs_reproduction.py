@@ -170,3 +170,16 @@ def test_an_extra_variants_stored_cells_get_a_comparison_row(tmp_path: Path) -> 
     ]
     assert len(rows) == 1
     assert "2 VCs" in rows[0] and "1.2–2.2× (vs Themis)" in rows[0]
+
+
+def test_a_trace_whose_extra_cell_is_stale_is_named_as_such() -> None:
+    """A trace left out of the length-unaware Themis comparison because its stored cell is
+    an earlier code version's is named as that, not as one with no result."""
+    script = load_script(SCRIPT, "afs_reproduction_missing")
+    text = script._missing_unaware(["a", "b", "c", "d"], {"a": 1.0}, {"b", "c"})
+    assert text == (
+        " (no result at this code version on b, c: the cells stored there are from an earlier one "
+        "and are left out; the command above recomputes them; no result on d)"
+    )
+    assert script._missing_unaware(["a"], {"a": 1.0}, set()) == ""
+    assert script._missing_unaware(["a", "d"], {"a": 1.0}, set()) == " (no result on d)"
