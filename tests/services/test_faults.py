@@ -38,6 +38,7 @@ from shoal_services.allocator.service import AllocatorService
 from shoal_services.placer.service import PlacerService
 
 from tests.services.test_allocator_placer import events_of, wait_until
+from tests.services.test_liveness import watch_beats
 
 pytestmark = pytest.mark.integration
 
@@ -169,16 +170,8 @@ async def test_killed_node_daemon_is_lost_and_its_job_moves_to_the_survivor(
         for n in ("n0", "n1")
     }
     stop = asyncio.Event()
-    # The stamp of each node's newest heartbeat, as published (beats never reach the log).
-    beat_at: dict[str, float] = {}
-
-    async def on_beat(msg: object) -> None:
-        env = codec.decode(msg.data)  # type: ignore[attr-defined]
-        node = env.event.node_id  # type: ignore[attr-defined]
-        beat_at[node] = max(beat_at.get(node, env.at), env.at)
-
-    beats = await bus.nc.subscribe(bus.names.beat("*"), cb=on_beat)
-    await bus.nc.flush()
+    beat_at: dict[str, float] = {}  # each node's newest heartbeat stamp
+    beats = await watch_beats(bus, beat_at)
     alloc = AllocatorService(bus, FIFO(), holder="alloc", clock=clock, node_timeout_s=NODE_TIMEOUT_S)
     placer = PlacerService(bus, holder="placer", clock=clock)
     tasks = [asyncio.create_task(alloc.run(stop)), asyncio.create_task(placer.run(stop))]

@@ -144,6 +144,22 @@ async def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -
         await asyncio.sleep(0.05)
 
 
+async def watch_beats(bus: Bus, beat_at: dict[str, float]) -> Any:
+    """Subscribe to every node's heartbeats as published (they never reach the log) and
+    keep the stamp of each node's newest in ``beat_at``; the subscription, flushed."""
+
+    async def on_beat(msg: Any) -> None:
+        with contextlib.suppress(codec.DecodeFailure):
+            env = codec.decode(msg.data)
+            if isinstance(env.event, ev.NodeHeartbeat):
+                node = env.event.node_id
+                beat_at[node] = max(beat_at.get(node, env.at), env.at)
+
+    sub = await bus.nc.subscribe(bus.names.beat("*"), cb=on_beat)
+    await bus.nc.flush()
+    return sub
+
+
 class Watch:
     """The installation's log as it happens: the folded state, every ``NodeLost`` (with
     its virtual instant in :attr:`lost_at`), and the stamp of each node's newest
@@ -158,21 +174,13 @@ class Watch:
         self._beats: Any = None
 
     async def start(self) -> None:
-        self._beats = await self.bus.nc.subscribe(self.bus.names.beat("*"), cb=self._on_beat)
-        await self.bus.nc.flush()
+        self._beats = await watch_beats(self.bus, self.beat_at)
         await self.projection.start()
 
     async def stop(self) -> None:
         await self.projection.stop()
         if self._beats is not None:
             await self._beats.unsubscribe()
-
-    async def _on_beat(self, msg: Any) -> None:
-        with contextlib.suppress(codec.DecodeFailure):
-            env = codec.decode(msg.data)
-            if isinstance(env.event, ev.NodeHeartbeat):
-                node = env.event.node_id
-                self.beat_at[node] = max(self.beat_at.get(node, env.at), env.at)
 
     def _on_event(self, seq: int, env: ev.Envelope, state: st.ClusterState) -> None:
         if isinstance(env.event, ev.NodeLost):
