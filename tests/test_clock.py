@@ -19,6 +19,15 @@ from shoal.clock import HOLD_TTL_S, ScaledClock, SharedClock, hold, release
 SCALE = 1000.0
 
 
+def wait_for_reading(clock: SharedClock, at: float, timeout_s: float = 10.0) -> float:
+    """The clock's reading once it has reached ``at`` (held there by a barrier), polled
+    so that a loaded machine's slow wall time does not decide the check."""
+    deadline = time.monotonic() + timeout_s
+    while (now := clock.now()) < at and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return now
+
+
 @pytest.fixture
 def clock(tmp_path: Path) -> SharedClock:
     return SharedClock.create(tmp_path / "clock", SCALE, origin=1_000_000.0)
@@ -38,12 +47,15 @@ def test_it_runs_scaled_and_stops_at_a_barrier(clock: SharedClock) -> None:
 
 
 def test_release_resumes_from_the_barrier_without_a_jump(clock: SharedClock) -> None:
-    at = clock.now() + 1.0
+    # 100 ms of wall time ahead, so a slow hold call on a loaded machine still sets it
+    # ahead of the clock (a hold that arrives late holds where the clock already is).
+    at = clock.now() + 100.0
     clock.hold("b", at, ttl_s=None)
-    time.sleep(0.05)  # held for 50 virtual seconds past the barrier
+    held = wait_for_reading(clock, at)
+    time.sleep(0.05)  # held for 50 virtual seconds more
     clock.release("b")
     after = clock.now()
-    assert at <= after < at + 0.02 * SCALE  # not at + 50: the held time is not made up
+    assert held <= after < held + 0.02 * SCALE  # not held + 50: the held time is not made up
     time.sleep(0.02)
     assert clock.now() - after >= 0.02 * SCALE * 0.9
 
@@ -58,17 +70,20 @@ def test_a_hold_never_moves_time_back(clock: SharedClock) -> None:
 
 
 def test_the_lowest_of_several_barriers_holds_and_release_is_per_key(clock: SharedClock) -> None:
+    # Barriers 200 ms and more of wall time ahead: ones a few ms ahead had passed before
+    # the hold was set on a loaded CI machine.
     now = clock.now()
-    clock.hold("far", now + 10.0, ttl_s=None)
-    clock.hold("near", now + 2.0, ttl_s=None)
+    clock.hold("far", now + 400.0, ttl_s=None)
+    clock.hold("near", now + 200.0, ttl_s=None)
+    assert wait_for_reading(clock, now + 200.0) == pytest.approx(now + 200.0)
     time.sleep(0.03)
-    assert clock.now() == pytest.approx(now + 2.0)
+    assert clock.now() == pytest.approx(now + 200.0)  # held: the far barrier is not reached
     clock.release("near", "not-held")
+    assert wait_for_reading(clock, now + 400.0) == pytest.approx(now + 400.0)
+    clock.hold("far", now + 600.0, ttl_s=None)  # the same key moves its barrier
+    assert wait_for_reading(clock, now + 600.0) == pytest.approx(now + 600.0)
     time.sleep(0.03)
-    assert clock.now() == pytest.approx(now + 10.0)
-    clock.hold("far", now + 20.0, ttl_s=None)  # the same key moves its barrier
-    time.sleep(0.03)
-    assert clock.now() == pytest.approx(now + 20.0)
+    assert clock.now() == pytest.approx(now + 600.0)
 
 
 def test_other_processes_see_the_same_clock_and_their_holds(clock: SharedClock) -> None:
