@@ -116,6 +116,8 @@ def test_unknown_variables_are_reported_not_fatal() -> None:
     assert Settings.load(env).time_scale == 7.0
     assert unknown_variables(env) == ["SHOAL_TIME_SCLAE (did you mean SHOAL_TIME_SCALE?)"]
     assert unknown_variables({"SHOAL_POLICY": "srtf"}) == []
+    # The token a node daemon hands its sidecar is not a setting, and not a typo of one.
+    assert unknown_variables({"SHOAL_SIDECAR_TOKEN": "x"}) == []
 
 
 def test_every_variable_the_compose_stack_substitutes_is_a_setting_or_its_own() -> None:

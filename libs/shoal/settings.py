@@ -324,6 +324,9 @@ FOREIGN_PREFIXES: tuple[str, ...] = ("SHOAL_TRAIN_",)
 FOREIGN_NAMES: frozenset[str] = frozenset(
     {
         "SHOAL_USER",  # the client's default user
+        # The job-scoped token a node daemon hands the trainer sidecar it starts
+        # (shoal_services.trainer_sidecar.SIDECAR_TOKEN), read before settings are:
+        "SHOAL_SIDECAR_TOKEN",
         # The compose stack's own variables (deploy/compose/compose.yaml substitutes them;
         # an operator exports them in the shell that also starts shoal):
         "SHOAL_BASE_IMAGE",

@@ -130,7 +130,7 @@ def render() -> str:
         "",
         "Other tools' `SHOAL_*` variables, not reported as unknown: `SHOAL_TRAIN_*` (the training",
         "workers' options, `shoal.train`) and " + ", ".join(f"`{n}`" for n in sorted(FOREIGN_NAMES)) + "",
-        "(the client's default user and the compose stack's own variables, `deploy/compose/compose.yaml`).",
+        "(the client's default user, the token a node daemon hands the sidecar it starts, and the compose stack's own variables, `deploy/compose/compose.yaml`).",
         "",
     ]
     return "\n".join(lines)
