@@ -159,3 +159,26 @@ def test_max_min_equals_plain_water_filling(view: ClusterView) -> None:
     heap over every job gives, in the same order."""
     shares = MaxMin().decide(view, {}).shares
     assert list(shares.items()) == list(_water_filling(view).items())
+
+
+# -- the decision check -----------------------------------------------------------------
+
+
+def test_check_decision_names_the_first_share_at_fault_in_the_decisions_order() -> None:
+    import pytest
+    from shoal.policies.base import Decision, DecisionError
+
+    view = cluster(8, job("a", 2), job("rigid", 2, elastic=False), job("c", 1, allowed_gpu_counts=(1, 2, 4)))
+    check_decision(view, Decision(shares={"a": 3, "rigid": 2, "c": 2}))  # all feasible
+    check_decision(view, Decision(shares={"a": 0, "rigid": 2, "c": 0}))  # zeros are no share
+    cases = {
+        "share for unknown job 'ghost'": {"a": 1, "ghost": 1},
+        "negative share -1 for 'a'": {"a": -1, "ghost": 1},  # the first at fault, in order
+        "'rigid' given 3 GPUs, feasible (2,)": {"a": 1, "rigid": 3},
+        "'c' given 3 GPUs, feasible (1, 2, 4)": {"c": 3, "a": 0},
+        "gave out 9 GPUs of 8": {"a": 8, "c": 1},
+    }
+    for message, shares in cases.items():
+        with pytest.raises(DecisionError) as raised:
+            check_decision(view, Decision(shares=shares))
+        assert str(raised.value) == message
