@@ -13,11 +13,17 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+from hypothesis import settings
 from shoal.auth import CredentialStore, Role
 from shoal.bus import Bus
 from shoal.nats_server import EmbeddedNats, LocalCluster
 
 _prefixes = itertools.count(1)
+
+# No per-example deadline: an example of a few ms that a loaded 2-core CI machine stalls
+# past hypothesis's default 200 ms is not a failure (pytest-timeout still bounds a hang).
+settings.register_profile("shoal", deadline=None)
+settings.load_profile("shoal")
 
 SERIAL_MARKERS = ("integration", "slow", "container", "gpu")
 """Tests that start installations, clusters or containers, or train: one xdist lane runs

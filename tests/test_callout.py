@@ -597,7 +597,9 @@ async def test_an_expired_sidecar_identity_is_disconnected_for_good(callout_serv
     its connection closed (nats-py calls no error callback for it)."""
     import structlog
 
-    async with authorizer(callout_server, expires_s=1.0) as (_service, admin, store):
+    # 3 s: the expiry is whole seconds (a JWT issued at .99 of a second with 1 s left the
+    # sidecar no time to publish on a loaded machine); 15 s below still bounds the end.
+    async with authorizer(callout_server, expires_s=3.0) as (_service, admin, store):
         token = callout.mint_sidecar_token(
             _kp(store, "sidecar-n1"), callout.SidecarGrant("jA", "n1", await admin.last_seq())
         )

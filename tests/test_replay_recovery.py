@@ -121,14 +121,14 @@ async def test_a_slow_replay_is_waited_for_and_a_stuck_one_is_not(bus: Bus) -> N
     n = 9_000
     await bus.publish_many([codec.wrap(job(f"j{i}", 1), at=float(i)) for i in range(n)])
     projection = Projection(bus)
-    # Each fold takes 1 ms: the first batch alone takes at least 8 s, past a 4 s timeout.
-    # (A replay that has folded nothing yet *is* stuck by this rule, so the timeout must
-    # be longer than fetching the first batch: on a loaded CI machine that took longer
-    # than 0.5 s, and once longer than 2 s.)
-    projection.add_listener(lambda *_: time.sleep(0.001))
+    # Each fold takes 2 ms: the first batch alone takes at least 16 s, past a 10 s
+    # timeout. (A replay that has folded nothing yet *is* stuck by this rule, so the
+    # timeout must be longer than fetching the first batch: on a loaded CI machine that
+    # took longer than 0.5 s, and once longer than 2 s.)
+    projection.add_listener(lambda *_: time.sleep(0.002))
     await projection.start()
     try:
-        await projection.wait_ready(timeout_s=4.0)
+        await projection.wait_ready(timeout_s=10.0)
         assert projection.last_seq == n
     finally:
         await projection.stop()

@@ -264,4 +264,5 @@ async def test_one_reconfiguration_is_one_trace_across_three_processes(
     assert ("node-daemon", "order_sent") in bound, bound
     assert any(service == "trainer-sidecar" for service, _ in bound), bound
 
-    assert time.monotonic() - started < 30
+    # Only a bound on a hang (two processes start here; 9 s on a loaded 2-core machine).
+    assert time.monotonic() - started < 120
