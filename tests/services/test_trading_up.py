@@ -49,7 +49,7 @@ async def test_a_high_speedup_user_buys_v100s_from_a_low_speedup_user(tmp_path: 
         trade = None
         while trade is None:
             if time.monotonic() >= deadline:
-                pytest.fail(f"no trade in 240 s; {await market_report(client)}")
+                pytest.fail(f"no trade in 240 s; {await market_report(client)}; {trader_log(tmp_path)}")
             async for batch in client.history():
                 for _, env_ in batch:
                     if isinstance(env_.event, ev.TradeExecuted):
@@ -90,3 +90,12 @@ async def market_report(client: Client) -> str:
         for job_id, job in state.jobs.items()
     }
     return f"traders' rates {m.rates}; entitlements {m.entitlements}; measured models {models}"
+
+
+def trader_log(tmp_path: Path, lines: int = 40) -> str:
+    """The installation's last log lines from or about the trader (its rounds, lease and
+    publications), from `shoal up`'s stderr."""
+    err = tmp_path / "up.err"
+    text = err.read_text(errors="replace") if err.exists() else ""
+    about = [line for line in text.splitlines() if "trade" in line.lower()]
+    return "trader log: " + " | ".join(about[-lines:])
