@@ -31,6 +31,7 @@ def test_the_counts_are_the_changes_between_the_logged_decisions(tmp_path: Path)
     assert [c for c in counted if c] == [c for c in expected if c]
     assert sum(counted) == sum(expected) > 0
     assert 0.0 <= row["unchanged_share"] <= 1.0 and row["held_mean"] > 0
+    assert row["events"] == len(row["log"]) and row["fold_cpu_s"] is not None
 
 
 def test_the_report_is_written_with_the_command_that_made_it(tmp_path: Path) -> None:
