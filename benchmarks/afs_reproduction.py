@@ -47,6 +47,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 from shoal.sim.engine import SimConfig
@@ -82,6 +83,55 @@ PAPER_RANGES: dict[tuple[str, str], tuple[float, float] | None] = {
 #: §2.2's two Figure 2 workloads, average JCT in hours as the text gives them.
 FIG2_MODERATE = {"srtf": 31.1, "srsf": 32.8, "max-min": 18.3, "afs-l": 15.2}
 FIG2_HEAVY = {"srtf": 3.53 * 24, "srsf": 3.32 * 24, "max-min": 63.20 * 24, "afs-l": 2.40 * 24}
+
+
+class ModelChange(NamedTuple):
+    """A deliberate change of what a setting simulates (not a speed change): a stored cell
+    computed before it ran another model, so recomputing it may move its result by
+    design, and the report does not count such a cell among those that must come out
+    identical."""
+
+    setting: str
+    before: str
+    """A cell that finished before this minute (``Cell.finished_at``'s format) predates
+    the change. ``finished_at`` is when a cell ended, not when its code was loaded: a cell
+    started before the change and finished after it counts as computed after it (and,
+    if the change moved it, shows as a difference)."""
+    commits: str
+    what: str
+    traced: tuple[tuple[str, str, str], ...] = ()
+    """``(vc, policy, report)``: cells whose move was traced to this change by
+    ``benchmarks/cell_history.py`` (the cell at the commit before the change equals the
+    replaced one, and at the change equals the recomputed one); the report names the
+    others as not traced."""
+
+
+MODEL_CHANGES: tuple[ModelChange, ...] = (
+    ModelChange(
+        setting="topology",
+        before="2026-11-25 19:21 UTC",
+        commits="b5c85e0, cfb6380",
+        what="issue 23: network packing regulates only elastic policies' shares (b5c85e0), and the "
+        "`measured` reconfiguration costs of shoal's own trainer replace `coddl` as a topology's default "
+        "(cfb6380); both committed at 19:20 UTC",
+        traced=(("b436b2", "themis-unaware", "cell_history.md"),),
+    ),
+)
+
+
+def model_change_between(cell: Cell) -> ModelChange | None:
+    """The deliberate model change between the cell a recomputed cell replaced and this
+    one (the latest, when several), or None."""
+    replaced = cell.replaced
+    if replaced is None:
+        return None
+    crossed = [
+        c
+        for c in MODEL_CHANGES
+        if c.setting == cell.setting and replaced.finished_at < c.before <= cell.finished_at
+    ]
+    return max(crossed, key=lambda c: c.before, default=None)
+
 
 FINGERPRINT_FILES = (
     "libs/shoal/sim/engine.py",
@@ -472,11 +522,13 @@ def _provenance_section(
 ) -> list[str]:
     """Which cells come from an earlier code version, and what recomputing cells changed."""
     lines: list[str] = []
-    redone = [
+    compared = [
         c
         for c in cells.values()
         if c.replaced is not None and c.replaced.ok and c.replaced.avg_jct_s is not None and c.outcome.ok
     ]
+    redone = [c for c in compared if model_change_between(c) is None]
+    across = [c for c in compared if model_change_between(c) is not None]
     if redone:
         diffs = []
         for c in redone:
@@ -502,6 +554,27 @@ def _provenance_section(
             lines.append(
                 f"| {setting} | {policy} | {len(ds)} | {sum(1 for d in ds if d == 0.0)} | "
                 f"{min(ds):+.2%} | {max(ds):+.2%} |"
+            )
+        lines.append("")
+    if across:
+        lines += [
+            f"Recomputed over a cell computed before a deliberate change of its setting's model: {len(across)} "
+            "cells, not expected to be identical and not counted above:",
+            "",
+        ]
+        for c in sorted(across, key=lambda c: (c.setting, c.vc, c.policy)):
+            change = model_change_between(c)
+            assert change is not None and c.replaced is not None and c.replaced.avg_jct_s is not None
+            new_jct, old_jct = c.outcome.summary["avg_jct_s"], c.replaced.avg_jct_s
+            report = next((r for vc, p, r in change.traced if (vc, p) == (c.vc, c.policy)), None)
+            traced = (
+                f"traced to the change by [{report}]({report})"
+                if report is not None
+                else "not traced to the change (only its predecessor's date places it before)"
+            )
+            lines.append(
+                f"- {c.setting} {c.vc} {c.policy}: average JCT {new_jct / old_jct - 1:+.2%} against the cell "
+                f"finished {c.replaced.finished_at}, before {change.commits} ({change.what}); {traced}."
             )
         lines.append("")
     if older:

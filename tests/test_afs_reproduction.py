@@ -183,3 +183,62 @@ def test_a_trace_whose_extra_cell_is_stale_is_named_as_such() -> None:
     )
     assert script._missing_unaware(["a"], {"a": 1.0}, set()) == ""
     assert script._missing_unaware(["a", "d"], {"a": 1.0}, set()) == " (no result on d)"
+
+
+def test_a_cell_recomputed_across_a_deliberate_model_change_is_reported_apart() -> None:
+    """A recomputed cell must come out identical unless the one it replaced predates a
+    deliberate change of its setting's model (:data:`MODEL_CHANGES`): then its
+    difference is listed apart, with the change and its evidence, and the headline's
+    "identical in N" counts only same-model recomputations."""
+    from shoal.sim.matrix import RunOutcome, RunSpec
+
+    script = load_script(SCRIPT, "afs_reproduction_changes", register=True)
+    change = script.MODEL_CHANGES[0]
+
+    def cell(setting: str, vc: str, replaced_at: str, old: float, new: float) -> object:
+        return script.Cell(
+            setting=setting,
+            vc=vc,
+            policy="themis-unaware",
+            seed=0,
+            fingerprint="1" * 16,
+            finished_at="2026-12-01 22:15 UTC",
+            outcome=RunOutcome(
+                spec=RunSpec(trace=f"philly:{vc}", policy="themis-unaware"),
+                ok=True,
+                summary={"avg_jct_s": new},
+            ),
+            replaced=script.Replaced(fingerprint="0" * 16, finished_at=replaced_at, ok=True, avg_jct_s=old),
+        )
+
+    before = "2026-11-25 03:32 UTC"
+    assert before < change.before
+    across = cell(change.setting, "b436b2", before, 100.0, 101.5)
+    same_model = cell(change.setting, "7f04ca", change.before, 200.0, 200.0)
+    other_setting = cell("flat", "b436b2", before, 300.0, 300.0)
+    assert script.model_change_between(across) is change
+    assert script.model_change_between(same_model) is None
+    assert script.model_change_between(other_setting) is None
+
+    cells = {(c.setting, c.vc, c.policy): c for c in (across, same_model, other_setting)}
+    text = "\n".join(script._provenance_section(cells, []))
+    assert "2 cells; the average JCT is identical in 2 of them" in text
+    assert (
+        f"{change.setting} b436b2 themis-unaware: average JCT +1.50% against the cell finished {before}"
+        in text
+    )
+    assert change.commits in text
+    assert "b436b2 themis-unaware" in {f"{vc} {p}" for vc, p, _ in change.traced}
+    assert "traced to the change by [cell_history.md](cell_history.md)" in text
+
+    # A cell across the change whose move nobody traced says so.
+    untraced = cell(change.setting, "6c71a0", before, 100.0, 102.0)
+    text = "\n".join(script._provenance_section({("t", "6", "u"): untraced}, []))
+    assert "6c71a0 themis-unaware: average JCT +2.00%" in text
+    assert "not traced to the change" in text
+
+    # The same difference without a model change in between is not explained away.
+    unexplained = cell(change.setting, "b436b2", change.before, 100.0, 101.5)
+    text = "\n".join(script._provenance_section({("t", "b", "u"): unexplained}, []))
+    assert "1 cells; the average JCT is identical in 0 of them" in text
+    assert "deliberate change" not in text
