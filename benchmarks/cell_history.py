@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CELLS = ROOT / "benchmarks" / "reports" / "afs_reproduction" / "cells"
 
 _WORKTREES = threading.Lock()
-"""git serialises worktree bookkeeping badly under concurrent adds: one at a time."""
+"""Worktree add and remove both rewrite .git's worktree bookkeeping: one at a time."""
 
 _CHILD = r"""
 import importlib.util, json, sys

@@ -17,34 +17,19 @@ def _git(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=False)
 
 
+def _history(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """``python benchmarks/cell_history.py ARGS`` as a user runs it."""
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
 @pytest.mark.skipif(_git("rev-parse", "HEAD").returncode != 0, reason="not a git checkout")
 def test_the_same_cell_at_two_refs_of_the_same_commit_is_identical_and_worktrees_go(tmp_path: Path) -> None:
     before = _git("worktree", "list").stdout
     out = tmp_path / "history.md"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--setting",
-            "flat",
-            "--vc",
-            "e13805",
-            "--policy",
-            "afs-p",
-            "--limit",
-            "20",
-            "--workers",
-            "2",
-            "HEAD",
-            "HEAD",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    cell = ("--setting", "flat", "--vc", "e13805", "--policy", "afs-p", "--limit", "20")
+    proc = _history(*cell, "--workers", "2", "HEAD", "HEAD", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     rows = [line for line in out.read_text().splitlines() if line.startswith("| HEAD |")]
     assert len(rows) == 2
@@ -55,24 +40,8 @@ def test_the_same_cell_at_two_refs_of_the_same_commit_is_identical_and_worktrees
 
 
 @pytest.mark.skipif(_git("rev-parse", "HEAD").returncode != 0, reason="not a git checkout")
-def test_a_ref_that_does_not_exist_is_refused_by_name(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--setting",
-            "flat",
-            "--vc",
-            "e13805",
-            "--policy",
-            "srtf",
-            "no-such-ref-x",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+def test_a_ref_that_does_not_exist_is_refused_by_name() -> None:
+    proc = _history("--setting", "flat", "--vc", "e13805", "--policy", "srtf", "no-such-ref-x", timeout=120)
     assert proc.returncode != 0
     assert "'no-such-ref-x' is not a commit" in proc.stderr
     assert "Traceback" not in proc.stderr
