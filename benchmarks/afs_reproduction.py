@@ -114,7 +114,10 @@ MODEL_CHANGES: tuple[ModelChange, ...] = (
         what="issue 23: network packing regulates only elastic policies' shares (b5c85e0), and the "
         "`measured` reconfiguration costs of shoal's own trainer replace `coddl` as a topology's default "
         "(cfb6380); both committed at 19:20 UTC",
-        traced=(("b436b2", "themis-unaware", "cell_history.md"),),
+        traced=(
+            ("b436b2", "themis-unaware", "cell_history.md"),
+            ("6c71a0", "themis-unaware", "cell_history_6c71a0.md"),
+        ),
     ),
 )
 
