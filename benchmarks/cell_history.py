@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -85,6 +86,7 @@ def run_at(
     finally:
         with _WORKTREES:
             _git("worktree", "remove", "--force", str(wt))
+        shutil.rmtree(wt.parent, ignore_errors=True)
     line = proc.stdout.strip().splitlines()[-1:] if proc.returncode == 0 else []
     result: dict[str, Any] = (
         json.loads(line[0]) if line else {"ok": False, "error": (proc.stderr or proc.stdout).strip()[-2000:]}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ def _history(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[st
 @pytest.mark.skipif(_git("rev-parse", "HEAD").returncode != 0, reason="not a git checkout")
 def test_the_same_cell_at_two_refs_of_the_same_commit_is_identical_and_worktrees_go(tmp_path: Path) -> None:
     before = _git("worktree", "list").stdout
+    temps = set(Path(tempfile.gettempdir()).glob("cell-history-*"))
     out = tmp_path / "history.md"
     cell = ("--setting", "flat", "--vc", "e13805", "--policy", "afs-p", "--limit", "20")
     proc = _history(*cell, "--workers", "2", "HEAD", "HEAD", "--out", str(out))
@@ -36,7 +38,8 @@ def test_the_same_cell_at_two_refs_of_the_same_commit_is_identical_and_worktrees
     assert all("| +0.00% |" in row for row in rows), rows
     jct = {row.split("|")[3] for row in rows}
     assert len(jct) == 1 and jct.pop().strip()  # one average, and not empty
-    assert _git("worktree", "list").stdout == before  # the temporary worktrees were removed
+    assert _git("worktree", "list").stdout == before  # the temporary worktrees were removed ...
+    assert set(Path(tempfile.gettempdir()).glob("cell-history-*")) == temps  # ... with their folders
 
 
 @pytest.mark.skipif(_git("rev-parse", "HEAD").returncode != 0, reason="not a git checkout")
