@@ -530,8 +530,14 @@ def _provenance_section(
         for c in cells.values()
         if c.replaced is not None and c.replaced.ok and c.replaced.avg_jct_s is not None and c.outcome.ok
     ]
-    redone = [c for c in compared if model_change_between(c) is None]
-    across = [c for c in compared if model_change_between(c) is not None]
+    redone: list[Cell] = []
+    across: list[tuple[Cell, ModelChange]] = []
+    for c in compared:
+        change = model_change_between(c)
+        if change is None:
+            redone.append(c)
+        else:
+            across.append((c, change))
     if redone:
         diffs = []
         for c in redone:
@@ -565,9 +571,8 @@ def _provenance_section(
             "cells, not expected to be identical and not counted above:",
             "",
         ]
-        for c in sorted(across, key=lambda c: (c.setting, c.vc, c.policy)):
-            change = model_change_between(c)
-            assert change is not None and c.replaced is not None and c.replaced.avg_jct_s is not None
+        for c, change in sorted(across, key=lambda a: (a[0].setting, a[0].vc, a[0].policy)):
+            assert c.replaced is not None and c.replaced.avg_jct_s is not None
             new_jct, old_jct = c.outcome.summary["avg_jct_s"], c.replaced.avg_jct_s
             report = next((r for vc, p, r in change.traced if (vc, p) == (c.vc, c.policy)), None)
             traced = (

@@ -99,7 +99,9 @@ def run_at(
 
 
 def _stored(setting: str, vc: str, policy: str, seed: int) -> dict[str, Any] | None:
-    path = CELLS / f"{setting}__{vc}__{policy}__s{seed}.json"
+    from afs_reproduction import cell_path  # this script's directory is on sys.path
+
+    path = cell_path(CELLS, setting, vc, policy, seed)
     return json.loads(path.read_text()) if path.exists() else None
 
 
