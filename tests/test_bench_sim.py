@@ -117,3 +117,44 @@ def test_a_whole_process_figure_is_the_median_of_three_and_a_stopped_one_is_kept
     stopped = bench._whole(_FakeTree((0.5, "ok"), (60.0, "time limit")), "2869ce", "srtf", 60)
     assert stopped["status"] == "time limit" and stopped["whole_cpu_s"] == 60.0
     assert stopped["whole_cpu_s_each"] == [0.5, 60.0]
+
+
+def test_a_run_reports_the_policys_own_cpu_inside_the_runs() -> None:
+    # A real (small) simulation: the policy's share is part of the run's CPU, not all of it.
+    run = bench.run_cell("philly:2869ce:60", "afs-l", "topology", 60.0)
+    assert run["status"] == "ok" and run["decisions"] > 0
+    assert 0.0 < run["policy_cpu_s"] < run["cpu_s"]
+
+
+def test_the_split_says_when_only_the_engine_side_can_meet_a_target() -> None:
+    def large(policy: str, setting: str, cpu: float, policy_cpu: float, status: str = "ok") -> dict[str, Any]:
+        run = {
+            "trace": bench.LARGE,
+            "policy": policy,
+            "setting": setting,
+            "status": status,
+            "cpu_s": cpu,
+            "policy_cpu_s": policy_cpu,
+            "completed": 10,
+            "jobs": 20,
+        }
+        return {"section": "large", "runs": [dict(run, cpu_s=2 * cpu), run]}
+
+    cells = [
+        large("afs-p", "flat", 45.0, 20.0),  # the rest, 25 s, is under 30 s
+        large("afs-p", "topology", 75.0, 20.0),  # the rest, 55 s, is over it
+        large("afs-l", "flat", 25.0, 10.0),
+        large("afs-l", "topology", 300.0, 100.0, status="CPU limit"),
+    ]
+    report = bench.render({**_results({}), "cells": cells}, "cmd", [], "q.png")
+    assert "## Where the CPU goes in each target" in report
+    rows = {x.split(" | ")[0]: x for x in report.splitlines() if x.startswith("| afs-")}
+    assert "met if the policy cost at most 5.00 s (it costs 20.00 s)" in rows["| afs-p on 6214e9, flat"]
+    assert "still MISSED: the rest alone is 1.8x the bound" in rows["| afs-p on 6214e9, topology"]
+    assert "met already" in rows["| afs-l on 6214e9, flat"]
+    assert "not known: stopped (CPU limit); the policy took 33%" in rows["| afs-l on 6214e9, topology"]
+    # Runs recorded before the split existed leave the section out.
+    for c in cells:
+        for r in c["runs"]:
+            del r["policy_cpu_s"]
+    assert "Where the CPU goes" not in bench.render({**_results({}), "cells": cells}, "cmd", [], "q.png")
