@@ -707,9 +707,10 @@ def _where_the_cpu_goes(where: list[tuple[str, float, dict[str, Any], float | No
         "This tree's runs above, split into the policy's own `decide` and the rest: the engine "
         "(views, events and the fold, the decision checks, packing and placement, reconfigurations), "
         "and for a whole process also start-up, loading and the summary. The policy's share is read "
-        "by a CPU clock around each of its calls, inside the same run (about a microsecond per "
-        "decision). When the rest alone is over a bound, no work on the policy can meet that target: "
-        "the engine side has to change first.",
+        "by a CPU clock around each of its calls, inside the run (about a microsecond per decision; "
+        "for a whole-process target, inside the cell's simulation run, the `CPU s` of its table). "
+        "When the rest alone is over a bound, no work on the policy can meet that target: the engine "
+        "side has to change first.",
         "",
         "| target | bound, CPU s | CPU s | the policy | the rest | policy share | with a policy that cost nothing |",
         "|---|---:|---:|---:|---:|---:|---|",
