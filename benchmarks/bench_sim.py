@@ -170,7 +170,9 @@ class _Limited:
     """Stops a run after a CPU-time deadline (checked at each decision); with
     ``probe`` it also records the CPU seconds of each decision cycle by queue length.
     ``policy_cpu_s`` sums the CPU seconds spent inside the policy's own ``decide`` (not
-    the checks, packing and placement around it): the rest of a run is the engine's."""
+    the checks, packing and placement around it): the rest of a run is the engine's.
+    ``changing`` counts the decisions whose shares (as the policy returns them) differ
+    from the previous decision's: what a simulator that skipped the others could save."""
 
     def __init__(self, policy: Any, limit_s: float, probe: dict[int, list[float]] | None = None) -> None:
         self._policy = policy
@@ -180,6 +182,7 @@ class _Limited:
         self._last: tuple[float, int] | None = None
         self._shares: Mapping[str, int] = {}
         self.policy_cpu_s = 0.0
+        self.changing = 0
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._policy, attr)
@@ -203,6 +206,8 @@ class _Limited:
             self._last = (now, queue)
         decision = self._policy.decide(view, memory)
         self.policy_cpu_s += time.process_time() - now
+        if decision.shares != self._shares:
+            self.changing += 1
         self._shares = decision.shares
         return decision
 
@@ -258,6 +263,7 @@ def run_cell(
         "decisions": sim.decisions,
         "events": len(sim.log),
         "policy_cpu_s": limited.policy_cpu_s,
+        "changing_decisions": limited.changing,
         "status": status,
         "queue_buckets": {str(k): v for k, v in sorted((buckets or {}).items())},
     }
@@ -961,14 +967,24 @@ def render(results: dict[str, Any], cmd: str, pending: list[Any], plot_name: str
         lines += [
             "## 6214e9, fairness policies and the engine alone",
             "",
-            f"| trace | setting | policy | jobs done | {head_cpu} | decisions |",
-            f"|---|---|---|---:{sep_cpu}|---:|",
+            "`changing`: of this tree's decisions, those whose shares differ from the previous "
+            "decision's (the rest only re-confirm who runs).",
+            "",
+            f"| trace | setting | policy | jobs done | {head_cpu} | decisions | changing |",
+            f"|---|---|---|---:{sep_cpu}|---:|---:|",
         ]
         for c in other:
             r = c["runs"][new]
+            changing = r.get("changing_decisions")
             lines.append(
                 f"| {r['trace']} | {r['setting']} | {r['policy']} | {r.get('completed', 0):,}/{r.get('jobs', 0):,} "
-                f"| {cpu_cols(c['runs'])} | {r.get('decisions', 0):,} |"
+                f"| {cpu_cols(c['runs'])} | {r.get('decisions', 0):,} | "
+                + (
+                    ""
+                    if changing is None
+                    else f"{changing:,} ({changing / max(1, r.get('decisions', 0)):.0%})"
+                )
+                + " |"
             )
         lines.append("")
 

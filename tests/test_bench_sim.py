@@ -124,6 +124,28 @@ def test_a_run_reports_the_policys_own_cpu_inside_the_runs() -> None:
     run = bench.run_cell("philly:2869ce:60", "afs-l", "topology", 60.0)
     assert run["status"] == "ok" and run["decisions"] > 0
     assert 0.0 < run["policy_cpu_s"] < run["cpu_s"]
+    assert 0 < run["changing_decisions"] <= run["decisions"]
+
+
+def test_only_decisions_that_change_the_shares_count_as_changing() -> None:
+    from shoal.policies.base import Decision
+
+    class Alternating:
+        name = "stub"
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def decide(self, view: Any, memory: Any) -> Decision:
+            self.calls += 1
+            # a, a, b, b, a, a: three changes (the first against nothing).
+            return Decision(shares={"a" if (self.calls - 1) % 4 < 2 else "b": 1})
+
+    limited = bench._Limited(Alternating(), 60.0)
+    for _ in range(6):
+        limited.decide(None, {})
+    assert limited.changing == 3
+    assert limited.policy_cpu_s >= 0.0
 
 
 def test_the_split_says_when_only_the_engine_side_can_meet_a_target() -> None:
