@@ -779,8 +779,8 @@ def render(results: dict[str, Any], cmd: str, pending: list[Any], plot_name: str
     header, lines = lines, []
     cells = results["cells"]
     targets: list[str] = []
+    # Per target: its name, its bound as judged, this tree's run, the CPU s judged (or None).
     where: list[tuple[str, float, dict[str, Any], float | None]] = []
-    """Per target: its name, its bound as judged, this tree's run, the CPU s judged (or None)."""
     cal = calibration(results)
 
     def judged(limit: float) -> str:
