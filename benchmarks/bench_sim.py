@@ -172,7 +172,8 @@ class _Limited:
     ``policy_cpu_s`` sums the CPU seconds spent inside the policy's own ``decide`` (not
     the checks, packing and placement around it): the rest of a run is the engine's.
     ``changing`` counts the decisions whose shares (as the policy returns them) differ
-    from the previous decision's: what a simulator that skipped the others could save."""
+    from the previous decision's: the others bound what skipping decisions could save
+    (a skipped decision would still have to carry the policy's memory forward)."""
 
     def __init__(self, policy: Any, limit_s: float, probe: dict[int, list[float]] | None = None) -> None:
         self._policy = policy
