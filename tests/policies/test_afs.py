@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import msgspec
@@ -15,6 +16,8 @@ from shoal.policies.afs import (
     AFSPNaive,
     _entries,
     _Entry,
+    _length_key_at_first,
+    _WaitingByLength,
     afs_l_stage_two_fast,
     afs_l_stage_two_naive,
     eq3,
@@ -218,8 +221,9 @@ def test_afs_l_kept_keys_decide_as_every_job_keyed(view: ClusterView, data: hs.D
     gone: list[JobView] = []
     for _ in range(6):
         d = kept.decide(view, {})
+        # Equal shares; their order is not part of a decision (decide_shares publishes
+        # them sorted by job id), and the kept keys list them in stage one's order.
         assert d == heap.decide(view, {}) == AFSLNaive().decide(view, {})
-        assert list(d.shares) == list(heap.decide(view, {}).shares)  # same order too
         view = _advance(view, d, data.draw(hs.sampled_from([0.0, 10.0, 100.0])), data, gone)
         if data.draw(hs.booleans()):  # every view rebuilt: no key can be kept
             view = msgspec.structs.replace(view, jobs=tuple(msgspec.structs.replace(j) for j in view.jobs))
@@ -260,8 +264,9 @@ def test_afs_l_kept_keys_with_the_rebuilt_views_named_decide_as_every_job_keyed(
         table = {j.job_id: j for j in view.jobs}
         live = _live_jobs(table, before, serial, data)
         d = kept.decide(msgspec.structs.replace(view, jobs=live), {})
+        # Equal shares; their order is not part of a decision (decide_shares publishes
+        # them sorted by job id), and the kept keys list them in stage one's order.
         assert d == heap.decide(view, {}) == AFSLNaive().decide(view, {})
-        assert list(d.shares) == list(heap.decide(view, {}).shares)  # same order too
         live.expire()
         before = table
         view = _advance(view, d, data.draw(hs.sampled_from([0.0, 10.0, 100.0])), data, gone)
@@ -273,6 +278,44 @@ def test_afs_l_kept_keys_with_the_rebuilt_views_named_decide_as_every_job_keyed(
             view,
             jobs=tuple(before[j.job_id] if j.job_id in keep else j for j in view.jobs),
         )
+
+
+@settings(max_examples=200, deadline=None)
+@given(views(max_jobs=16, max_gpus=40, sane=False))
+def test_afs_l_running_jobs_keyed_inline_as_by_the_key_function(view: ClusterView) -> None:
+    """The running jobs' keys that _WaitingByLength.changed computes inline (every view
+    named rebuilt) are exactly _length_key_at_first's, to the bit."""
+    table = {j.job_id: j for j in view.jobs}
+    waiting = _WaitingByLength()
+    waiting.synced = 1
+    live = LiveJobs(table, serial=2, after=1, rebuilt=list(table), left=[])
+    keys, ids, changed = waiting.changed(live, table)
+    running = [j for j in view.jobs if j.current_gpus]
+    assert sorted(ids) == sorted(j.job_id for j in running)
+    # repr: to the bit, and a NaN length equal to itself.
+    assert list(map(repr, keys)) == [repr(_length_key_at_first(table[i])) for i in ids]
+    assert sorted(j.job_id for j in changed) == sorted(j.job_id for j in view.jobs if not j.current_gpus)
+
+
+@pytest.mark.parametrize("nan_at", range(6))
+def test_afs_l_a_running_job_of_nan_length_decides_as_the_literal_form(nan_at: int) -> None:
+    """A NaN length has no order: a running job of NaN length sends the decision to the
+    literal form, so it is the one AFSLNaive makes, with kept keys (the first decision)
+    and on the heap (the second: views that all changed twice in a row)."""
+    lengths = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
+    lengths[nan_at] = math.nan
+    running = [
+        job(f"r{i}", (0.0, 1.0, 1.5), remaining, arrival=float(i), current_gpus=1)
+        for i, remaining in enumerate(lengths)
+    ]
+    waiting = [job(f"w{i}", (0.0, 1.0, 1.5), 4.0 + i, arrival=10.0 + i) for i in range(4)]
+    view = cluster(6, *running, *waiting)
+    kept = AFSL()
+    kept.keep_keys_from = 0
+    table = {j.job_id: j for j in view.jobs}
+    for serial in (1, 2):  # the second decision names its rebuilt views (the fast path)
+        live = LiveJobs(table, serial=serial, after=serial - 1, rebuilt=list(table), left=[])
+        assert kept.decide(msgspec.structs.replace(view, jobs=live), {}) == AFSLNaive().decide(view, {})
 
 
 def test_afs_l_kept_keys_run_a_philly_prefix_as_keying_every_job() -> None:

@@ -100,7 +100,6 @@ Choices where the paper is silent or inexact (documented, deterministic):
 from __future__ import annotations
 
 import bisect
-import functools
 import heapq
 import itertools
 import math
@@ -116,7 +115,6 @@ DEFAULT_UNIT_S = 7200.0
 
 _LEASE_EPS = 1e-6
 _JOB_ID = operator.attrgetter("job_id")
-_ARRIVAL_OF_KEY = operator.itemgetter(1, 2)
 
 
 _LADDERS: dict[tuple[Any, ...], tuple[Ladder, int]] = {}
@@ -387,7 +385,20 @@ does, so sorting by it is sorting by (length, position in arrival order)."""
 def _length_key_at_first(job: JobView) -> _LengthKey:
     """The job's :data:`_LengthKey`: :meth:`_Entry.length` at its smallest share, with
     the same arithmetic."""
-    first = _ladder(job)[1]
+    # _ladder(job)[1] (Ladder.first), inline for the two common shapes: this runs for
+    # every running job at every decision.
+    if not job.elastic:
+        first = job.requested_gpus
+        if first < 0:
+            first = 0
+    elif job.allowed_gpu_counts:
+        first = _ladder(job)[1]
+    else:
+        first = job.min_gpus
+        if first < 1:
+            first = 1
+        if first > job.max_gpus:
+            first = 0
     remaining = job.remaining_iterations
     if remaining is None or first <= 0:
         return (math.inf, job.arrival_s, job.job_id, first)
@@ -431,54 +442,103 @@ class _WaitingByLength:
         """The jobs of that decision that may hold no valid key with an unchanged view:
         those that ran (never keyed) and those it started (key forgotten)."""
 
-    def changed(self, jobs: Sequence[JobView], index: Mapping[str, JobView]) -> list[JobView]:
+    def changed(
+        self, jobs: Sequence[JobView], index: Mapping[str, JobView]
+    ) -> tuple[list[_LengthKey], list[str], list[JobView]]:
         """The jobs whose view is not the one their key was made from (``index``: job id
-        -> job of ``jobs``).
+        -> job of ``jobs``), as ``(keys, ids, waiting)``: the running ones' keys
+        (:func:`_length_key_at_first`, unsorted) and ids, in the same order, and the
+        waiting ones.
 
         Every running job is among them: a key is made only of a waiting job's view
         (``current_gpus == 0``), and a view is frozen, so a job that runs has another.
 
         When the simulator says which views it rebuilt since the decision these records
         were last brought up to date with (:meth:`shoal.policies.base.LiveJobs.rebuilt_since`),
-        only those and :attr:`recheck` are looked at: any other job has the view it had
-        then, when it held a valid key with that view unless it was in :attr:`recheck`.
-        The jobs are the same either way; only their order differs, which
-        :meth:`AFSL.decide` does not read (keys are sorted, and unique by job id).
-        Otherwise a tight pass over the queue. (A comprehension, not
-        ``itertools.compress`` over ``attrgetter`` maps: on CPython 3.11 the
-        comprehension's specialised attribute reads of a ``msgspec.Struct`` took about
-        half the time over a 15,000-job queue.)"""
+        only those and :attr:`recheck` are looked at, in one pass that also splits and
+        keys them: any other job has the view it had then, when it held a valid key with
+        that view unless it was in :attr:`recheck`. The jobs are the same either way;
+        only their order differs, which :meth:`AFSL.decide` does not read (keys are
+        sorted, and unique by job id). Otherwise a tight pass over the queue. (A
+        comprehension, not ``itertools.compress`` over ``attrgetter`` maps: on CPython
+        3.11 the comprehension's specialised attribute reads of a ``msgspec.Struct`` took
+        about half the time over a 15,000-job queue.)"""
         get = self.views.get
         since = getattr(jobs, "rebuilt_since", None)
         rebuilt = since(self.synced) if since is not None and self.synced else None
         self.synced = getattr(jobs, "serial", 0)
         if rebuilt is None:
-            return [job for job in jobs if get(job.job_id) is not job]
+            changed = [job for job in jobs if get(job.job_id) is not job]
+            running = [job for job in changed if job.current_gpus]
+            return (
+                list(map(_length_key_at_first, running)),
+                [job.job_id for job in running],
+                [job for job in changed if not job.current_gpus],
+            )
         look = set(rebuilt)
         look.update(self.recheck)
-        return [job for job_id in look if (job := index.get(job_id)) is not None and get(job_id) is not job]
+        keys: list[_LengthKey] = []
+        ids: list[str] = []
+        waiting: list[JobView] = []
+        inf = math.inf
+        for job_id in look:
+            job = index.get(job_id)
+            if job is None:
+                continue
+            if not job.current_gpus:
+                if get(job_id) is not job:
+                    waiting.append(job)
+                continue
+            # _length_key_at_first(job), inline: this runs for every running job at
+            # every decision (the property tests compare it with the heap's keys).
+            ids.append(job_id)
+            if not job.elastic:
+                first = job.requested_gpus
+                if first < 0:
+                    first = 0
+            elif job.allowed_gpu_counts:
+                first = _ladder(job)[1]
+            else:
+                first = job.min_gpus
+                if first < 1:
+                    first = 1
+                if first > job.max_gpus:
+                    first = 0
+            remaining = job.remaining_iterations
+            if remaining is None or first <= 0:
+                keys.append((inf, job.arrival_s, job_id, first))
+                continue
+            curve = job.throughput
+            p = float(curve[first]) if first < len(curve) else float(curve[-1]) if len(curve) > 1 else 0.0
+            keys.append((inf if p <= 0.0 else remaining / p, job.arrival_s, job_id, first))
+        return keys, ids, waiting
 
-    def update(self, changed: Sequence[JobView], jobs: Sequence[JobView], waiting: int) -> bool:
-        """Key the waiting jobs among ``changed`` (:meth:`changed`) and drop the keys of
-        those that changed or run now; False if a key is NaN (then the order is not
-        total and the caller decides without this list)."""
+    def update(self, running: Sequence[str], changed: Sequence[JobView], jobs: Sequence[JobView]) -> bool:
+        """Key the waiting jobs ``changed`` and drop the keys of those and of the
+        ``running`` ones (ids; :meth:`changed` gives both); False if a key is NaN (then
+        the order is not total and the caller decides without this list)."""
         views, key_of = self.views, self.key_of
         gone: list[_LengthKey] = []
         fresh: list[_LengthKey] = []
+        # A running job's key, if it has one, goes (a job started by the policy has
+        # none left: forget() dropped it).
+        for job_id in key_of.keys() & running:
+            del views[job_id]
+            gone.append(key_of.pop(job_id))
         for job in changed:
             job_id = job.job_id
             old = key_of.pop(job_id, None)
             if old is not None:
                 del views[job_id]
                 gone.append(old)
-            if not job.current_gpus:
-                key = _length_key_at_first(job)
-                if key[0] != key[0]:  # NaN
-                    return False
-                views[job_id] = job
-                key_of[job_id] = key
-                fresh.append(key)
+            key = _length_key_at_first(job)
+            if key[0] != key[0]:  # NaN
+                return False
+            views[job_id] = job
+            key_of[job_id] = key
+            fresh.append(key)
         keys = self.keys
+        waiting = len(jobs) - len(running)
         if (
             8 * (len(fresh) + len(gone)) <= waiting + 64
             and len(keys) - len(gone) + len(fresh) <= 2 * waiting + 64
@@ -523,11 +583,11 @@ class AFSL:
     elastic = True
     """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
     _naive = False
-    keep_keys_from = 256
+    keep_keys_from = 64
     """From this many active jobs on, a decision keeps the waiting jobs' keys for the next
-    (:class:`_WaitingByLength`); below it, every job is keyed at every decision (a heap),
-    which costs less than keeping keys on a short queue. Both take the same jobs in the
-    same order."""
+    (:class:`_WaitingByLength`); below it, every job is keyed at every decision (a heap).
+    Both take the same jobs in the same order. (On 6214e9, 64 rather than 256 took the
+    7,400 decisions with 64 to 255 active jobs off the heap, about 1.2 s of 1.3 s.)"""
 
     fresh_views_retry = 64
     """While views come built afresh at every decision (the allocator service's), keeping
@@ -538,7 +598,8 @@ class AFSL:
     def __init__(self) -> None:
         self._waiting: _WaitingByLength | None = None
         self._afresh = 0
-        """Consecutive decisions whose views were mostly not the ones keys were made of."""
+        """Consecutive decisions in which most waiting jobs' views were not the ones their
+        keys were made of."""
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Stage one by length at the smallest share, then stage two by eq. (3).
@@ -560,34 +621,74 @@ class AFSL:
         if waiting is None:
             waiting = self._waiting = _WaitingByLength()
         index = jobs_by_id(view)
-        changed = waiting.changed(jobs, index)
-        self._afresh = self._afresh + 1 if 2 * len(changed) > len(jobs) else 0
+        # Every running job is keyed afresh (_WaitingByLength.changed); the keys are
+        # sorted, so the order they come in does not matter.
+        run_keys, run_ids, changed = waiting.changed(jobs, index)
+        # Views built afresh change most waiting jobs; the simulator's change the running
+        # ones (keyed afresh either way) and a few waiting ones.
+        self._afresh = self._afresh + 1 if 2 * len(changed) > len(jobs) - len(run_ids) else 0
         if self._afresh >= 2 and self._afresh % self.fresh_views_retry:
             self._waiting = None
             return self._decide_heap(view)
-        # The running jobs are among the changed ones (_WaitingByLength.changed); their
-        # keys are sorted below, so their order does not matter.
-        running = [job for job in changed if job.current_gpus]
-        run_keys = sorted(map(_length_key_at_first, running))
-        if not waiting.update(changed, jobs, len(jobs) - len(running)) or any(
-            map(math.isnan, map(_FIRST, run_keys))
-        ):
+        # A NaN length makes the sum NaN (a false alarm, an overflow to -inf, only costs
+        # the literal form's time).
+        lengths = sum(map(_FIRST, run_keys))
+        if not waiting.update(run_ids, changed, jobs) or lengths != lengths:
             self._waiting = None  # a NaN length: the plain sort, without the kept keys
             return self._decide_literal(view)
         views, key_of, keys = waiting.views, waiting.key_of, waiting.keys
         free = view.total_gpus
         started: list[_LengthKey] = []
-        # The merge of the two sorted lists: the running jobs' keys go where they sort
-        # among the kept ones. A kept key is taken only while it is its job's recorded
-        # key and the job is in the view with the same view (else it is stale: the job
-        # changed, runs now, or finished).
+        # The merge of the two sorted lists, walked only until the GPUs run out. A
+        # running job's key goes before every kept key it does not sort after; the
+        # running jobs' keys up to the next kept key are taken together (in a long
+        # queue the running jobs are mostly the shortest jobs, so usually all of them
+        # at once), each when its smallest share fits, as one at a time would. A kept
+        # key is taken only while it is its job's recorded key and the job is in the
+        # view with the same view (else it is stale: the job changed, runs now, or
+        # finished).
         j = 0
+        n = len(keys)
+        r = 0
+        m = len(run_keys)
         starting: list[_LengthKey] = []  # kept keys of jobs started now
-        ends = list(map(functools.partial(bisect.bisect_left, keys), run_keys))
-        ends.append(len(keys))
-        for r, end in enumerate(ends):
-            while j < end and free > 0:
+        if m and (not n or max(run_keys) <= keys[0]):
+            # Every running job's key first, and all of them fit: their order does not
+            # matter (the usual case in a long queue), so they are not sorted.
+            firsts = list(map(_FOURTH, run_keys))
+            need = sum(firsts)
+            if need <= free and min(firsts) > 0:
+                started += run_keys
+                free -= need
+                r = m
+        if r < m:
+            run_keys.sort()
+        while free > 0:
+            bound: _LengthKey | None = None
+            if r < m:
+                hi = bisect.bisect_right(run_keys, keys[j], r) if j < n else m
+                if hi > r:
+                    chunk = run_keys[r:hi]
+                    r = hi
+                    firsts = list(map(_FOURTH, chunk))
+                    need = sum(firsts)
+                    if need <= free and min(firsts) > 0:
+                        started += chunk
+                        free -= need
+                    else:
+                        for k in chunk:
+                            first = k[3]
+                            if first and first <= free:
+                                started.append(k)
+                                free -= first
+                    continue
+                bound = run_keys[r]  # keys[j] sorts before it
+            elif j == n:
+                break
+            while j < n and free > 0:
                 k = keys[j]
+                if bound is not None and not k < bound:
+                    break
                 j += 1
                 job_id = k[2]
                 if (
@@ -600,22 +701,16 @@ class AFSL:
                         started.append(k)
                         starting.append(k)
                         free -= first
-            if free <= 0:
-                break
-            if r < len(run_keys):
-                k = run_keys[r]
-                first = k[3]
-                if first and first <= free:
-                    started.append(k)
-                    free -= first
         # A job started now runs (or has finished) by the next decision: its key goes
         # now, so that a short job that finishes before then leaves no stale key at the
         # front. (Should it still wait with the same view, it is keyed again.)
         waiting.forget(starting)
-        waiting.recheck = [job.job_id for job in running]
-        waiting.recheck += [k[2] for k in starting]
-        started.sort(key=_ARRIVAL_OF_KEY)
-        if free <= 0:  # no stage two: the smallest shares, in arrival order
+        run_ids += [k[2] for k in starting]
+        waiting.recheck = run_ids
+        # ``started`` is in stage one's order, not arrival order: the order of a
+        # decision's shares is not part of it (decide_shares publishes them sorted by job
+        # id), and stage two orders its jobs by (length, rank) itself.
+        if free <= 0:  # no stage two: the smallest shares
             return Decision(shares={k[2]: k[3] for k in started})
         entries = []
         for k in started:
@@ -627,15 +722,17 @@ class AFSL:
         return Decision(shares=_shares(entries))
 
     def _decide_heap(self, view: ClusterView) -> Decision:
-        """:meth:`decide` with every job keyed afresh, taken from a heap."""
+        """:meth:`decide` with every job keyed afresh, taken from a heap (a NaN length,
+        which has no order, takes :meth:`_decide_literal`)."""
         jobs = view_arrival_order(view)
         keyed: list[tuple[float, int, int]] = []
         for rank, job in enumerate(jobs):
-            first = _ladder(job)[1]
-            remaining = job.remaining_iterations
-            p = throughput_at(job, first)
             # _Entry.length at the smallest share, with the same arithmetic.
-            keyed.append((math.inf if remaining is None or p <= 0.0 else remaining / p, rank, first))
+            length, _, _, first = _length_key_at_first(job)
+            keyed.append((length, rank, first))
+        lengths = sum(map(_FIRST, keyed))
+        if lengths != lengths:
+            return self._decide_literal(view)
         heapq.heapify(keyed)
         free = view.total_gpus
         started: list[tuple[int, int]] = []
@@ -973,6 +1070,7 @@ class _ByCounter:
 
 
 _FIRST = operator.itemgetter(0)
+_FOURTH = operator.itemgetter(3)
 _WAITING_KEY = operator.itemgetter(0, 1)
 
 
