@@ -16,11 +16,13 @@ from shoal.policies.afs import (
     AFSPNaive,
     _entries,
     _Entry,
+    _lease_end_search,
     _length_key_at_first,
     _WaitingByLength,
     afs_l_stage_two_fast,
     afs_l_stage_two_naive,
     eq3,
+    first_evicting_lease_end,
 )
 from shoal.policies.base import ClusterView, JobView, LiveJobs, check_decision
 from shoal.policies.common import Ladder
@@ -295,6 +297,49 @@ def test_afs_l_running_jobs_keyed_inline_as_by_the_key_function(view: ClusterVie
     # repr: to the bit, and a NaN length equal to itself.
     assert list(map(repr, keys)) == [repr(_length_key_at_first(table[i])) for i in ids]
     assert sorted(j.job_id for j in changed) == sorted(j.job_id for j in view.jobs if not j.current_gpus)
+
+
+class _WaitingList:
+    """A stand-in for AFS-P's waiting order: ``(counter, rank)`` keys with their
+    smallest shares."""
+
+    def __init__(self, items: list[tuple[tuple[int, tuple[float, str]], int]]) -> None:
+        self.items = items
+
+    def any_starts_before(self, key: tuple[int, tuple[float, str]], free: int) -> bool:
+        return any(k < key and first <= free for k, first in self.items)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    hs.lists(
+        hs.tuples(
+            hs.integers(1, 4), hs.integers(0, 3), hs.sampled_from([0.0, 0.5, 1.0, 1.0 + 1e-7, 2.0, 7.5])
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    hs.lists(hs.tuples(hs.integers(0, 5), hs.integers(0, 9), hs.integers(1, 4)), max_size=6),
+    hs.integers(0, 3),
+    hs.sampled_from([1.0, 2.5, 7200.0]),
+)
+def test_afs_p_first_evicting_lease_end_shortcut_is_the_search(
+    held: list[tuple[int, int, float]],
+    queued: list[tuple[int, int, int]],
+    left: int,
+    unit: float,
+) -> None:
+    """The first step taken without the heap returns what the heap's search returns,
+    with lease starts that tie, nearly tie (1e-7 apart) or not."""
+    running = []
+    leases = {}
+    for i, (first, counter, start) in enumerate(held):
+        rank = (float(i), f"r{i}")
+        running.append((rank, JobView(job_id=f"r{i}", current_gpus=first), first, counter))
+        leases[f"r{i}"] = start
+    waiting = _WaitingList([((counter, (float(a), f"w{a}")), first) for counter, a, first in queued])
+    got = first_evicting_lease_end(running, leases, waiting, left, unit)  # type: ignore[arg-type]
+    assert got == _lease_end_search(running, leases, waiting, left, unit)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("nan_at", range(6))

@@ -1135,8 +1135,35 @@ def first_evicting_lease_end(
     early: waking at a lease end is always correct, only slower.
 
     ``running``: the jobs stage one started (:data:`_Held`); ``leases``: their lease
-    starts; ``left``: the GPUs stage one left (``L``).
+    starts (those jobs' and no other); ``left``: the GPUs stage one left (``L``).
     """
+    free = left
+    # The first step of the search below without its heap (nearly every call ends
+    # there): the smallest two lease starts give the first two ends (an end is a start
+    # plus the unit, so the order is the same), and when the first is not within
+    # _LEASE_EPS of the second it is one job's, the one the heap would pop first.
+    # Should that job start again at once, the search runs in full from the start.
+    starts = sorted(leases.values())
+    if starts:
+        end = starts[0] + unit
+        if len(starts) > 1 and starts[1] + unit - end <= _LEASE_EPS:
+            return end
+        for rank, job, first, counter in running:
+            if leases[job.job_id] == starts[0]:
+                if waiting.any_starts_before((counter + 1, rank), free + first):
+                    return end
+                break
+    return _lease_end_search(running, leases, waiting, left, unit)
+
+
+def _lease_end_search(
+    running: Sequence[_Held],
+    leases: Mapping[str, float],
+    waiting: _WaitingOrder,
+    left: int,
+    unit: float,
+) -> float:
+    """:func:`first_evicting_lease_end`'s search, lease end by lease end on a heap."""
     free = left
     ends = [(leases[job.job_id] + unit, rank, first, counter) for rank, job, first, counter in running]
     heapq.heapify(ends)
@@ -1371,7 +1398,9 @@ class AFSP:
         """
         now = view.now_s
         unit = self.unit_s
-        jobs = view_arrival_order(view)
+        # In arrival order; the simulator's jobs already are (and are iterated here,
+        # never indexed: a list of a long queue at every decision was measurable).
+        jobs: Sequence[JobView] = view.jobs if view.arrival_ordered else view_arrival_order(view)
         index = jobs_by_id(view)
 
         # Counters in memory are ints (this policy writes them).
@@ -1387,7 +1416,10 @@ class AFSP:
             and holders.counters_of is old_counters
             # The simulator keeps the memory it had when a decision changes nothing
             # (equal memory, shares unchanged): the same leases, listed alike, will do.
-            and (holders.of is old_leases or list(holders.of.items()) == list(old_leases.items()))
+            and (
+                holders.of is old_leases
+                or (holders.of == old_leases and list(holders.of) == list(old_leases))
+            )
         ):
             # The jobs whose view may differ from the one a row holds, when the
             # simulator says: those rebuilt and those that left since the decision
@@ -1551,7 +1583,8 @@ class AFSP:
             else:
                 passed.append(w)
         fresh = started[n_held:]  # the jobs started from the queue
-        started.sort(key=_FIRST)
+        if held_rows is None or fresh:
+            started.sort(key=_FIRST)  # (held rows carried over are in rank order already)
         if free > 0:
             entries = []
             for rank, job, first, _ in started:
@@ -1561,10 +1594,15 @@ class AFSP:
             self._stage_two(entries, free)
             shares = _shares(entries)
         else:
-            shares = {job.job_id: first for _, job, first, _ in started}
+            shares = {rank[1]: first for rank, _, first, _ in started}
 
         new_counters = counters_out()
-        new_leases = dict(zip(shares, map(leases.get, shares, itertools.repeat(float(now))), strict=True))
+        if list(shares) == list(leases):
+            # Every job runs on under its lease, and none started (the usual case): the
+            # same mapping, made by this decision.
+            new_leases = leases
+        else:
+            new_leases = dict(zip(shares, map(leases.get, shares, itertools.repeat(float(now))), strict=True))
         memory_out: dict[str, Any] = {"counters": new_counters, "leases": new_leases}
         # Counters never fall, and zeros are dropped: clean memory stays clean.
         new_clean = clean or min(new_counters.values(), default=1) >= 1
