@@ -630,8 +630,9 @@ class AFSL:
         if self._afresh >= 2 and self._afresh % self.fresh_views_retry:
             self._waiting = None
             return self._decide_heap(view)
-        # A NaN length makes the sum NaN (a false alarm, an overflow to -inf, only costs
-        # the literal form's time).
+        # A NaN length makes the sum NaN. (So can lengths of inf and -inf together, in a
+        # hand-built view with negative work: that false alarm only costs the literal
+        # form's time.)
         lengths = sum(map(_FIRST, run_keys))
         if not waiting.update(run_ids, changed, jobs) or lengths != lengths:
             self._waiting = None  # a NaN length: the plain sort, without the kept keys
