@@ -621,8 +621,8 @@ class AFSL:
         if waiting is None:
             waiting = self._waiting = _WaitingByLength()
         index = jobs_by_id(view)
-        # Every running job is keyed afresh (_WaitingByLength.changed); the keys are
-        # sorted, so the order they come in does not matter.
+        # Every running job is keyed afresh (_WaitingByLength.changed), in no particular
+        # order: the merge below sorts them, unless it takes them all at once.
         run_keys, run_ids, changed = waiting.changed(jobs, index)
         # Views built afresh change most waiting jobs; the simulator's change the running
         # ones (keyed afresh either way) and a few waiting ones.
