@@ -137,7 +137,16 @@ def record(out: Path, matching: str = "") -> None:
             continue
         runs.append(record_one(trace, policy, seed, flat))
         print(f"  {runs[-1]['key']}: {runs[-1]['cpu_s']:.2f} CPU s", file=sys.stderr, flush=True)
-    out.write_text(json.dumps({"shoal": shoal.__file__, "runs": runs}))
+    # Which modules ran compiled (`shoal native build`; none without a build, or at a
+    # ref from before shoal.native): a recording says what it recorded.
+    try:
+        from shoal.native import loaded
+    except ImportError:
+        compiled: list[str] = []
+    else:
+        compiled = loaded()
+    print(f"  compiled modules: {', '.join(compiled) or 'none'}", file=sys.stderr, flush=True)
+    out.write_text(json.dumps({"shoal": shoal.__file__, "compiled": compiled, "runs": runs}))
 
 
 def compare(base: dict[str, Any], new: dict[str, Any]) -> list[str]:

@@ -6,6 +6,21 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+
+def _use_native_build() -> None:
+    """A compiled build of the hot modules, when one was made from these very sources
+    (``shoal native build``; :mod:`shoal.native`). Only a file check without one."""
+    import os
+
+    where = os.environ.get("SHOAL_NATIVE_DIR") or os.path.join(os.path.dirname(__file__), "_native")
+    if os.environ.get("SHOAL_NATIVE", "1") != "0" and os.path.isfile(os.path.join(where, "manifest.json")):
+        from shoal.native import activate
+
+        activate()
+
+
+_use_native_build()
+
 if TYPE_CHECKING:
     from shoal.client import Client, CommandError
     from shoal.events import JobSpec

@@ -1,0 +1,233 @@
+"""An optional compiled build of the simulator's hot modules, from the same sources.
+
+``shoal native build`` compiles :data:`NATIVE_MODULES` (the fold, the view, the decision
+checks, the SRTF and Tiresias policies, placement, the simulator's metrics,
+log and costs) with mypyc, the compiler mypy ships, into :func:`native_dir`. Nothing in
+the code changes: the compiled modules are the same source files, so the simulator,
+the services and every report run the same fold, policies and placement either way,
+and a decision does not depend on which form ran (``benchmarks/sim_equality.py``
+compares the two; ``tests/test_native.py`` runs a simulation both ways).
+
+A build applies only to the exact sources it was compiled from. Its manifest records a
+digest of every ``.py`` file of the package (:func:`source_digest`) and the
+interpreter's ABI; at ``import shoal`` (:func:`activate`) a build whose digest or ABI
+differs is ignored as a whole, with one line on stderr, and everything runs from
+source. Whole, because mypyc's compiled modules call one another directly in C, and
+inline ``Final`` constants of the modules they import: loading some of a build and not
+the rest could mix two versions of the code. ``SHOAL_NATIVE=0`` turns a build off.
+
+Without a build (the default, and what the tests run) nothing here is active and shoal
+is pure Python. Building needs a C compiler and the Python headers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from importlib.machinery import ModuleSpec
+from pathlib import Path
+from types import ModuleType
+
+PACKAGE = Path(__file__).resolve().parent
+MANIFEST = "manifest.json"
+
+NATIVE_MODULES: tuple[str, ...] = (
+    "shoal.state",
+    "shoal.view",
+    "shoal.allocation",
+    "shoal.policies.base",
+    "shoal.policies.common",
+    "shoal.policies.srtf",
+    "shoal.policies.tiresias",
+    "shoal.sim.metrics",
+    "shoal.sim.log",
+    "shoal.sim.costs",
+    "shoal.placement._cluster",
+    "shoal.placement.consolidated",
+    "shoal.placement.hinted",
+    "shoal.placement.min_migration",
+    "shoal.placement.packing",
+    "shoal.placement.regulate",
+    "shoal.placement.topology",
+)
+"""The modules a build compiles. Each compiles unchanged and was checked to decide
+bit for bit as its source does. Left out: modules that define msgspec structs used as
+events (mypyc's class creation breaks msgspec's field order), modules with exception
+classes (mypyc cannot compile subclasses of built-in exceptions), and the simulator's
+engine, which has one. ``shoal.policies.afs`` compiles, but a compiled module checks the
+annotated types at run time, and one of its annotations is wrong (``_length_key``
+returns the rank as an ``int``; it is a tuple): the compiled AFS-L stops with a
+``TypeError``. Correcting it changes the source of every stored AFS reproduction cell,
+so it waits for their recompute. ``shoal.policies.themis`` compiles and runs, but
+does not decide as its source on ``philly:2869ce:250`` with topology and seed 1
+(``benchmarks/sim_equality.py``: digest, jobs and series differ; with seed 0 and flat
+it agrees), so it stays out until the cause is found."""
+
+
+class NativeBuildError(RuntimeError):
+    """The compiler failed; the message ends with its output."""
+
+
+def native_dir() -> Path:
+    """Where a build lives: ``$SHOAL_NATIVE_DIR``, else ``_native`` in the package."""
+    env = os.environ.get("SHOAL_NATIVE_DIR")
+    return Path(env) if env else PACKAGE / "_native"
+
+
+def source_digest(package: Path = PACKAGE) -> str:
+    """SHA-256 of every ``.py`` file of the package (path and bytes, sorted by path)."""
+    h = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package)
+        if rel.parts[0] in ("_native",) or "__pycache__" in rel.parts:
+            continue
+        h.update(rel.as_posix().encode())
+        h.update(b"\0")
+        h.update(path.read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _abi() -> str:
+    return f"{sys.implementation.cache_tag}:{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+
+
+def build(target: Path | None = None, modules: Sequence[str] = NATIVE_MODULES) -> Path:
+    """Compile ``modules`` into ``target`` (default :func:`native_dir`), replacing any
+    build there. The sources are copied to a scratch directory first, so the package is
+    never left with extension modules next to its ``.py`` files.
+
+    Raises:
+        NativeBuildError: mypyc or the C compiler failed.
+    """
+    import shutil
+    import subprocess
+    import tempfile
+
+    target = target or native_dir()
+    digest = source_digest()
+    with tempfile.TemporaryDirectory(prefix="shoal-native-") as scratch:
+        work = Path(scratch)
+        shutil.copytree(
+            PACKAGE, work / "shoal", ignore=shutil.ignore_patterns("__pycache__", "_native", "*.so")
+        )
+        files = [str(Path(*m.split(".")).with_suffix(".py")) for m in modules]
+        proc = subprocess.run(
+            [sys.executable, "-m", "mypyc", *files],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise NativeBuildError(
+                f"mypyc failed ({proc.returncode}):\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
+            )
+        built = _extensions(work, exclude=work / "build")
+        staging = target.with_name(target.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        names: dict[str, str] = {}
+        for name, path in built.items():
+            rel = path.relative_to(work)
+            dest = staging / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, dest)
+            names[name] = rel.as_posix()
+        missing = [m for m in modules if m not in names]
+        if missing:
+            raise NativeBuildError(f"mypyc produced no extension for {', '.join(missing)}")
+        manifest = {"digest": digest, "abi": _abi(), "modules": list(modules), "extensions": names}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    return target
+
+
+def _extensions(root: Path, exclude: Path) -> dict[str, Path]:
+    """Module name -> file of every extension module under ``root`` (not ``exclude``)."""
+    suffixes = sorted(importlib.machinery.EXTENSION_SUFFIXES, key=len, reverse=True)
+    found: dict[str, Path] = {}
+    for path in root.rglob("*"):
+        if exclude in path.parents or not path.is_file():
+            continue
+        suffix = next((s for s in suffixes if path.name.endswith(s)), None)
+        if suffix is None:
+            continue
+        rel = path.relative_to(root)
+        found[".".join((*rel.parts[:-1], rel.name[: -len(suffix)]))] = path
+    return found
+
+
+class _Finder:
+    """Serves the modules of one build, by name, ahead of the source files."""
+
+    def __init__(self, root: Path, extensions: dict[str, str]) -> None:
+        self._paths = {name: root / rel for name, rel in extensions.items()}
+
+    def find_spec(
+        self, fullname: str, path: object = None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        file = self._paths.get(fullname)
+        if file is None:
+            return None
+        return importlib.util.spec_from_file_location(fullname, file)
+
+
+_state: dict[str, object] = {}
+
+
+def status(directory: Path | None = None) -> tuple[str, list[str]]:
+    """Whether the build in ``directory`` (default :func:`native_dir`) applies to these
+    sources and this interpreter: ``("active" | "none" | "off" | <why not>, modules)``."""
+    directory = directory or native_dir()
+    if os.environ.get("SHOAL_NATIVE", "1") == "0":
+        return "off (SHOAL_NATIVE=0)", []
+    file = directory / MANIFEST
+    if not file.is_file():
+        return "none", []
+    try:
+        manifest = json.loads(file.read_text())
+        modules = list(manifest["modules"])
+        if manifest["abi"] != _abi():
+            return f"built for another interpreter ({manifest['abi']}, this is {_abi()})", modules
+        if manifest["digest"] != source_digest():
+            return "built from other sources (rebuild with `shoal native build`)", modules
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"unreadable manifest ({exc})", []
+    return "active", modules
+
+
+def activate(directory: Path | None = None) -> bool:
+    """Put a build's modules ahead of the sources when it applies (see the module
+    docstring); called by ``import shoal``. Returns whether it did."""
+    directory = directory or native_dir()
+    if not (directory / MANIFEST).is_file() or os.environ.get("SHOAL_NATIVE", "1") == "0":
+        return False
+    if _state.get("finder") is not None:
+        return True
+    why, _ = status(directory)
+    if why != "active":
+        print(f"shoal: native build in {directory} not used: {why}", file=sys.stderr)
+        return False
+    manifest = json.loads((directory / MANIFEST).read_text())
+    finder = _Finder(directory, dict(manifest["extensions"]))
+    sys.meta_path.insert(0, finder)  # type: ignore[arg-type]  # a MetaPathFinder by protocol
+    _state["finder"] = finder
+    return True
+
+
+def loaded(names: Iterable[str] = NATIVE_MODULES) -> list[str]:
+    """Those of ``names`` imported so far from a compiled build."""
+    out = []
+    for name in names:
+        module = sys.modules.get(name)
+        file = getattr(module, "__file__", None) or ""
+        if any(file.endswith(s) for s in importlib.machinery.EXTENSION_SUFFIXES):
+            out.append(name)
+    return out

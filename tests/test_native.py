@@ -1,0 +1,112 @@
+"""The optional compiled build (``shoal native``, :mod:`shoal.native`): it is used only
+for the sources it was built from, and a compiled module decides as its source does."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from shoal import native
+
+SIM = """
+import json, sys
+from shoal.sim.engine import SimConfig, Simulator, make_policy
+from shoal.workloads import load_workload
+from shoal.native import loaded
+result = Simulator(load_workload("philly:2869ce:200", seed=0), make_policy(sys.argv[1]), SimConfig(flat=True)).run()
+print(json.dumps({"summary": {k: float(v).hex() for k, v in result.summary.items()}, "compiled": loaded()}))
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_NATIVE")}
+    return {**env, **extra}
+
+
+def _run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, env=_env(**env), capture_output=True, text=True, timeout=300, check=False)
+
+
+def _manifest(directory: Path, **fields: object) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = {"digest": native.source_digest(), "abi": native._abi(), "modules": [], "extensions": {}}
+    (directory / native.MANIFEST).write_text(json.dumps({**manifest, **fields}))
+
+
+def test_a_build_of_other_sources_or_another_interpreter_is_not_used(tmp_path: Path) -> None:
+    stale, foreign = tmp_path / "stale", tmp_path / "foreign"
+    _manifest(stale, digest="0" * 64, modules=["shoal.state"], extensions={"shoal.state": "nowhere.so"})
+    _manifest(foreign, abi="cpython-00:.so")
+    probe = "import shoal, shoal.native as n; print(n._state.get('finder') is None)"
+    for directory, why in ((stale, "built from other sources"), (foreign, "built for another interpreter")):
+        assert native.status(directory)[0].startswith(why)
+        proc = _run([sys.executable, "-c", probe], SHOAL_NATIVE_DIR=str(directory))
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == "True"  # no finder: everything from source
+        assert why in proc.stderr
+    cli = _run([sys.executable, "-m", "shoal.cli", "native", "status"], SHOAL_NATIVE_DIR=str(stale))
+    assert cli.returncode == 1 and "built from other sources" in cli.stdout
+
+
+def test_the_digest_covers_every_source_file(tmp_path: Path) -> None:
+    copy = tmp_path / "shoal"
+    shutil.copytree(native.PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "_native*"))
+    before = native.source_digest(copy)
+    assert before == native.source_digest()
+    target = copy / "fairness" / "stride.py"
+    target.write_text(target.read_text() + "\n# an edit\n")
+    assert native.source_digest(copy) != before
+
+
+def test_off_switch_and_clean(tmp_path: Path) -> None:
+    directory = tmp_path / "build"
+    _manifest(directory)
+    assert native.status(directory)[0] == "active"
+    off = _run(
+        [sys.executable, "-m", "shoal.cli", "native", "status"],
+        SHOAL_NATIVE_DIR=str(directory),
+        SHOAL_NATIVE="0",
+    )
+    assert off.returncode == 0 and "off (SHOAL_NATIVE=0)" in off.stdout
+    clean = _run([sys.executable, "-m", "shoal.cli", "native", "clean"], SHOAL_NATIVE_DIR=str(directory))
+    assert clean.returncode == 0 and not directory.exists()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_a_compiled_policy_decides_as_its_source(tmp_path: Path) -> None:
+    """One module compiled (SRTF: the smallest build), loaded by ``import shoal`` in a
+    fresh process, and a simulation's summary equal to the pure one, bit for bit."""
+    directory = native.build(tmp_path / "build", modules=("shoal.policies.srtf",))
+    assert native.status(directory)[0] == "active"
+    compiled = _run([sys.executable, "-c", SIM, "srtf"], SHOAL_NATIVE_DIR=str(directory))
+    pure = _run([sys.executable, "-c", SIM, "srtf"], SHOAL_NATIVE_DIR=str(directory), SHOAL_NATIVE="0")
+    assert compiled.returncode == 0, compiled.stderr
+    assert pure.returncode == 0, pure.stderr
+    fast, slow = json.loads(compiled.stdout), json.loads(pure.stdout)
+    assert fast["compiled"] == ["shoal.policies.srtf"]
+    assert slow["compiled"] == []
+    assert fast["summary"] == slow["summary"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_shoal_native_build_compiles_every_listed_module(tmp_path: Path) -> None:
+    """The command a user runs: every module of NATIVE_MODULES built and loaded, and
+    Tiresias-L (a compiled policy on the compiled fold, view and checks) deciding as its
+    source."""
+    directory = tmp_path / "build"
+    proc = _run([sys.executable, "-m", "shoal.cli", "native", "build"], SHOAL_NATIVE_DIR=str(directory))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    status = _run([sys.executable, "-m", "shoal.cli", "native", "status"], SHOAL_NATIVE_DIR=str(directory))
+    assert status.returncode == 0 and "active" in status.stdout
+    probe = "import importlib, shoal.native as n; [importlib.import_module(m) for m in n.NATIVE_MODULES]; print(n.loaded())"
+    loaded = _run([sys.executable, "-c", probe], SHOAL_NATIVE_DIR=str(directory))
+    assert loaded.stdout.strip() == repr(list(native.NATIVE_MODULES)), loaded.stderr
+    compiled = _run([sys.executable, "-c", SIM, "tiresias-l"], SHOAL_NATIVE_DIR=str(directory))
+    pure = _run([sys.executable, "-c", SIM, "tiresias-l"], SHOAL_NATIVE="0")
+    assert json.loads(compiled.stdout)["summary"] == json.loads(pure.stdout)["summary"], compiled.stderr
