@@ -18,8 +18,11 @@ import json, sys
 from shoal.sim.engine import SimConfig, Simulator, make_policy
 from shoal.workloads import load_workload
 from shoal.native import loaded
-result = Simulator(load_workload("philly:2869ce:200", seed=0), make_policy(sys.argv[1]), SimConfig(flat=True)).run()
-print(json.dumps({"summary": {k: float(v).hex() for k, v in result.summary.items()}, "compiled": loaded()}))
+trace, name, seed, flat = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "flat"
+policy = make_policy(name, seed=seed)
+result = Simulator(load_workload(trace, seed=seed), policy, SimConfig(flat=flat)).run()
+summary = {k: float(v).hex() for k, v in result.summary.items()}
+print(json.dumps({"summary": summary, "seed": getattr(policy, "seed", None), "compiled": loaded()}))
 """
 
 
@@ -79,17 +82,21 @@ def test_off_switch_and_clean(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 def test_a_compiled_policy_decides_as_its_source(tmp_path: Path) -> None:
-    """One module compiled (SRTF: the smallest build), loaded by ``import shoal`` in a
-    fresh process, and a simulation's summary equal to the pure one, bit for bit."""
-    directory = native.build(tmp_path / "build", modules=("shoal.policies.srtf",))
+    """Themis compiled alone, loaded by ``import shoal`` in a fresh process: the registry
+    still gives it its seed (a compiled class reports positional-only parameters), and a
+    simulation with topology and seed 1 (the leftover order is seeded) has the summary of
+    the pure run, bit for bit."""
+    directory = native.build(tmp_path / "build", modules=("shoal.policies.themis",))
     assert native.status(directory)[0] == "active"
-    compiled = _run([sys.executable, "-c", SIM, "srtf"], SHOAL_NATIVE_DIR=str(directory))
-    pure = _run([sys.executable, "-c", SIM, "srtf"], SHOAL_NATIVE_DIR=str(directory), SHOAL_NATIVE="0")
+    args = [sys.executable, "-c", SIM, "philly:2869ce:150", "themis", "1", "topology"]
+    compiled = _run(args, SHOAL_NATIVE_DIR=str(directory))
+    pure = _run(args, SHOAL_NATIVE_DIR=str(directory), SHOAL_NATIVE="0")
     assert compiled.returncode == 0, compiled.stderr
     assert pure.returncode == 0, pure.stderr
     fast, slow = json.loads(compiled.stdout), json.loads(pure.stdout)
-    assert fast["compiled"] == ["shoal.policies.srtf"]
+    assert fast["compiled"] == ["shoal.policies.themis"]
     assert slow["compiled"] == []
+    assert fast["seed"] == slow["seed"] == 1
     assert fast["summary"] == slow["summary"]
 
 
@@ -97,8 +104,9 @@ def test_a_compiled_policy_decides_as_its_source(tmp_path: Path) -> None:
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 def test_shoal_native_build_compiles_every_listed_module(tmp_path: Path) -> None:
     """The command a user runs: every module of NATIVE_MODULES built and loaded, and
-    Tiresias-L (a compiled policy on the compiled fold, view and checks) deciding as its
-    source."""
+    compiled policies on the compiled fold, view, checks and placement deciding as their
+    sources, among them the AFS-L run that showed compiled code losing a tuple's identity
+    (its kept keys; ``shoal.policies.afs._LengthKey``)."""
     directory = tmp_path / "build"
     proc = _run([sys.executable, "-m", "shoal.cli", "native", "build"], SHOAL_NATIVE_DIR=str(directory))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -107,6 +115,14 @@ def test_shoal_native_build_compiles_every_listed_module(tmp_path: Path) -> None
     probe = "import importlib, shoal.native as n; [importlib.import_module(m) for m in n.NATIVE_MODULES]; print(n.loaded())"
     loaded = _run([sys.executable, "-c", probe], SHOAL_NATIVE_DIR=str(directory))
     assert loaded.stdout.strip() == repr(list(native.NATIVE_MODULES)), loaded.stderr
-    compiled = _run([sys.executable, "-c", SIM, "tiresias-l"], SHOAL_NATIVE_DIR=str(directory))
-    pure = _run([sys.executable, "-c", SIM, "tiresias-l"], SHOAL_NATIVE="0")
-    assert json.loads(compiled.stdout)["summary"] == json.loads(pure.stdout)["summary"], compiled.stderr
+    for run in (
+        ("philly:0e4a51:250", "afs-l", "1", "topology"),
+        ("philly:2869ce:200", "afs-p", "0", "flat"),
+        ("philly:2869ce:200", "tiresias-l", "0", "flat"),
+        ("philly:2869ce:100", "gandiva-fair", "0", "topology"),
+    ):
+        args = [sys.executable, "-c", SIM, *run]
+        compiled = _run(args, SHOAL_NATIVE_DIR=str(directory))
+        pure = _run(args, SHOAL_NATIVE="0")
+        assert compiled.returncode == 0, compiled.stderr
+        assert json.loads(compiled.stdout)["summary"] == json.loads(pure.stdout)["summary"], run

@@ -1,8 +1,9 @@
 """An optional compiled build of the simulator's hot modules, from the same sources.
 
 ``shoal native build`` compiles :data:`NATIVE_MODULES` (the fold, the view, the decision
-checks, the SRTF and Tiresias policies, placement, the simulator's metrics,
-log and costs) with mypyc, the compiler mypy ships, into :func:`native_dir`. Nothing in
+checks, placement, the simulator's metrics, log and costs, and the policies AFS-L, AFS-P,
+Gandiva_fair, Themis, SRTF, Tiresias-L, Max-Min, FIFO, Optimus and Elastic Tiresias) with mypyc, the
+compiler mypy ships, into :func:`native_dir`. Nothing in
 the code changes: the compiled modules are the same source files, so the simulator,
 the services and every report run the same fold, policies and placement either way,
 and a decision does not depend on which form ran (``benchmarks/sim_equality.py``
@@ -42,8 +43,23 @@ NATIVE_MODULES: tuple[str, ...] = (
     "shoal.allocation",
     "shoal.policies.base",
     "shoal.policies.common",
+    "shoal.policies.afs",
+    "shoal.policies.themis",
     "shoal.policies.srtf",
     "shoal.policies.tiresias",
+    "shoal.policies.maxmin",
+    "shoal.policies.fifo",
+    "shoal.policies.optimus",
+    "shoal.policies.elastic_tiresias",
+    "shoal.fairness.balance",
+    "shoal.fairness.hetero",
+    "shoal.fairness.policy",
+    "shoal.fairness.shares",
+    "shoal.fairness.split_stride",
+    "shoal.fairness.stride",
+    "shoal.fairness.timeline",
+    "shoal.fairness.trader",
+    "shoal.fairness.workloads",
     "shoal.sim.metrics",
     "shoal.sim.log",
     "shoal.sim.costs",
@@ -55,18 +71,24 @@ NATIVE_MODULES: tuple[str, ...] = (
     "shoal.placement.regulate",
     "shoal.placement.topology",
 )
-"""The modules a build compiles. Each compiles unchanged and was checked to decide
-bit for bit as its source does. Left out: modules that define msgspec structs used as
-events (mypyc's class creation breaks msgspec's field order), modules with exception
-classes (mypyc cannot compile subclasses of built-in exceptions), and the simulator's
-engine, which has one. ``shoal.policies.afs`` compiles, but a compiled module checks the
-annotated types at run time, and one of its annotations is wrong (``_length_key``
-returns the rank as an ``int``; it is a tuple): the compiled AFS-L stops with a
-``TypeError``. Correcting it changes the source of every stored AFS reproduction cell,
-so it waits for their recompute. ``shoal.policies.themis`` compiles and runs, but
-does not decide as its source on ``philly:2869ce:250`` with topology and seed 1
-(``benchmarks/sim_equality.py``: digest, jobs and series differ; with seed 0 and flat
-it agrees), so it stays out until the cause is found."""
+"""The modules a build compiles, from their sources as they are; each was checked to
+decide bit for bit as its source does (``benchmarks/reports/native_equality.md``).
+
+Left out: modules that define msgspec structs used as events (mypyc's class creation
+breaks msgspec's field order), modules with exception classes (mypyc cannot compile
+subclasses of built-in exceptions), and the simulator's engine, which has one.
+
+Two ways compiled code differs from its source, both met and fixed in the source:
+a compiled module checks the annotated types at run time (``shoal.policies.afs`` had one
+annotation wrong: ``_length_key`` said the rank is an ``int``, it is a tuple, and the
+compiled AFS-L stopped with a ``TypeError``); and a tuple whose type names each item is
+unboxed, so it is a new object each time it is boxed again, and ``is`` no longer finds
+it (AFS-L recognised its kept keys by identity: compiled, it took them all for stale and
+decided differently, which the equality harness showed; their type is now a plain
+tuple). A compiled class reports its
+constructor's parameters as positional-only; :func:`shoal.policies.registry.get_policy`
+reads them as keywords (else the registry would build compiled Themis without its
+``seed``)."""
 
 
 class NativeBuildError(RuntimeError):

@@ -235,7 +235,7 @@ def _shares(entries: Sequence[_Entry]) -> dict[str, int]:
 # ---------------------------------------------------------------------------
 
 
-def _length_key(e: _Entry) -> tuple[float, int]:
+def _length_key(e: _Entry) -> tuple[float, Any]:
     return (e.length(), e.rank)
 
 
@@ -376,10 +376,14 @@ def _afs_l_chain_numpy(order: list[_Entry], free: int) -> int:
     return free
 
 
-_LengthKey = tuple[float, float, str, int]
+_LengthKey = tuple[Any, ...]
 """Stage one's key of an AFS-L job: ``(length at its smallest share, arrival_s, job_id,
-smallest share)``. The last three order ties as :func:`~shoal.policies.common.arrival_order`
-does, so sorting by it is sorting by (length, position in arrival order)."""
+smallest share)``, a float, a float, a str and an int. The last three order ties as
+:func:`~shoal.policies.common.arrival_order` does, so sorting by it is sorting by
+(length, position in arrival order). A kept key is recognised by identity
+(:class:`_WaitingByLength`), so the type says no more than "a tuple": compiled by mypyc
+(``shoal native build``), a tuple of four declared item types is unboxed and boxed
+again as a new object, and every kept key would look stale."""
 
 
 def _length_key_at_first(job: JobView) -> _LengthKey:

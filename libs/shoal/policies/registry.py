@@ -97,12 +97,33 @@ def policy_class(name: str) -> type[Any]:
     return cls  # type: ignore[no-any-return]
 
 
-def _accepted(cls: type[Any]) -> list[str]:
+def _signature(cls: type[Any]) -> inspect.Signature | None:
+    """The constructor's signature, or None when it has none to read.
+
+    A class compiled by mypyc (``shoal native build``) reports every parameter as
+    positional-only, but its constructor takes them by keyword as the source says, and
+    ``themis-unaware`` copies Themis' signature. No policy's source has a positional-only
+    parameter, so every one is read as positional-or-keyword: else ``seed`` would look
+    unaccepted and :func:`shoal.sim.engine.make_policy` would build the policy with its
+    default seed."""
     try:
         sig = inspect.signature(cls)
     except (TypeError, ValueError):
-        return []
-    return [p for p in sig.parameters if p != "self"]
+        return None
+    if any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in sig.parameters.values()):
+        keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        sig = sig.replace(
+            parameters=[
+                p.replace(kind=keyword) if p.kind is inspect.Parameter.POSITIONAL_ONLY else p
+                for p in sig.parameters.values()
+            ]
+        )
+    return sig
+
+
+def _accepted(cls: type[Any]) -> list[str]:
+    sig = _signature(cls)
+    return [] if sig is None else [p for p in sig.parameters if p != "self"]
 
 
 def get_policy(name: str, **params: Any) -> Policy:
@@ -123,10 +144,7 @@ def get_policy(name: str, **params: Any) -> Policy:
         ValueError: the constructor rejects a parameter's value.
     """
     cls = policy_class(name)
-    try:
-        sig = inspect.signature(cls)
-    except (TypeError, ValueError):
-        sig = None
+    sig = _signature(cls)
     if sig is not None:
         try:
             sig.bind(**params)
