@@ -580,8 +580,8 @@ def _provenance_section(
         if native:
             lines += [
                 f"{len(native)} of these cells were computed by `shoal native build`'s compiled modules (the "
-                "same sources, compiled by mypyc; each cell's `compiled` lists them), the cells they replaced "
-                f"from source; the average JCT is identical in "
+                "same sources, compiled by mypyc; each cell's `compiled` lists them), and the cells they "
+                "replaced from source; the average JCT is identical in "
                 f"{sum(1 for c, d in zip(redone, diffs, strict=True) if c.compiled and d == 0.0)} of them.",
                 "",
             ]
