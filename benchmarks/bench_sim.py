@@ -518,6 +518,15 @@ def main(argv: list[str] | None = None) -> int:
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
     trees[-1].label = f"this tree ({head}{'+changes' if _dirty() else ''})"
+    for tree in trees:
+        # A tree whose children import a compiled build (`shoal native build`, the same
+        # sources) says so: its label is all that tells the two forms apart in the report.
+        probe = "from shoal.native import status; s, m = status(); print(len(m) if s == 'active' else 0)"
+        out = subprocess.run(
+            [sys.executable, "-c", probe], env=tree.env(), capture_output=True, text=True, check=False
+        ).stdout.strip()
+        if out.isdigit() and int(out):
+            tree.label += f", {out} modules compiled by `shoal native build`"
     cmd = "python benchmarks/bench_sim.py " + " ".join(argv if argv is not None else sys.argv[1:])
     results: dict[str, Any] = {
         "trees": [t.label for t in trees],

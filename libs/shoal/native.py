@@ -2,23 +2,26 @@
 
 ``shoal native build`` compiles :data:`NATIVE_MODULES` (the fold, the view, the decision
 checks, placement, the simulator's metrics, log and costs, and the policies AFS-L, AFS-P,
-Gandiva_fair, Themis, SRTF, Tiresias-L, Max-Min, FIFO, Optimus and Elastic Tiresias) with mypyc, the
-compiler mypy ships, into :func:`native_dir`. Nothing in
-the code changes: the compiled modules are the same source files, so the simulator,
-the services and every report run the same fold, policies and placement either way,
-and a decision does not depend on which form ran (``benchmarks/sim_equality.py``
-compares the two; ``tests/test_native.py`` runs a simulation both ways).
+Gandiva_fair, Themis, SRTF, Tiresias-L, Max-Min, FIFO, Optimus and Elastic Tiresias)
+with mypyc, the compiler mypy ships, into :func:`native_dir`. The compiled modules are
+the same source files, so the simulator, the services and every report run the same
+fold, policies and placement either way, and a decision does not depend on which form
+ran (``benchmarks/sim_equality.py --native`` compares the two over its 60 runs;
+``tests/test_native.py`` runs simulations both ways).
 
 A build applies only to the exact sources it was compiled from. Its manifest records a
 digest of every ``.py`` file of the package (:func:`source_digest`) and the
 interpreter's ABI; at ``import shoal`` (:func:`activate`) a build whose digest or ABI
 differs is ignored as a whole, with one line on stderr, and everything runs from
-source. Whole, because mypyc's compiled modules call one another directly in C, and
-inline ``Final`` constants of the modules they import: loading some of a build and not
-the rest could mix two versions of the code. ``SHOAL_NATIVE=0`` turns a build off.
+source. Whole, because compiled modules call one another's functions directly, not
+through the modules' attributes, and were compiled against the types of the modules
+they import (compiled or not): loading some of a build and not the rest, or a build
+beside changed sources, could mix two versions of the code. ``SHOAL_NATIVE=0`` turns a
+build off.
 
-Without a build (the default, and what the tests run) nothing here is active and shoal
-is pure Python. Building needs a C compiler and the Python headers.
+Without a build (the default; the tests run so, but for ``tests/test_native.py``, which
+makes its own) nothing here is active and shoal is pure Python. Building needs a C
+compiler and the Python headers.
 """
 
 from __future__ import annotations
@@ -74,21 +77,27 @@ NATIVE_MODULES: tuple[str, ...] = (
 """The modules a build compiles, from their sources as they are; each was checked to
 decide bit for bit as its source does (``benchmarks/reports/native_equality.md``).
 
-Left out: modules that define msgspec structs used as events (mypyc's class creation
-breaks msgspec's field order), modules with exception classes (mypyc cannot compile
-subclasses of built-in exceptions), and the simulator's engine, which has one.
+Left out, and run from source: the simulator's engine, the policy registry and the
+SideCar policies (mypyc cannot compile a subclass of a built-in exception, and the
+SideCar module assigns a class attribute that is not a ``ClassVar``); the event, model
+and workload definitions (compiled with them, msgspec refused a struct's field order at
+import; not looked into further); and the modules not tried yet (the length-unaware
+wrapper, AFS for heterogeneous GPUs, the SideCar baselines, everything the services
+alone use).
 
-Two ways compiled code differs from its source, both met and fixed in the source:
-a compiled module checks the annotated types at run time (``shoal.policies.afs`` had one
-annotation wrong: ``_length_key`` said the rank is an ``int``, it is a tuple, and the
-compiled AFS-L stopped with a ``TypeError``); and a tuple whose type names each item is
-unboxed, so it is a new object each time it is boxed again, and ``is`` no longer finds
-it (AFS-L recognised its kept keys by identity: compiled, it took them all for stale and
-decided differently, which the equality harness showed; their type is now a plain
-tuple). A compiled class reports its
-constructor's parameters as positional-only; :func:`shoal.policies.registry.get_policy`
-reads them as keywords (else the registry would build compiled Themis without its
-``seed``)."""
+Ways compiled code differed from its source, each met and fixed in the source:
+
+* a compiled module checks the annotated types at run time: ``shoal.policies.afs`` had
+  one annotation wrong (``_length_key`` said the rank is an ``int``; it is a tuple), and
+  the compiled AFS-L stopped with a ``TypeError``;
+* a tuple whose type names each item is unboxed, so it is a new object each time it is
+  boxed again and ``is`` no longer finds it: AFS-L recognised its kept keys by identity,
+  compiled it took them all for stale and decided differently (the equality harness
+  showed it); their type is now a plain tuple;
+* a compiled class reports its constructor's parameters as positional-only, so the
+  registry took Themis for a policy without a ``seed`` and built it with the default
+  one; :func:`shoal.policies.registry.get_policy` now reads them as keywords.
+"""
 
 
 class NativeBuildError(RuntimeError):
