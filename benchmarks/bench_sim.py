@@ -526,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
             [sys.executable, "-c", probe], env=tree.env(), capture_output=True, text=True, check=False
         ).stdout.strip()
         if out.isdigit() and int(out):
-            tree.label += f", {out} modules compiled by `shoal native build`"
+            tree.label += f", {out} modules compiled by shoal native build"
     cmd = "python benchmarks/bench_sim.py " + " ".join(argv if argv is not None else sys.argv[1:])
     results: dict[str, Any] = {
         "trees": [t.label for t in trees],
