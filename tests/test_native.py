@@ -56,6 +56,17 @@ def test_a_build_of_other_sources_or_another_interpreter_is_not_used(tmp_path: P
     assert cli.returncode == 1 and "built from other sources" in cli.stdout
 
 
+def test_a_build_that_others_can_write_is_not_used(tmp_path: Path) -> None:
+    directory = tmp_path / "build"
+    _manifest(directory)
+    assert native.status(directory)[0] == "active"
+    directory.chmod(0o777)
+    assert "writable by other users" in native.status(directory)[0]
+    directory.chmod(0o755)
+    (directory / native.MANIFEST).chmod(0o666)
+    assert "writable by other users" in native.status(directory)[0]
+
+
 def test_the_digest_covers_every_source_file(tmp_path: Path) -> None:
     copy = tmp_path / "shoal"
     shutil.copytree(native.PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "_native*"))

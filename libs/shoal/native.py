@@ -9,7 +9,8 @@ fold, policies and placement either way, and a decision does not depend on which
 ran (``benchmarks/sim_equality.py --native`` compares the two over its 60 runs;
 ``tests/test_native.py`` runs simulations both ways).
 
-A build applies only to the exact sources it was compiled from. Its manifest records a
+A build applies only to the exact sources it was compiled from, and only when neither
+its directory nor any of its files can be written by other users than their owner. Its manifest records a
 digest of every ``.py`` file of the package (:func:`source_digest`) and the
 interpreter's ABI; at ``import shoal`` (:func:`activate`) a build whose digest or ABI
 differs is ignored as a whole, with one line on stderr, and everything runs from
@@ -22,6 +23,14 @@ build off.
 Without a build (the default; the tests run so, but for ``tests/test_native.py``, which
 makes its own) nothing here is active and shoal is pure Python. Building needs a C
 compiler and the Python headers.
+
+What a build changes besides speed: compiled functions check their arguments' types, so
+a stand-in that is not the annotated class (a test's duck-typed double of a ``JobView``)
+is refused with a ``TypeError``, and a class of one's own cannot subclass a compiled
+policy (mypyc's rule; with ``SHOAL_NATIVE=0`` it can). Four tests of ``tests/policies``
+use such doubles and fail with a build active; the test suite runs from source.
+Docstrings and constructor signatures of compiled classes are read from their source
+files (:mod:`shoal.policies.registry`).
 """
 
 from __future__ import annotations
@@ -229,6 +238,10 @@ def status(directory: Path | None = None) -> tuple[str, list[str]]:
             return f"built for another interpreter ({manifest['abi']}, this is {_abi()})", modules
         if manifest["digest"] != source_digest():
             return "built from other sources (rebuild with `shoal native build`)", modules
+        # What import loads is code: a build that others could have written is not used.
+        for path in (directory, file, *(directory / rel for rel in manifest["extensions"].values())):
+            if path.stat().st_mode & 0o022:
+                return f"{path} is writable by other users than its owner", modules
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"unreadable manifest ({exc})", []
     return "active", modules

@@ -16,8 +16,10 @@ Errors:
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -97,15 +99,77 @@ def policy_class(name: str) -> type[Any]:
     return cls  # type: ignore[no-any-return]
 
 
+def _source_classes(cls: type[Any]) -> list[ast.ClassDef]:
+    """The class statements of ``cls`` and its bases, in method resolution order, read
+    from their modules' source files when they were compiled (``shoal native build``:
+    mypyc keeps neither docstrings nor, for some constructors, a readable signature).
+    Empty for a class that was not compiled, or whose source is not shoal's."""
+    if not hasattr(cls, "__mypyc_attrs__"):
+        return []
+    import shoal
+
+    root = Path(shoal.__file__).resolve().parent
+    out = []
+    for klass in cls.__mro__:
+        parts = klass.__module__.split(".")
+        if parts[0] != "shoal":
+            continue
+        path = root.joinpath(*parts[1:]).with_suffix(".py")
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        out += [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == klass.__name__]
+    return out
+
+
+def _source_signature(classes: list[ast.ClassDef]) -> inspect.Signature | None:
+    """The parameters of the first ``__init__`` among ``classes`` (kinds and names; a
+    default stands for "has one"), as the source writes them."""
+    init = next(
+        (f for c in classes for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"),
+        None,
+    )
+    if init is None:
+        return None
+    a = init.args
+    has_default = object()
+    params: list[inspect.Parameter] = []
+    positional = [*a.posonlyargs, *a.args]
+    first_default = len(positional) - len(a.defaults)
+    for i, arg in enumerate(positional[1:], start=1):  # not self
+        kind = (
+            inspect.Parameter.POSITIONAL_ONLY
+            if i < len(a.posonlyargs)
+            else inspect.Parameter.POSITIONAL_OR_KEYWORD
+        )
+        default = has_default if i >= first_default else inspect.Parameter.empty
+        params.append(inspect.Parameter(arg.arg, kind, default=default))
+    if a.vararg is not None:
+        params.append(inspect.Parameter(a.vararg.arg, inspect.Parameter.VAR_POSITIONAL))
+    for arg, d in zip(a.kwonlyargs, a.kw_defaults, strict=True):
+        default = inspect.Parameter.empty if d is None else has_default
+        params.append(inspect.Parameter(arg.arg, inspect.Parameter.KEYWORD_ONLY, default=default))
+    if a.kwarg is not None:
+        params.append(inspect.Parameter(a.kwarg.arg, inspect.Parameter.VAR_KEYWORD))
+    return inspect.Signature(params)
+
+
 def _signature(cls: type[Any]) -> inspect.Signature | None:
     """The constructor's signature, or None when it has none to read.
 
-    A class compiled by mypyc (``shoal native build``) reports every parameter as
-    positional-only, but its constructor takes them by keyword as the source says, and
-    ``themis-unaware`` copies Themis' signature. No policy's source has a positional-only
-    parameter, so every one is read as positional-or-keyword: else ``seed`` would look
-    unaccepted and :func:`shoal.sim.engine.make_policy` would build the policy with its
-    default seed."""
+    Of a class compiled by mypyc (``shoal native build``), the one its source writes
+    (:func:`_source_signature`): mypyc reports every parameter as positional-only, or
+    none at all, though the constructor takes them by keyword as the source says.
+    ``themis-unaware`` copies compiled Themis' reported signature; no policy's source has
+    a positional-only parameter, so one is read as positional-or-keyword. Either way
+    ``seed`` is seen, else :func:`shoal.sim.engine.make_policy` would build the policy
+    with its default seed."""
+    compiled = _source_classes(cls)
+    if compiled:
+        sig = _source_signature(compiled)
+        if sig is not None:
+            return sig
     try:
         sig = inspect.signature(cls)
     except (TypeError, ValueError):
@@ -166,5 +230,6 @@ def describe(name: str) -> str:
         UnknownPolicyError: no policy has this name.
         PolicyImportError: its module cannot be imported.
     """
-    doc = inspect.getdoc(policy_class(name)) or ""
+    cls = policy_class(name)
+    doc = inspect.getdoc(cls) or next((d for c in _source_classes(cls) if (d := ast.get_docstring(c))), "")
     return doc.strip().splitlines()[0] if doc.strip() else ""
