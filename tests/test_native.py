@@ -126,6 +126,14 @@ def test_shoal_native_build_compiles_every_listed_module(tmp_path: Path) -> None
     probe = "import importlib, shoal.native as n; [importlib.import_module(m) for m in n.NATIVE_MODULES]; print(n.loaded())"
     loaded = _run([sys.executable, "-c", probe], SHOAL_NATIVE_DIR=str(directory))
     assert loaded.stdout.strip() == repr(list(native.NATIVE_MODULES)), loaded.stderr
+    # The services with the build: a conformance case through the emulated stack (its
+    # services start from a snapshot of the folded state and answer queries with it).
+    conformance = Path(__file__).resolve().parents[1] / "benchmarks" / "conformance.py"
+    case = [sys.executable, str(conformance), "--case", "philly:0e4a51:12,afs-p,1000", "--output", "-"]
+    live = _run(case, SHOAL_NATIVE_DIR=str(directory))
+    assert live.returncode == 0, live.stderr[-3000:]
+    row = next(line for line in live.stdout.splitlines() if line.startswith("| philly:0e4a51:12"))
+    assert row.endswith("| met | met |"), row
     for run in (
         ("philly:0e4a51:250", "afs-l", "1", "topology"),
         ("philly:2869ce:200", "afs-p", "0", "flat"),
@@ -137,3 +145,15 @@ def test_shoal_native_build_compiles_every_listed_module(tmp_path: Path) -> None
         pure = _run(args, SHOAL_NATIVE="0")
         assert compiled.returncode == 0, compiled.stderr
         assert json.loads(compiled.stdout)["summary"] == json.loads(pure.stdout)["summary"], run
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_a_module_whose_structs_would_decode_differently_is_refused(tmp_path: Path) -> None:
+    """The fold compiled: mypyc drops ``dict[str, NodeState]`` to ``dict`` in the struct's
+    annotations, so a snapshot would decode its nodes as plain dicts. The build says
+    which structs and leaves no build behind (an earlier build there stays)."""
+    target = tmp_path / "build"
+    with pytest.raises(native.NativeBuildError, match=r"shoal\.state\.ClusterState"):
+        native.build(target, modules=("shoal.state",))
+    assert not target.exists() and not target.with_name("build.partial").exists()

@@ -1,7 +1,6 @@
 """An optional compiled build of the simulator's hot modules, from the same sources.
 
-``shoal native build`` compiles :data:`NATIVE_MODULES` (the fold, the view, the decision
-checks, placement, the simulator's metrics, log and costs, and the policies AFS-L, AFS-P,
+``shoal native build`` compiles :data:`NATIVE_MODULES` (the view, the decision checks, placement, the simulator's metrics, log and costs, and the policies AFS-L, AFS-P,
 Gandiva_fair, Themis, SRTF, Tiresias-L, Max-Min, FIFO, Optimus and Elastic Tiresias)
 with mypyc, the compiler mypy ships, into :func:`native_dir`. The compiled modules are
 the same source files, so the simulator, the services and every report run the same
@@ -45,12 +44,12 @@ from collections.abc import Iterable, Sequence
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 PACKAGE = Path(__file__).resolve().parent
 MANIFEST = "manifest.json"
 
 NATIVE_MODULES: tuple[str, ...] = (
-    "shoal.state",
     "shoal.view",
     "shoal.allocation",
     "shoal.policies.base",
@@ -86,7 +85,10 @@ NATIVE_MODULES: tuple[str, ...] = (
 """The modules a build compiles, from their sources as they are; each was checked to
 decide bit for bit as its source does (``benchmarks/reports/native_equality.md``).
 
-Left out, and run from source: the simulator's engine, the policy registry and the
+Left out, and run from source: the fold (``shoal.state``: mypyc rewrites the field
+annotations of a compiled module's msgspec structs without their type parameters, so a
+compiled ``ClusterState`` decoded its nodes as plain dicts, and a service that started
+from a snapshot stopped; see :data:`IN_MEMORY_STRUCTS`), the simulator's engine, the policy registry and the
 SideCar policies (mypyc cannot compile a subclass of a built-in exception, and the
 SideCar module assigns a class attribute that is not a ``ClassVar``); the event, model
 and workload definitions (compiled with them, msgspec refused a struct's field order at
@@ -107,6 +109,37 @@ Ways compiled code differed from its source, each met and fixed in the source:
   registry took Themis for a policy without a ``seed`` and built it with the default
   one; :func:`shoal.policies.registry.get_policy` now reads them as keywords.
 """
+
+
+IN_MEMORY_STRUCTS: frozenset[str] = frozenset(
+    {
+        "shoal.fairness.split_stride.PlacedJob",
+        "shoal.fairness.split_stride.SplitStrideResult",
+        "shoal.fairness.stride.StrideResult",
+        "shoal.fairness.timeline.Timeline",
+        "shoal.placement.topology.NodeSlots",
+        "shoal.placement.topology.Placement",
+        "shoal.placement.topology.Topology",
+        "shoal.policies.base.ClusterView",
+        "shoal.policies.base.Decision",
+        "shoal.policies.base.JobView",
+        "shoal.sim.engine.SimResult",
+        "shoal.sim.metrics.Series",
+        "shoal.sim.metrics.UserShares",
+    }
+)
+"""The msgspec structs whose decoding a build changes, allowed because nothing decodes
+them: each is built and read in memory only, never decoded from the log, a snapshot, a
+reply or a file.
+
+mypyc writes a compiled module's struct annotations without their type parameters
+(``dict[str, NodeState]`` becomes ``dict``, ``float | None`` becomes ``type``; mypyc
+issue 988), and msgspec decodes by those annotations, so a compiled struct decodes its
+nested structs as plain dicts or not at all. Encoding, construction and attribute
+access are unchanged. :func:`build` compares :func:`struct_schemas` of the build with
+the sources' and fails if any other struct of the package decodes differently, so a
+struct that starts being decoded, or a module added to :data:`NATIVE_MODULES` whose
+structs are, stops the build instead of a service."""
 
 
 class NativeBuildError(RuntimeError):
@@ -184,9 +217,94 @@ def build(target: Path | None = None, modules: Sequence[str] = NATIVE_MODULES) -
             raise NativeBuildError(f"mypyc produced no extension for {', '.join(missing)}")
         manifest = {"digest": digest, "abi": _abi(), "modules": list(modules), "extensions": names}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        try:
+            _check_decoding(staging, modules)
+        except NativeBuildError:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
     return target
+
+
+def struct_schemas() -> dict[str, Any]:
+    """Every msgspec struct of the package (each module imported in turn; one that does
+    not import here, for a missing optional dependency, is skipped) -> its JSON schema
+    without descriptions and titles: what decoding it accepts and what it builds."""
+    import pkgutil
+
+    import msgspec
+
+    import shoal
+
+    def strip(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items() if k not in ("description", "title")}
+        if isinstance(node, list):
+            return [strip(v) for v in node]
+        return node
+
+    out: dict[str, Any] = {}
+    for info in pkgutil.walk_packages(shoal.__path__, "shoal."):
+        if info.name.startswith("shoal._native"):
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:
+            continue
+        for name, obj in sorted(vars(module).items()):
+            if not (isinstance(obj, type) and issubclass(obj, msgspec.Struct)):
+                continue
+            if obj.__module__ != info.name:
+                continue
+            try:
+                out[f"{info.name}.{name}"] = strip(msgspec.json.schema(obj))
+            except (TypeError, ValueError) as exc:
+                out[f"{info.name}.{name}"] = f"no schema: {exc}"
+    return out
+
+
+_SCHEMAS_SCRIPT = (
+    "import json, sys; from shoal import native; s = native.struct_schemas(); "
+    "json.dump({'loaded': native.loaded(list(sys.modules)), 'schemas': s}, sys.stdout)"
+)
+
+
+def _check_decoding(staging: Path, modules: Sequence[str]) -> None:
+    """Fail unless the build in ``staging`` loads and every struct outside
+    :data:`IN_MEMORY_STRUCTS` has the schema it has from source (two subprocesses)."""
+    import subprocess
+
+    def schemas(**env: str) -> dict[str, Any]:
+        proc = subprocess.run(
+            [sys.executable, "-c", _SCHEMAS_SCRIPT],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise NativeBuildError(f"checking the build failed:\n{proc.stderr[-4000:]}")
+        result: dict[str, Any] = json.loads(proc.stdout)
+        return result
+
+    source = schemas(SHOAL_NATIVE="0")
+    compiled = schemas(SHOAL_NATIVE="1", SHOAL_NATIVE_DIR=str(staging))
+    not_loaded = sorted(set(modules) - set(compiled["loaded"]))
+    if not_loaded:
+        raise NativeBuildError(f"the build does not load: {', '.join(not_loaded)}")
+    changed = sorted(
+        name
+        for name, schema in source["schemas"].items()
+        if compiled["schemas"].get(name) != schema and name not in IN_MEMORY_STRUCTS
+    )
+    if changed:
+        raise NativeBuildError(
+            "compiled, these structs would decode differently from their source (mypyc "
+            f"drops type parameters from struct annotations): {', '.join(changed)}; "
+            "leave the modules that define them, or the structs they contain, out of "
+            "NATIVE_MODULES"
+        )
 
 
 def _extensions(root: Path, exclude: Path) -> dict[str, Path]:
