@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 from types import MappingProxyType
 
@@ -128,3 +129,20 @@ def test_schemas_check_lists_stale_files(tmp_path: Path) -> None:
     proc = shoal("schemas", "check", "--dir", str(target))
     assert proc.returncode == 1
     assert "Envelope.json" in proc.stderr and "JobSpec.json" not in proc.stderr
+
+
+def test_a_reader_that_goes_away_is_not_an_error(tmp_path: Path) -> None:
+    """`shoal native status | head -0`: the pipe is closed before the command writes; the
+    command ends quietly with 0 instead of a BrokenPipeError traceback."""
+    env = {**os.environ, "SHOAL_NATIVE_DIR": str(tmp_path / "none")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shoal.cli", "native", "status"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

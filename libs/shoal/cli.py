@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 from collections.abc import Sequence
@@ -88,7 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "logs", True):
         _logs_to_stderr()
     try:
-        return int(func(args) or 0)
+        code = int(func(args) or 0)
+        sys.stdout.flush()  # a closed pipe surfaces here, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`shoal native status | head -1`): not an error. Point
+        # stdout at /dev/null so that the interpreter's last flush does not fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except CommandError as exc:
         from shoal.explain import printable  # a rejection may quote what the sender sent
 
