@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 from shoal import native
 
@@ -149,11 +150,76 @@ def test_shoal_native_build_compiles_every_listed_module(tmp_path: Path) -> None
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
-def test_a_module_whose_structs_would_decode_differently_is_refused(tmp_path: Path) -> None:
-    """The fold compiled: mypyc drops ``dict[str, NodeState]`` to ``dict`` in the struct's
-    annotations, so a snapshot would decode its nodes as plain dicts. The build says
-    which structs and leaves no build behind (an earlier build there stays)."""
+def test_a_struct_that_would_decode_differently_stops_the_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fold compiled without the annotations decorator: mypyc writes
+    ``dict[str, NodeState]`` as ``dict``, so a snapshot would decode its nodes as plain
+    dicts. The build names the structs and leaves no build behind."""
+    monkeypatch.setattr(native, "with_source_annotations", lambda source, module: source)
     target = tmp_path / "build"
     with pytest.raises(native.NativeBuildError, match=r"shoal\.state\.ClusterState"):
         native.build(target, modules=("shoal.state",))
     assert not target.exists() and not target.with_name("build.partial").exists()
+
+
+STRUCTS = """\
+\"\"\"Doc.\"\"\"
+
+from __future__ import annotations
+
+import msgspec
+from msgspec import Struct
+
+
+class Plain:
+    x: int = 0
+
+
+class A(Struct, kw_only=True):
+    nodes: dict[str, A] = {}
+    at: float | None = None
+
+
+# a comment, then the blank line above the decorator
+
+@staticmethod
+class B(msgspec.Struct):
+    y: list[int]
+
+
+class C(A, frozen=True):
+    z: tuple[int, ...] = ()
+"""
+
+
+def test_the_build_decorates_each_struct_with_its_source_annotations() -> None:
+    out = native.with_source_annotations(STRUCTS, "m")
+    lines, before = out.splitlines(), STRUCTS.splitlines()
+    assert len(lines) == len(before)  # every line keeps its number
+    changed = {i: line for i, line in enumerate(lines) if line != before[i]}
+    assert sorted(before[i + 1].split("(")[0] for i in changed) == ["@staticmethod", "class A", "class C"]
+    assert "annotated({'nodes': 'dict[str, A]', 'at': 'float | None'})" in out
+    assert "annotated({'y': 'list[int]'})" in out and "annotated({'z': 'tuple[int, ...]'})" in out
+    assert "class Plain" in out and "annotated({'x'" not in out
+    with pytest.raises(native.NativeBuildError, match="no blank line above struct A"):
+        native.with_source_annotations(STRUCTS.replace("\n\nclass A", "\n# A\nclass A"), "m")
+
+
+class _Node(msgspec.Struct):
+    n: int = 0
+
+
+class _Erased(msgspec.Struct):
+    nodes: dict = {}  # ``dict[str, _Node]`` as mypyc writes it
+
+
+class _Restored(msgspec.Struct):
+    nodes: dict = {}
+
+
+def test_annotated_gives_a_struct_the_annotations_of_its_source() -> None:
+    data = b'{"nodes": {"a": {"n": 1}}}'
+    assert msgspec.json.decode(data, type=_Erased).nodes == {"a": {"n": 1}}
+    native.annotated({"nodes": "dict[str, _Node]"})(_Restored)
+    assert msgspec.json.decode(data, type=_Restored).nodes == {"a": _Node(n=1)}

@@ -1,12 +1,22 @@
 """An optional compiled build of the simulator's hot modules, from the same sources.
 
-``shoal native build`` compiles :data:`NATIVE_MODULES` (the view, the decision checks, placement, the simulator's metrics, log and costs, and the policies AFS-L, AFS-P,
-Gandiva_fair, Themis, SRTF, Tiresias-L, Max-Min, FIFO, Optimus and Elastic Tiresias)
-with mypyc, the compiler mypy ships, into :func:`native_dir`. The compiled modules are
-the same source files, so the simulator, the services and every report run the same
-fold, policies and placement either way, and a decision does not depend on which form
-ran (``benchmarks/sim_equality.py --native`` compares the two over its 60 runs;
-``tests/test_native.py`` runs simulations both ways).
+``shoal native build`` compiles :data:`NATIVE_MODULES` (the fold, the view, the decision
+checks, placement, the simulator's metrics, log and costs, and the policies AFS-L,
+AFS-P, Gandiva_fair, Themis, SRTF, Tiresias-L, Max-Min, FIFO, Optimus and Elastic
+Tiresias) with mypyc, the compiler mypy ships, into :func:`native_dir`. The compiled
+modules are the same source files, so the simulator, the services and every report run
+the same fold, policies and placement either way, and a decision does not depend on
+which form ran (``benchmarks/sim_equality.py --native`` compares the two over its 60
+runs; ``tests/test_native.py`` runs simulations both ways, and the emulated services).
+
+One mechanical change is made to the copy that is compiled
+(:func:`with_source_annotations`): each msgspec struct class gets a decorator, on the
+blank line above it, that gives the class the annotations Python gives the source's.
+mypyc writes a compiled struct's annotations without their type parameters, and msgspec
+decodes by them: without the decorator a compiled ``ClusterState`` decoded a snapshot's
+nodes as plain dicts, and the allocator of the emulated stack stopped at its first
+decision. The build then checks that every struct of the package has, compiled, the
+JSON schema it has from source (:func:`struct_schemas`), and fails otherwise.
 
 A build applies only to the exact sources it was compiled from, and only when neither
 its directory nor any of its files can be written by other users than their owner. Its manifest records a
@@ -34,6 +44,7 @@ files (:mod:`shoal.policies.registry`).
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -50,6 +61,7 @@ PACKAGE = Path(__file__).resolve().parent
 MANIFEST = "manifest.json"
 
 NATIVE_MODULES: tuple[str, ...] = (
+    "shoal.state",
     "shoal.view",
     "shoal.allocation",
     "shoal.policies.base",
@@ -85,14 +97,11 @@ NATIVE_MODULES: tuple[str, ...] = (
 """The modules a build compiles, from their sources as they are; each was checked to
 decide bit for bit as its source does (``benchmarks/reports/native_equality.md``).
 
-Left out, and run from source: the fold (``shoal.state``: mypyc rewrites the field
-annotations of a compiled module's msgspec structs without their type parameters, so a
-compiled ``ClusterState`` decoded its nodes as plain dicts, and a service that started
-from a snapshot stopped; see :data:`IN_MEMORY_STRUCTS`), the simulator's engine, the policy registry and the
+Left out, and run from source: the simulator's engine, the policy registry and the
 SideCar policies (mypyc cannot compile a subclass of a built-in exception, and the
 SideCar module assigns a class attribute that is not a ``ClassVar``); the event, model
-and workload definitions (compiled with them, msgspec refused a struct's field order at
-import; not looked into further); and the modules not tried yet (the length-unaware
+and workload definitions (compiled with them, before :func:`annotated` existed, msgspec
+refused a struct's field order at import; not tried since); and the modules not tried yet (the length-unaware
 wrapper, AFS for heterogeneous GPUs, the SideCar baselines, everything the services
 alone use).
 
@@ -108,38 +117,9 @@ Ways compiled code differed from its source, each met and fixed in the source:
 * a compiled class reports its constructor's parameters as positional-only, so the
   registry took Themis for a policy without a ``seed`` and built it with the default
   one; :func:`shoal.policies.registry.get_policy` now reads them as keywords.
+
+And one met in the build itself: the struct annotations above (:func:`annotated`).
 """
-
-
-IN_MEMORY_STRUCTS: frozenset[str] = frozenset(
-    {
-        "shoal.fairness.split_stride.PlacedJob",
-        "shoal.fairness.split_stride.SplitStrideResult",
-        "shoal.fairness.stride.StrideResult",
-        "shoal.fairness.timeline.Timeline",
-        "shoal.placement.topology.NodeSlots",
-        "shoal.placement.topology.Placement",
-        "shoal.placement.topology.Topology",
-        "shoal.policies.base.ClusterView",
-        "shoal.policies.base.Decision",
-        "shoal.policies.base.JobView",
-        "shoal.sim.engine.SimResult",
-        "shoal.sim.metrics.Series",
-        "shoal.sim.metrics.UserShares",
-    }
-)
-"""The msgspec structs whose decoding a build changes, allowed because nothing decodes
-them: each is built and read in memory only, never decoded from the log, a snapshot, a
-reply or a file.
-
-mypyc writes a compiled module's struct annotations without their type parameters
-(``dict[str, NodeState]`` becomes ``dict``, ``float | None`` becomes ``type``; mypyc
-issue 988), and msgspec decodes by those annotations, so a compiled struct decodes its
-nested structs as plain dicts or not at all. Encoding, construction and attribute
-access are unchanged. :func:`build` compares :func:`struct_schemas` of the build with
-the sources' and fails if any other struct of the package decodes differently, so a
-struct that starts being decoded, or a module added to :data:`NATIVE_MODULES` whose
-structs are, stops the build instead of a service."""
 
 
 class NativeBuildError(RuntimeError):
@@ -170,6 +150,59 @@ def _abi() -> str:
     return f"{sys.implementation.cache_tag}:{importlib.machinery.EXTENSION_SUFFIXES[0]}"
 
 
+def annotated(texts: dict[str, str]) -> Any:
+    """Class decorator a build puts on each msgspec struct it compiles
+    (:func:`with_source_annotations`): sets the class's ``__annotations__`` to ``texts``,
+    the text of its source annotations, which is what ``from __future__ import
+    annotations`` gives the class run from source. mypyc writes a compiled class's
+    annotations without their type parameters (``dict[str, NodeState]`` becomes
+    ``dict``, ``float | None`` becomes ``type``; mypyc issue 988), and msgspec decodes
+    by them: a compiled ``ClusterState`` decoded a snapshot's nodes as plain dicts.
+    msgspec reads the types when it first decodes a class, so the class decodes as its
+    source does; its fields (names, order, defaults) are already those of the source."""
+
+    def decorate(cls: type) -> type:
+        cls.__annotations__ = dict(texts)
+        return cls
+
+    return decorate
+
+
+def _is_struct_base(base: ast.expr, structs: set[str]) -> bool:
+    if isinstance(base, ast.Name):
+        return base.id == "Struct" or base.id in structs
+    return isinstance(base, ast.Attribute) and base.attr == "Struct"
+
+
+def with_source_annotations(source: str, module: str) -> str:
+    """``source`` as a build compiles it: every msgspec struct class (a top-level class
+    with a base named ``Struct`` or ``<module>.Struct``, or a struct class of the same
+    module) decorated by :func:`annotated` with the text of its field annotations
+    (``ast.unparse``). The decorator takes the place of the blank line above the class
+    (or above its decorators), so every line keeps its number; nothing else changes.
+
+    Raises:
+        NativeBuildError: a struct class without a blank line above it.
+    """
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    structs: set[str] = set()
+    for node in tree.body:
+        if not (isinstance(node, ast.ClassDef) and any(_is_struct_base(b, structs) for b in node.bases)):
+            continue
+        structs.add(node.name)
+        texts = {
+            stmt.target.id: ast.unparse(stmt.annotation)
+            for stmt in node.body
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+        }
+        above = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 2
+        if above < 0 or lines[above].strip():
+            raise NativeBuildError(f"{module}: no blank line above struct {node.name} to decorate")
+        lines[above] = f"@__import__('shoal.native', fromlist=['annotated']).annotated({texts!r})\n"
+    return "".join(lines)
+
+
 def build(target: Path | None = None, modules: Sequence[str] = NATIVE_MODULES) -> Path:
     """Compile ``modules`` into ``target`` (default :func:`native_dir`), replacing any
     build there. The sources are copied to a scratch directory first, so the package is
@@ -190,6 +223,11 @@ def build(target: Path | None = None, modules: Sequence[str] = NATIVE_MODULES) -
             PACKAGE, work / "shoal", ignore=shutil.ignore_patterns("__pycache__", "_native", "*.so")
         )
         files = [str(Path(*m.split(".")).with_suffix(".py")) for m in modules]
+        for module, file in zip(modules, files, strict=True):
+            path = work / file
+            path.write_text(
+                with_source_annotations(path.read_text(encoding="utf-8"), module), encoding="utf-8"
+            )
         proc = subprocess.run(
             [sys.executable, "-m", "mypyc", *files],
             cwd=work,
@@ -271,8 +309,8 @@ _SCHEMAS_SCRIPT = (
 
 
 def _check_decoding(staging: Path, modules: Sequence[str]) -> None:
-    """Fail unless the build in ``staging`` loads and every struct outside
-    :data:`IN_MEMORY_STRUCTS` has the schema it has from source (two subprocesses)."""
+    """Fail unless the build in ``staging`` loads and every struct of the package has
+    the schema it has from source (two subprocesses)."""
     import subprocess
 
     def schemas(**env: str) -> dict[str, Any]:
@@ -294,16 +332,11 @@ def _check_decoding(staging: Path, modules: Sequence[str]) -> None:
     if not_loaded:
         raise NativeBuildError(f"the build does not load: {', '.join(not_loaded)}")
     changed = sorted(
-        name
-        for name, schema in source["schemas"].items()
-        if compiled["schemas"].get(name) != schema and name not in IN_MEMORY_STRUCTS
+        name for name, schema in source["schemas"].items() if compiled["schemas"].get(name) != schema
     )
     if changed:
         raise NativeBuildError(
-            "compiled, these structs would decode differently from their source (mypyc "
-            f"drops type parameters from struct annotations): {', '.join(changed)}; "
-            "leave the modules that define them, or the structs they contain, out of "
-            "NATIVE_MODULES"
+            f"compiled, these structs would decode differently from their source: {', '.join(changed)}"
         )
 
 
