@@ -199,8 +199,9 @@ def test_the_build_decorates_each_struct_with_its_source_annotations() -> None:
     assert len(lines) == len(before)  # every line keeps its number
     changed = {i: line for i, line in enumerate(lines) if line != before[i]}
     assert sorted(before[i + 1].split("(")[0] for i in changed) == ["@staticmethod", "class A", "class C"]
-    assert "annotated({'nodes': 'dict[str, A]', 'at': 'float | None'})" in out
-    assert "annotated({'y': 'list[int]'})" in out and "annotated({'z': 'tuple[int, ...]'})" in out
+    assert "annotated({'nodes': 'dict[str, A]', 'at': 'float | None'}, {'kw_only': True})" in out
+    assert "annotated({'y': 'list[int]'}, {})" in out
+    assert "annotated({'z': 'tuple[int, ...]'}, {'frozen': True})" in out
     assert "class Plain" in out and "annotated({'x'" not in out
     with pytest.raises(native.NativeBuildError, match="no blank line above struct A"):
         native.with_source_annotations(STRUCTS.replace("\n\nclass A", "\n# A\nclass A"), "m")
@@ -223,3 +224,59 @@ def test_annotated_gives_a_struct_the_annotations_of_its_source() -> None:
     assert msgspec.json.decode(data, type=_Erased).nodes == {"a": {"n": 1}}
     native.annotated({"nodes": "dict[str, _Node]"})(_Restored)
     assert msgspec.json.decode(data, type=_Restored).nodes == {"a": _Node(n=1)}
+
+
+class _Frozen(msgspec.Struct):
+    x: int
+    y: list[int] = []  # a default factory, as msgspec makes it
+
+    def total(self) -> int:
+        return self.x + sum(self.y)
+
+
+def test_annotated_creates_a_struct_again_with_its_class_keywords() -> None:
+    """mypyc creates a struct without its class keywords (``frozen=True, kw_only=True``):
+    the decorator makes it again with them, keeping its methods and defaults."""
+    assert not _Frozen.__struct_config__.frozen
+    made = native.annotated({"x": "int", "y": "list[int]"}, {"frozen": True, "kw_only": True})(_Frozen)
+    assert made.__struct_config__.frozen
+    assert made.__struct_fields__ == ("x", "y")
+    one = made(x=1)
+    assert one.y == [] and made(x=1, y=[2]).total() == 3
+    with pytest.raises(TypeError):
+        made(1)  # kw_only
+    with pytest.raises(AttributeError):
+        one.x = 2  # type: ignore[misc]
+
+
+EXCEPTIONS = """\
+from __future__ import annotations
+
+import msgspec
+
+
+class Stalled(RuntimeError):
+    pass
+
+
+class Worse(Stalled):
+    pass
+
+
+class NotOne(msgspec.Struct):
+    pass
+"""
+
+
+def test_the_build_keeps_exception_classes_ordinary_python_classes() -> None:
+    out = native.with_python_exceptions(EXCEPTIONS, "m")
+    lines, before = out.splitlines(), EXCEPTIONS.splitlines()
+    assert len(lines) == len(before)
+    changed = [i for i, line in enumerate(lines) if line != before[i]]
+    assert [before[i + 1] for i in changed[1:]] == ["class Stalled(RuntimeError):", "class Worse(Stalled):"]
+    assert (
+        lines[0]
+        == "from __future__ import annotations; import mypy_extensions as _shoal_native_mypy_extensions"
+    )
+    assert lines[changed[1]] == "@_shoal_native_mypy_extensions.mypyc_attr(native_class=False)"
+    assert native.with_python_exceptions("x = 1\n", "m") == "x = 1\n"

@@ -9,14 +9,20 @@ the same fold, policies and placement either way, and a decision does not depend
 which form ran (``benchmarks/sim_equality.py --native`` compares the two over its 60
 runs; ``tests/test_native.py`` runs simulations both ways, and the emulated services).
 
-One mechanical change is made to the copy that is compiled
-(:func:`with_source_annotations`): each msgspec struct class gets a decorator, on the
-blank line above it, that gives the class the annotations Python gives the source's.
-mypyc writes a compiled struct's annotations without their type parameters, and msgspec
-decodes by them: without the decorator a compiled ``ClusterState`` decoded a snapshot's
-nodes as plain dicts, and the allocator of the emulated stack stopped at its first
-decision. The build then checks that every struct of the package has, compiled, the
-JSON schema it has from source (:func:`struct_schemas`), and fails otherwise.
+Two mechanical changes are made to the copy that is compiled (:func:`compiled_source`;
+every line keeps its number):
+
+* each msgspec struct class gets a decorator (:func:`annotated`), on the blank line
+  above it, that gives the class the annotations and the class keywords of the source.
+  mypyc drops both: a compiled ``ClusterState`` decoded a snapshot's nodes as plain
+  dicts, and the allocator of the emulated stack stopped at its first decision; a
+  ``frozen=True`` struct was mutable and unhashable;
+* each exception class is marked ``mypyc_attr(native_class=False)``
+  (:func:`with_python_exceptions`), so it stays the ordinary class of the source.
+
+The build then checks that every struct of the package has, compiled, the
+configuration, fields, constructor and JSON schema it has from source
+(:func:`struct_schemas`), and fails otherwise.
 
 A build applies only to the exact sources it was compiled from, and only when neither
 its directory nor any of its files can be written by other users than their owner. Its manifest records a
@@ -36,8 +42,9 @@ compiler and the Python headers.
 What a build changes besides speed: compiled functions check their arguments' types, so
 a stand-in that is not the annotated class (a test's duck-typed double of a ``JobView``)
 is refused with a ``TypeError``, and a class of one's own cannot subclass a compiled
-policy (mypyc's rule; with ``SHOAL_NATIVE=0`` it can). Four tests of ``tests/policies``
-use such doubles and fail with a build active; the test suite runs from source.
+class, a policy or the ``Simulator`` (mypyc's rule; with ``SHOAL_NATIVE=0`` it can).
+Tests that use such doubles or subclasses (four of ``tests/policies``, two that
+subclass the ``Simulator``) fail with a build active; the test suite runs from source.
 Docstrings and constructor signatures of compiled classes are read from their source
 files (:mod:`shoal.policies.registry`).
 """
@@ -83,6 +90,7 @@ NATIVE_MODULES: tuple[str, ...] = (
     "shoal.fairness.timeline",
     "shoal.fairness.trader",
     "shoal.fairness.workloads",
+    "shoal.sim.engine",
     "shoal.sim.metrics",
     "shoal.sim.log",
     "shoal.sim.costs",
@@ -97,13 +105,14 @@ NATIVE_MODULES: tuple[str, ...] = (
 """The modules a build compiles, from their sources as they are; each was checked to
 decide bit for bit as its source does (``benchmarks/reports/native_equality.md``).
 
-Left out, and run from source: the simulator's engine, the policy registry and the
-SideCar policies (mypyc cannot compile a subclass of a built-in exception, and the
-SideCar module assigns a class attribute that is not a ``ClassVar``); the event, model
-and workload definitions (compiled with them, before :func:`annotated` existed, msgspec
-refused a struct's field order at import; not tried since); and the modules not tried yet (the length-unaware
-wrapper, AFS for heterogeneous GPUs, the SideCar baselines, everything the services
-alone use).
+Left out, and run from source: the policy registry (not hot) and the SideCar policies
+(the SideCar module assigns a class attribute that is not a ``ClassVar``, which mypyc
+refuses); the event, model and workload definitions (compiled with them, before
+:func:`annotated` existed, msgspec refused a struct's field order at import: the class
+keywords were lost, ``kw_only`` among them; not tried since); and the modules not tried
+yet (the length-unaware wrapper, AFS for heterogeneous GPUs, the SideCar baselines,
+everything the services alone use). The engine is compiled since
+:func:`with_python_exceptions`: its one exception stays an ordinary class.
 
 Ways compiled code differed from its source, each met and fixed in the source:
 
@@ -118,7 +127,9 @@ Ways compiled code differed from its source, each met and fixed in the source:
   registry took Themis for a policy without a ``seed`` and built it with the default
   one; :func:`shoal.policies.registry.get_policy` now reads them as keywords.
 
-And one met in the build itself: the struct annotations above (:func:`annotated`).
+And met in the build itself, by the two mechanical changes of :func:`compiled_source`:
+mypyc drops a struct's type parameters and class keywords (:func:`annotated`), and
+compiles no subclass of most built-in exceptions (:func:`with_python_exceptions`).
 """
 
 
@@ -150,22 +161,63 @@ def _abi() -> str:
     return f"{sys.implementation.cache_tag}:{importlib.machinery.EXTENSION_SUFFIXES[0]}"
 
 
-def annotated(texts: dict[str, str]) -> Any:
+def annotated(texts: dict[str, str], options: dict[str, Any] | None = None) -> Any:
     """Class decorator a build puts on each msgspec struct it compiles
-    (:func:`with_source_annotations`): sets the class's ``__annotations__`` to ``texts``,
-    the text of its source annotations, which is what ``from __future__ import
-    annotations`` gives the class run from source. mypyc writes a compiled class's
-    annotations without their type parameters (``dict[str, NodeState]`` becomes
-    ``dict``, ``float | None`` becomes ``type``; mypyc issue 988), and msgspec decodes
-    by them: a compiled ``ClusterState`` decoded a snapshot's nodes as plain dicts.
-    msgspec reads the types when it first decodes a class, so the class decodes as its
-    source does; its fields (names, order, defaults) are already those of the source."""
+    (:func:`with_source_annotations`), for two things mypyc does not carry over:
+
+    * ``texts``, the text of the source annotations, become the class's
+      ``__annotations__``, which is what ``from __future__ import annotations`` gives
+      the class run from source. mypyc writes them without their type parameters
+      (``dict[str, NodeState]`` becomes ``dict``, ``float | None`` becomes ``type``;
+      mypyc issue 988), and msgspec decodes by them: a compiled ``ClusterState``
+      decoded a snapshot's nodes as plain dicts. msgspec reads the types when it first
+      decodes a class, so this is in time.
+    * ``options``, the class keywords of the source (``frozen=True, kw_only=True``):
+      mypyc creates a compiled module's classes without them, so a frozen struct was
+      mutable and unhashable. The class is created again with them, from the same
+      namespace (its compiled methods included) and defaults.
+    """
 
     def decorate(cls: type) -> type:
         cls.__annotations__ = dict(texts)
-        return cls
+        return _with_options(cls, options) if options else cls
 
     return decorate
+
+
+def _with_options(cls: Any, options: dict[str, Any]) -> type:
+    import types
+
+    import msgspec
+
+    fields: tuple[str, ...] = cls.__struct_fields__
+    defaults = dict(
+        zip(fields[len(fields) - len(cls.__struct_defaults__) :], cls.__struct_defaults__, strict=True)
+    )
+    encode = dict(zip(fields, cls.__struct_encode_fields__, strict=True))
+    namespace: dict[str, Any] = {"__qualname__": cls.__qualname__}
+    for key, value in cls.__dict__.items():
+        if key in ("__slots__", "__dict__", "__weakref__"):
+            continue
+        if key in encode and isinstance(value, types.MemberDescriptorType):
+            continue  # a field's slot: the field is declared again below
+        namespace[key] = value
+    for name in cls.__annotations__:
+        if name not in encode:
+            continue  # a ClassVar, or not this class's field
+        spec: dict[str, Any] = {}
+        if name in defaults:
+            default = defaults[name]
+            if type(default).__name__ == "Factory":
+                spec["default_factory"] = default.factory
+            else:
+                spec["default"] = default
+        if encode[name] != name:
+            spec["name"] = encode[name]
+        if spec:
+            namespace[name] = msgspec.field(**spec)
+    made: type = type(cls)(cls.__name__, cls.__bases__, namespace, **options)
+    return made
 
 
 def _is_struct_base(base: ast.expr, structs: set[str]) -> bool:
@@ -196,11 +248,84 @@ def with_source_annotations(source: str, module: str) -> str:
             for stmt in node.body
             if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
         }
+        try:
+            options = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
+        except ValueError as exc:
+            raise NativeBuildError(
+                f"{module}: struct {node.name} has a class keyword that is not a literal"
+            ) from exc
         above = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 2
         if above < 0 or lines[above].strip():
             raise NativeBuildError(f"{module}: no blank line above struct {node.name} to decorate")
-        lines[above] = f"@__import__('shoal.native', fromlist=['annotated']).annotated({texts!r})\n"
+        lines[above] = (
+            f"@__import__('shoal.native', fromlist=['annotated']).annotated({texts!r}, {options!r})\n"
+        )
     return "".join(lines)
+
+
+def _is_exception_base(base: ast.expr, exceptions: set[str]) -> bool:
+    import builtins
+
+    if not isinstance(base, ast.Name):
+        return False
+    if base.id in exceptions:
+        return True
+    found = getattr(builtins, base.id, None)
+    return isinstance(found, type) and issubclass(found, BaseException)
+
+
+_MYPYC = "_shoal_native_mypy_extensions"
+
+
+def with_python_exceptions(source: str, module: str) -> str:
+    """``source`` as a build compiles it: every exception class (a top-level class with
+    a built-in exception, or an exception class of the same module, as a base) marked
+    ``@mypyc_attr(native_class=False)``, mypyc's own way of keeping a class an ordinary
+    Python class inside a compiled module. (mypyc compiles only some built-in
+    exceptions as bases of its native classes, ``RuntimeError`` not among them; an
+    ordinary class is what the source defines anyway.) As in
+    :func:`with_source_annotations`, the decorator takes the blank line above the class,
+    and the import it needs joins the ``from __future__`` line: every line keeps its
+    number.
+
+    Raises:
+        NativeBuildError: an exception class without a blank line above it, or a module
+            with exception classes and no ``from __future__ import annotations`` line.
+    """
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    exceptions: set[str] = set()
+    for node in tree.body:
+        if not (
+            isinstance(node, ast.ClassDef) and any(_is_exception_base(b, exceptions) for b in node.bases)
+        ):
+            continue
+        exceptions.add(node.name)
+        above = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 2
+        if above < 0 or lines[above].strip():
+            raise NativeBuildError(f"{module}: no blank line above exception {node.name} to decorate")
+        lines[above] = f"@{_MYPYC}.mypyc_attr(native_class=False)\n"
+    if not exceptions:
+        return source
+    future = next(
+        (
+            n
+            for n in tree.body
+            if isinstance(n, ast.ImportFrom) and n.module == "__future__" and n.lineno == n.end_lineno
+        ),
+        None,
+    )
+    if future is None:
+        raise NativeBuildError(f"{module}: no one-line `from __future__` import to join")
+    line = lines[future.lineno - 1].rstrip("\n")
+    lines[future.lineno - 1] = f"{line}; import mypy_extensions as {_MYPYC}\n"
+    return "".join(lines)
+
+
+def compiled_source(source: str, module: str) -> str:
+    """What a build compiles of ``source``: :func:`with_source_annotations` and
+    :func:`with_python_exceptions`; the same lines, with the same numbers."""
+    return with_python_exceptions(with_source_annotations(source, module), module)
 
 
 def build(target: Path | None = None, modules: Sequence[str] = NATIVE_MODULES) -> Path:
@@ -225,9 +350,7 @@ def build(target: Path | None = None, modules: Sequence[str] = NATIVE_MODULES) -
         files = [str(Path(*m.split(".")).with_suffix(".py")) for m in modules]
         for module, file in zip(modules, files, strict=True):
             path = work / file
-            path.write_text(
-                with_source_annotations(path.read_text(encoding="utf-8"), module), encoding="utf-8"
-            )
+            path.write_text(compiled_source(path.read_text(encoding="utf-8"), module), encoding="utf-8")
         proc = subprocess.run(
             [sys.executable, "-m", "mypyc", *files],
             cwd=work,
@@ -267,8 +390,11 @@ def build(target: Path | None = None, modules: Sequence[str] = NATIVE_MODULES) -
 
 def struct_schemas() -> dict[str, Any]:
     """Every msgspec struct of the package (each module imported in turn; one that does
-    not import here, for a missing optional dependency, is skipped) -> its JSON schema
-    without descriptions and titles: what decoding it accepts and what it builds."""
+    not import here, for a missing optional dependency, is skipped) -> its
+    configuration (``frozen``, ``eq``, ``tag``, ...), fields, encoded names, defaults,
+    constructor parameters (``kw_only``) and JSON schema without descriptions and
+    titles (what decoding it accepts and what it builds)."""
+    import inspect
     import pkgutil
 
     import msgspec
@@ -295,10 +421,19 @@ def struct_schemas() -> dict[str, Any]:
                 continue
             if obj.__module__ != info.name:
                 continue
+            config = obj.__struct_config__
+            described: dict[str, Any] = {
+                "config": {a: repr(getattr(config, a)) for a in dir(config) if not a.startswith("_")},
+                "fields": list(obj.__struct_fields__),
+                "encode": list(obj.__struct_encode_fields__),
+                "defaults": [repr(d) for d in obj.__struct_defaults__],
+                "parameters": [(p.name, p.kind.name) for p in inspect.signature(obj).parameters.values()],
+            }
             try:
-                out[f"{info.name}.{name}"] = strip(msgspec.json.schema(obj))
+                described["schema"] = strip(msgspec.json.schema(obj))
             except (TypeError, ValueError) as exc:
-                out[f"{info.name}.{name}"] = f"no schema: {exc}"
+                described["schema"] = f"no schema: {exc}"
+            out[f"{info.name}.{name}"] = described
     return out
 
 
