@@ -102,8 +102,9 @@ NATIVE_MODULES: tuple[str, ...] = (
     "shoal.placement.regulate",
     "shoal.placement.topology",
 )
-"""The modules a build compiles, from their sources as they are; each was checked to
-decide bit for bit as its source does (``benchmarks/reports/native_equality.md``).
+"""The modules a build compiles, from their sources with :func:`compiled_source`'s two
+line-for-line changes; each was checked to decide bit for bit as its source does
+(``benchmarks/reports/native_equality.md``).
 
 Left out, and run from source: the policy registry (not hot) and the SideCar policies
 (the SideCar module assigns a class attribute that is not a ``ClassVar``, which mypyc
@@ -444,8 +445,8 @@ _SCHEMAS_SCRIPT = (
 
 
 def _check_decoding(staging: Path, modules: Sequence[str]) -> None:
-    """Fail unless the build in ``staging`` loads and every struct of the package has
-    the schema it has from source (two subprocesses)."""
+    """Fail unless the build in ``staging`` loads and every struct of the package is,
+    compiled, what :func:`struct_schemas` says it is from source (two subprocesses)."""
     import subprocess
 
     def schemas(**env: str) -> dict[str, Any]:
