@@ -203,7 +203,7 @@ def test_the_build_decorates_each_struct_with_its_source_annotations() -> None:
     assert "annotated({'y': 'list[int]'}, {})" in out
     assert "annotated({'z': 'tuple[int, ...]'}, {'frozen': True})" in out
     assert "class Plain" in out and "annotated({'x'" not in out
-    with pytest.raises(native.NativeBuildError, match="no blank line above struct A"):
+    with pytest.raises(native.NativeBuildError, match="struct A: no blank line above it"):
         native.with_source_annotations(STRUCTS.replace("\n\nclass A", "\n# A\nclass A"), "m")
 
 

@@ -221,6 +221,15 @@ def _with_options(cls: Any, options: dict[str, Any]) -> type:
     return made
 
 
+def _blank_line_above(node: ast.ClassDef, lines: list[str], what: str) -> int:
+    """Index in ``lines`` of the blank line above ``node`` and its decorators, where a
+    build's decorator goes (so every line keeps its number)."""
+    above = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 2
+    if above < 0 or lines[above].strip():
+        raise NativeBuildError(f"{what}: no blank line above it to put a decorator on")
+    return above
+
+
 def _is_struct_base(base: ast.expr, structs: set[str]) -> bool:
     if isinstance(base, ast.Name):
         return base.id == "Struct" or base.id in structs
@@ -255,10 +264,7 @@ def with_source_annotations(source: str, module: str) -> str:
             raise NativeBuildError(
                 f"{module}: struct {node.name} has a class keyword that is not a literal"
             ) from exc
-        above = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 2
-        if above < 0 or lines[above].strip():
-            raise NativeBuildError(f"{module}: no blank line above struct {node.name} to decorate")
-        lines[above] = (
+        lines[_blank_line_above(node, lines, f"{module}: struct {node.name}")] = (
             f"@__import__('shoal.native', fromlist=['annotated']).annotated({texts!r}, {options!r})\n"
         )
     return "".join(lines)
@@ -302,9 +308,7 @@ def with_python_exceptions(source: str, module: str) -> str:
         ):
             continue
         exceptions.add(node.name)
-        above = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 2
-        if above < 0 or lines[above].strip():
-            raise NativeBuildError(f"{module}: no blank line above exception {node.name} to decorate")
+        above = _blank_line_above(node, lines, f"{module}: exception {node.name}")
         lines[above] = f"@{_MYPYC}.mypyc_attr(native_class=False)\n"
     if not exceptions:
         return source
