@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -135,6 +136,12 @@ def test_shoal_native_build_compiles_every_listed_module(tmp_path: Path) -> None
     assert live.returncode == 0, live.stderr[-3000:]
     row = next(line for line in live.stdout.splitlines() if line.startswith("| philly:0e4a51:12"))
     assert row.endswith("| met | met |"), row
+    # The command a user runs, with the build: `shoal demo` starts the services as processes.
+    demo = [sys.executable, "-m", "shoal.cli", "demo", "--jobs", "5", "--time-scale", "5000"]
+    demo += ["--nodes", "2", "--gpus-per-node", "2", "--tick", "0.5"]
+    shown = _run(demo, SHOAL_NATIVE_DIR=str(directory))
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert re.search(r"^\s*jobs completed\s+5/5$", shown.stdout, flags=re.M), shown.stdout
     for run in (
         ("philly:0e4a51:250", "afs-l", "1", "topology"),
         ("philly:2869ce:200", "afs-p", "0", "flat"),

@@ -384,7 +384,7 @@ def build(target: Path | None = None, modules: Sequence[str] = NATIVE_MODULES) -
         manifest = {"digest": digest, "abi": _abi(), "modules": list(modules), "extensions": names}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         try:
-            _check_decoding(staging, modules)
+            _check_structs(staging, modules)
         except NativeBuildError:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -448,7 +448,7 @@ _SCHEMAS_SCRIPT = (
 )
 
 
-def _check_decoding(staging: Path, modules: Sequence[str]) -> None:
+def _check_structs(staging: Path, modules: Sequence[str]) -> None:
     """Fail unless the build in ``staging`` loads and every struct of the package is,
     compiled, what :func:`struct_schemas` says it is from source (two subprocesses)."""
     import subprocess

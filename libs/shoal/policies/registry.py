@@ -17,6 +17,7 @@ Errors:
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 from pathlib import Path
@@ -114,13 +115,20 @@ def _source_classes(cls: type[Any]) -> list[ast.ClassDef]:
         parts = klass.__module__.split(".")
         if parts[0] != "shoal":
             continue
-        path = root.joinpath(*parts[1:]).with_suffix(".py")
-        try:
-            tree = ast.parse(path.read_bytes())
-        except (OSError, SyntaxError, ValueError):
-            continue
-        out += [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == klass.__name__]
+        tree = _source_tree(root.joinpath(*parts[1:]).with_suffix(".py"))
+        if tree is not None:
+            out += [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == klass.__name__]
     return out
+
+
+@functools.cache
+def _source_tree(path: Path) -> ast.Module | None:
+    """The parsed source file (once per process: a build applies only while the sources
+    are those it was built from), or None when it cannot be read."""
+    try:
+        return ast.parse(path.read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return None
 
 
 def _source_signature(classes: list[ast.ClassDef]) -> inspect.Signature | None:
