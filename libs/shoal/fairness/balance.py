@@ -37,6 +37,7 @@ Choices where the paper is silent:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -176,6 +177,7 @@ def rebalance(
     threshold: float = 0.25,
     max_migrations: int = 1,
     movable: Mapping[str, bool] | None = None,
+    loads: Mapping[str, float] | None = None,
 ) -> list[Migration]:
     """Migrations that even out ticket load per GPU (§3.2, §3.5 "Migration").
 
@@ -187,6 +189,9 @@ def rebalance(
         threshold: Migrate while ``max − min > threshold × mean`` load.
         max_migrations: Most moves returned.
         movable: Job -> whether it may move (default: every single-node job).
+        loads: :func:`ticket_load_per_gpu` of exactly these arguments, when the caller
+            has it (the first round then does not compute it again; later rounds do,
+            after their move).
 
     Returns:
         The moves, in the order to make them.
@@ -195,7 +200,8 @@ def rebalance(
     moves: list[Migration] = []
 
     for _ in range(max_migrations):
-        loads = ticket_load_per_gpu(node_gpus, place, job_size, job_tickets_per_gpu)
+        if loads is None or moves:
+            loads = ticket_load_per_gpu(node_gpus, place, job_size, job_tickets_per_gpu)
         finite = {n: v for n, v in loads.items() if math.isfinite(v)}
         if len(finite) < 2:
             break
@@ -241,6 +247,17 @@ def rebalance(
 
 
 def idle_risk(num_gpus: int, sizes: Sequence[int]) -> int:
+    """:func:`idle_risk_of` (the same answer, memoised on the node's GPUs and its sizes:
+    the nodes of a generation hold few distinct mixes, and every quantum asks again)."""
+    return _idle_risk_memo(num_gpus, tuple(sizes))
+
+
+@functools.lru_cache(maxsize=4096)
+def _idle_risk_memo(num_gpus: int, sizes: tuple[int, ...]) -> int:
+    return idle_risk_of(num_gpus, sizes)
+
+
+def idle_risk_of(num_gpus: int, sizes: Sequence[int]) -> int:
     """GPUs a node may have to leave idle in some quantum by fragmentation (§3.3).
 
     For each job J on the node, the other jobs can fill at most the best subset

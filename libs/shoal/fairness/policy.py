@@ -85,6 +85,7 @@ carries what happened in this decision for the caller to publish: ``node_hints``
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -478,6 +479,9 @@ class GandivaFairPolicy:
             }
             placed: dict[str, tuple[str, ...]] = {}
             fresh: list[str] = []
+            # Whether every gang is on distinct nodes (always, as the policy places
+            # them): node_load below is then eq. (2) exactly as rebalance computes it.
+            distinct = True
             for j in here:
                 prev_nodes = placement_mem.get(j)
                 if not prev_nodes:
@@ -488,13 +492,21 @@ class GandivaFairPolicy:
                         placed[j] = tuple(prev_nodes)
                     else:
                         fresh.append(j)
-                elif (
-                    all(n in node_gpus for n in prev_nodes)
-                    and sum(node_gpus[n] for n in prev_nodes) >= size[j]
-                ):
-                    placed[j] = tuple(prev_nodes)
                 else:
-                    fresh.append(j)
+                    # It stays if all its nodes are still there and hold the gang.
+                    got = 0
+                    for node in prev_nodes:
+                        gpus = node_gpus.get(node)
+                        if gpus is None:
+                            got = -1
+                            break
+                        got += gpus
+                    if got >= size[j]:
+                        placed[j] = tuple(prev_nodes)
+                        if distinct and len(set(prev_nodes)) != len(prev_nodes):
+                            distinct = False
+                    else:
+                        fresh.append(j)
             node_load = dict.fromkeys(node_gpus, 0.0)
             node_sizes: dict[str, list[int]] = {n: [] for n in node_gpus}
             for j, nodes in placed.items():
@@ -517,7 +529,19 @@ class GandivaFairPolicy:
             if new_quantum:
                 sizes_here = {j: size[j] for j in placed}
                 moves = rebalance(
-                    node_gpus, placed, sizes_here, tpg, threshold=self.balance_threshold, max_migrations=1
+                    node_gpus,
+                    placed,
+                    sizes_here,
+                    tpg,
+                    threshold=self.balance_threshold,
+                    max_migrations=1,
+                    # node_load sums eq. (2)'s terms of `placed` in its order, as
+                    # ticket_load_per_gpu does for gangs on distinct nodes.
+                    loads=(
+                        {n: (node_load[n] / g if g > 0 else math.inf) for n, g in node_gpus.items()}
+                        if distinct
+                        else None
+                    ),
                 )
                 for m in moves:
                     placed[m.job_id] = (m.target,)

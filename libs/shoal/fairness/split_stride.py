@@ -85,26 +85,25 @@ def split_stride_quantum(
         Who runs, and the passes after the quantum (entries for departed jobs and
         servers without small jobs are dropped).
     """
-    small_by_server: dict[str, list[StrideJob]] = {s: [] for s in server_gpus}
-    large: list[PlacedJob] = []
+    # A small job goes to its server's local stride as it is (it has the fields
+    # gang_aware_stride reads).
+    small_by_server: dict[str, list[PlacedJob]] = {s: [] for s in server_gpus}
+    # Central entries: (key, size in GPUs, is_large, tickets, servers): the servers'
+    # aggregates, then the large jobs (the order of the passes returned).
+    large: list[tuple[str, int, bool, float, tuple[str, ...]]] = []
     for job in jobs:
-        if len(job.servers) == 1:
-            small_by_server[job.servers[0]].append(
-                StrideJob(
-                    job_id=job.job_id, size=job.size, job_tickets=job.job_tickets, arrival_s=job.arrival_s
-                )
-            )
+        servers = job.servers
+        if len(servers) == 1:
+            small_by_server[servers[0]].append(job)
         else:
-            large.append(job)
-
-    # Central entries: (key, size in GPUs, is_large, tickets, servers).
-    entries: list[tuple[str, int, bool, float, tuple[str, ...]]] = []
-    for server, small in small_by_server.items():
-        if small:
-            entries.append((server, server_gpus[server], False, sum(j.job_tickets for j in small), (server,)))
-    for job in large:
-        entries.append((_large_key(job.job_id), job.size, True, job.job_tickets, job.servers))
-    start = new_job_pass(central_passes[e[0]] for e in entries if e[0] in central_passes)
+            large.append(("job:" + job.job_id, job.size, True, job.job_tickets, servers))  # _large_key
+    entries: list[tuple[str, int, bool, float, tuple[str, ...]]] = [
+        (server, server_gpus[server], False, sum(j.job_tickets for j in small), (server,))
+        for server, small in small_by_server.items()
+        if small
+    ]
+    entries += large
+    start = new_job_pass([central_passes[e[0]] for e in entries if e[0] in central_passes])
     central = {e[0]: central_passes.get(e[0], start) for e in entries}
     entries.sort(key=lambda e: (e[3] <= 0, central[e[0]], e[1], e[2], e[0]))
 

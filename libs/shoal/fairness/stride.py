@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 from msgspec import Struct
 
@@ -45,6 +46,24 @@ class StrideJob(Struct, frozen=True, kw_only=True):
     job_tickets: float
     """Tickets of the job, eq. (3): ``tickets_per_gpu · size``."""
     arrival_s: float = 0.0
+
+
+class Gang(Protocol):
+    """What Algorithm 1 reads of a job: :class:`StrideJob`'s fields (a
+    :class:`~shoal.fairness.split_stride.PlacedJob` has them too, so split stride
+    passes its small jobs as they are)."""
+
+    @property
+    def job_id(self) -> str: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def job_tickets(self) -> float: ...
+
+    @property
+    def arrival_s(self) -> float: ...
 
 
 class StrideResult(Struct, frozen=True, kw_only=True):
@@ -86,7 +105,7 @@ def order_key(pass_value: float, job_tickets: float, size: int, arrival_s: float
 
 
 def gang_aware_stride(
-    jobs: Sequence[StrideJob],
+    jobs: Sequence[Gang],
     num_gpus: int,
     passes: Mapping[str, float],
     stride1: float = STRIDE1,
@@ -102,7 +121,19 @@ def gang_aware_stride(
     Returns:
         The scheduled jobs and every job's new pass value.
     """
-    start = new_job_pass(passes[j.job_id] for j in jobs if j.job_id in passes)
+    if len(jobs) == 1:
+        # The steps below for a lone job (most servers of a long queue hold one): its
+        # own pass, else new_job_pass of no other pass (0); it runs if it fits.
+        job = jobs[0]
+        job_id = job.job_id
+        value = passes.get(job_id, 0.0)
+        if num_gpus > 0 and job.size <= num_gpus:
+            step = stride(job.size, job.job_tickets, stride1)
+            if math.isfinite(step):
+                value += step
+            return StrideResult(scheduled=(job_id,), passes={job_id: value}, free_gpus=num_gpus - job.size)
+        return StrideResult(scheduled=(), passes={job_id: value}, free_gpus=num_gpus)
+    start = new_job_pass([passes[j.job_id] for j in jobs if j.job_id in passes])
     current = {j.job_id: passes.get(j.job_id, start) for j in jobs}
     # order_key, inline (a call per job is measurable here).
     ordered = sorted(
