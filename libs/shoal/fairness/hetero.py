@@ -102,10 +102,10 @@ def record_sample(
         old, recent = out[:-confirm], out[-confirm:]
         mean = sum(old) / len(old)
         if mean > 0:
-            above = all(r > mean * (1 + change_threshold) for r in recent)
-            below = all(r < mean * (1 - change_threshold) for r in recent)
-            if above or below:
-                return list(recent)
+            high = mean * (1 + change_threshold)
+            low = mean * (1 - change_threshold)
+            if all(r > high for r in recent) or all(r < low for r in recent):
+                return recent
     return out
 
 

@@ -469,31 +469,42 @@ class GandivaFairPolicy:
         for gen in order:
             node_gpus = _node_gpus(gen, gens[gen], view.gpus_per_node)
             here = [j for j in gen_of if gen_of[j] == gen]
-            tpg = {
-                j: (
-                    held[jobs[j].user][gen] / load[jobs[j].user][gen]
-                    if load[jobs[j].user].get(gen, 0) > 0
-                    else 0.0
-                )
-                for j in here
-            }
+            # Eq. (1) on effective tickets: the user's holding here over the GPUs its
+            # jobs here need, once per user.
+            tpg: dict[str, float] = {}
+            tpg_of_user: dict[str, float] = {}
+            for j in here:
+                user = jobs[j].user
+                t = tpg_of_user.get(user)
+                if t is None:
+                    load_u = load[user]
+                    t = tpg_of_user[user] = held[user][gen] / load_u[gen] if load_u.get(gen, 0) > 0 else 0.0
+                tpg[j] = t
             placed: dict[str, tuple[str, ...]] = {}
             fresh: list[str] = []
+            # A job stays where it was while its nodes are still there and hold its
+            # gang; its eq. (2) load is added as it is kept (the order of `placed`).
+            node_load = dict.fromkeys(node_gpus, 0.0)
+            node_sizes: dict[str, list[int]] = {n: [] for n in node_gpus}
             # Whether every gang is on distinct nodes (always, as the policy places
-            # them): node_load below is then eq. (2) exactly as rebalance computes it.
+            # them): node_load is then eq. (2) exactly as rebalance computes it.
             distinct = True
             for j in here:
                 prev_nodes = placement_mem.get(j)
                 if not prev_nodes:
                     fresh.append(j)
                 elif len(prev_nodes) == 1:
-                    gpus = node_gpus.get(prev_nodes[0])
-                    if gpus is not None and gpus >= size[j]:
-                        placed[j] = tuple(prev_nodes)
+                    node = prev_nodes[0]
+                    gpus = node_gpus.get(node)
+                    s_j = size[j]
+                    if gpus is not None and gpus >= s_j:
+                        placed[j] = (node,)
+                        # _add_load of a gang on one node, inline (most gangs).
+                        node_load[node] += min(gpus, s_j) * tpg[j]
+                        node_sizes[node].append(s_j)
                     else:
                         fresh.append(j)
                 else:
-                    # It stays if all its nodes are still there and hold the gang.
                     got = 0
                     for node in prev_nodes:
                         gpus = node_gpus.get(node)
@@ -505,18 +516,14 @@ class GandivaFairPolicy:
                         placed[j] = tuple(prev_nodes)
                         if distinct and len(set(prev_nodes)) != len(prev_nodes):
                             distinct = False
+                        left = size[j]  # _add_load, inline
+                        t = tpg[j]
+                        for node in prev_nodes:
+                            take = min(node_gpus[node], left)
+                            node_load[node] += take * t
+                            left -= take
                     else:
                         fresh.append(j)
-            node_load = dict.fromkeys(node_gpus, 0.0)
-            node_sizes: dict[str, list[int]] = {n: [] for n in node_gpus}
-            for j, nodes in placed.items():
-                if len(nodes) == 1:
-                    # _add_load of a gang on one node, inline (most gangs).
-                    node = nodes[0]
-                    node_load[node] += min(node_gpus[node], size[j]) * tpg[j]
-                    node_sizes[node].append(size[j])
-                else:
-                    self._add_load(node_load, node_gpus, nodes, size[j], tpg[j])
             for j in sorted(fresh, key=lambda k: (jobs[k].arrival_s, k)):
                 loads = {n: v / node_gpus[n] for n, v in node_load.items()}
                 nodes = place_job(size[j], node_gpus, loads, node_sizes if self.pack_on_placement else None)

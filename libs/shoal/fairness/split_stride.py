@@ -115,16 +115,18 @@ def split_stride_quantum(
     for key, size, is_large, tickets, servers in entries:  # Algorithm 1 over central entries
         if free_count == 0:
             break
-        if not (
-            free.get(servers[0], False) if len(servers) == 1 else all(free.get(s, False) for s in servers)
-        ):
+        if len(servers) == 1:
+            if not free.get(servers[0], False):
+                continue
+        elif not all(free.get(s, False) for s in servers):
             continue
         for s in servers:
             free[s] = False
             free_count -= 1
-        step = stride(size, tickets, stride1)
-        if math.isfinite(step):
-            central[key] += step
+        if tickets > 0:  # stride(size, tickets, stride1), inline; inf (no move) without tickets
+            step = stride1 * size / tickets
+            if math.isfinite(step):
+                central[key] += step
         if is_large:
             scheduled.append(key[4:])
             rest = size
