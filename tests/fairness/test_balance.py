@@ -118,3 +118,35 @@ def _idle_risk_by_enumeration(num_gpus: int, sizes: list[int]) -> int:
 def test_idle_risk_is_the_worst_subset_sum_shortfall(num_gpus: int, sizes: list[int]) -> None:
     # idle_risk works per distinct size with bitsets and early exits; the definition does not.
     assert idle_risk(num_gpus, sizes) == _idle_risk_by_enumeration(num_gpus, sizes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    jobs=hs.lists(
+        hs.tuples(
+            hs.sampled_from([1, 2, 4, 8]),
+            hs.integers(min_value=0, max_value=3),
+            hs.sampled_from([10.0, 25.0, 60.0]),
+        ),
+        max_size=10,
+    ),
+)
+def test_rebalance_with_the_callers_loads_moves_as_without(jobs: list[tuple[int, int, float]]) -> None:
+    # Gandiva_fair passes the eq. (2) loads it has just summed; the moves must be the
+    # ones rebalance finds computing them itself (the first round only: later rounds
+    # recompute after their move).
+    node_gpus = {f"n{i}": 4 for i in range(4)}
+    nodes = list(node_gpus)
+    placement = {
+        f"j{k}": tuple(nodes[(first + i) % 4] for i in range((size + 3) // 4))
+        for k, (size, first, _) in enumerate(jobs)
+    }
+    size = {f"j{k}": s for k, (s, _, _) in enumerate(jobs)}
+    tpg = {f"j{k}": t for k, (_, _, t) in enumerate(jobs)}
+    loads = ticket_load_per_gpu(node_gpus, placement, size, tpg)
+    for rounds in (1, 3):
+        expected = rebalance(node_gpus, placement, size, tpg, threshold=0.1, max_migrations=rounds)
+        assert (
+            rebalance(node_gpus, placement, size, tpg, threshold=0.1, max_migrations=rounds, loads=loads)
+            == expected
+        )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 from shoal.fairness.balance import job_tickets, tickets_per_gpu
 from shoal.fairness.stride import (
     StrideJob,
@@ -110,3 +112,51 @@ def test_lottery_only_schedules_jobs_that_fit() -> None:
         chosen = lottery_with_backfilling(jobs, 4, rng)
         assert sum(next(j.size for j in jobs if j.job_id == c) for c in chosen) <= 4
         assert len(set(chosen)) == len(chosen)
+
+
+def _algorithm1(
+    jobs: list[StrideJob], num_gpus: int, passes: dict[str, float]
+) -> tuple[tuple[str, ...], dict[str, float], int]:
+    """Algorithm 1 as the paper states it, with the documented start pass and tie-break."""
+    known = [passes[j.job_id] for j in jobs if j.job_id in passes and math.isfinite(passes[j.job_id])]
+    start = min(known) if known else 0.0
+    current = {j.job_id: passes.get(j.job_id, start) for j in jobs}
+    free, scheduled = num_gpus, []
+    for job in sorted(
+        jobs, key=lambda j: (j.job_tickets <= 0, current[j.job_id], j.size, j.arrival_s, j.job_id)
+    ):
+        if free <= 0:
+            break
+        if job.size <= free:
+            free -= job.size
+            scheduled.append(job.job_id)
+            if job.job_tickets > 0:
+                current[job.job_id] += job.size / job.job_tickets
+    return tuple(scheduled), current, free
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    cases=hs.lists(
+        hs.tuples(
+            hs.sampled_from([1, 2, 4, 8]),
+            hs.sampled_from([0.0, 25.0, 100.0, 400.0]),
+            hs.one_of(hs.none(), hs.sampled_from([0.0, 0.5, 3.0, math.inf])),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    num_gpus=hs.integers(min_value=0, max_value=8),
+)
+def test_gang_aware_stride_matches_algorithm_1_lone_jobs_included(
+    cases: list[tuple[int, float, float | None]], num_gpus: int
+) -> None:
+    # A lone job takes a shortcut past the sort; one to four jobs, with and without
+    # passes (infinite ones too), tickets or GPUs, must all agree with Algorithm 1.
+    jobs = [
+        StrideJob(job_id=f"j{i}", size=s, job_tickets=t, arrival_s=float(i))
+        for i, (s, t, _) in enumerate(cases)
+    ]
+    passes = {f"j{i}": p for i, (_, _, p) in enumerate(cases) if p is not None}
+    result = gang_aware_stride(jobs, num_gpus, passes)
+    assert (result.scheduled, result.passes, result.free_gpus) == _algorithm1(jobs, num_gpus, passes)

@@ -247,17 +247,6 @@ def rebalance(
 
 
 def idle_risk(num_gpus: int, sizes: Sequence[int]) -> int:
-    """:func:`idle_risk_of` (the same answer, memoised on the node's GPUs and its sizes:
-    the nodes of a generation hold few distinct mixes, and every quantum asks again)."""
-    return _idle_risk_memo(num_gpus, tuple(sizes))
-
-
-@functools.lru_cache(maxsize=4096)
-def _idle_risk_memo(num_gpus: int, sizes: tuple[int, ...]) -> int:
-    return idle_risk_of(num_gpus, sizes)
-
-
-def idle_risk_of(num_gpus: int, sizes: Sequence[int]) -> int:
     """GPUs a node may have to leave idle in some quantum by fragmentation (§3.3).
 
     For each job J on the node, the other jobs can fill at most the best subset
@@ -272,7 +261,16 @@ def idle_risk_of(num_gpus: int, sizes: Sequence[int]) -> int:
 
     Returns:
         The idle risk in GPUs (0 when the node is well packed or empty).
+
+    Memoised on ``(num_gpus, sizes)`` (the answer does not depend on the order of the
+    sizes): a generation's nodes hold few distinct mixes, and every quantum asks again.
     """
+    return _idle_risk(num_gpus, tuple(sizes))
+
+
+@functools.lru_cache(maxsize=4096)
+def _idle_risk(num_gpus: int, sizes: tuple[int, ...]) -> int:
+    """:func:`idle_risk`, computed."""
     usable = min(num_gpus, sum(sizes))
     count = Counter(sizes)
     worst = 0
