@@ -122,8 +122,8 @@ def gang_aware_stride(
         The scheduled jobs and every job's new pass value.
     """
     if len(jobs) == 1:
-        # The steps below for a lone job (most servers of a long queue hold one): its
-        # own pass, else new_job_pass of no other pass (0); it runs if it fits.
+        # The steps below for a lone job (common while the queue is short): its own
+        # pass, else new_job_pass of no other pass (0); it runs if it fits.
         job = jobs[0]
         job_id = job.job_id
         value = passes.get(job_id, 0.0)
