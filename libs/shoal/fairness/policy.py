@@ -516,12 +516,7 @@ class GandivaFairPolicy:
                         placed[j] = tuple(prev_nodes)
                         if distinct and len(set(prev_nodes)) != len(prev_nodes):
                             distinct = False
-                        left = size[j]  # _add_load, inline
-                        t = tpg[j]
-                        for node in prev_nodes:
-                            take = min(node_gpus[node], left)
-                            node_load[node] += take * t
-                            left -= take
+                        self._add_load(node_load, node_gpus, placed[j], size[j], tpg[j])
                     else:
                         fresh.append(j)
             for j in sorted(fresh, key=lambda k: (jobs[k].arrival_s, k)):

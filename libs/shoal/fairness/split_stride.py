@@ -96,7 +96,7 @@ def split_stride_quantum(
         if len(servers) == 1:
             small_by_server[servers[0]].append(job)
         else:
-            large.append(("job:" + job.job_id, job.size, True, job.job_tickets, servers))  # _large_key
+            large.append((_large_key(job.job_id), job.size, True, job.job_tickets, servers))
     entries: list[tuple[str, int, bool, float, tuple[str, ...]]] = [
         (server, server_gpus[server], False, sum(j.job_tickets for j in small), (server,))
         for server, small in small_by_server.items()
@@ -123,10 +123,9 @@ def split_stride_quantum(
         for s in servers:
             free[s] = False
             free_count -= 1
-        if tickets > 0:  # stride(size, tickets, stride1), inline; inf (no move) without tickets
-            step = stride1 * size / tickets
-            if math.isfinite(step):
-                central[key] += step
+        step = stride(size, tickets, stride1)
+        if math.isfinite(step):
+            central[key] += step
         if is_large:
             scheduled.append(key[4:])
             rest = size
