@@ -191,6 +191,7 @@ def test_ranking_by_columns_decides_as_decide_all(v: ClusterView, data: hs.DataO
         )
     fast, reference = Themis(**kw), Themis(**kw)
     fast.columns_from_jobs = 0  # the column form even for a few jobs
+    fast.reads_lengths = reference.reads_lengths = data.draw(hs.booleans())
     memory: dict = {}
     gone: list[JobView] = []
     for _ in range(4):

@@ -68,12 +68,18 @@ operations over columns of what ``ρ`` needs of each job (:class:`_Rows`: arriva
 left over peak throughput, total work, peak, first sight), which stay put while a job
 waits and are redone only for new jobs and changed views. The operations are those of
 the per-job record, in the same order, so the keys are the same floats, and a stable
-sort on them keeps arrival order for ties. Working records are then made only for the
-jobs holding GPUs and for the participants the auction reaches before the GPUs run out;
-the leftover round, when GPUs remain, makes them for everyone as before. Below
-``columns_from_jobs`` active jobs the plain form runs (the arrays cost more than they
-save). Most of a Themis simulation is decisions at lease ends (a 10-minute lease per
-job), and each still makes the running jobs' records.
+sort on them keeps arrival order for ties. The jobs that may hold GPUs (a running
+job's view is new at every decision) bring the same columns taken afresh, with the
+throughput of what they hold, and are ranked in the same array operations by ρ at their
+present allocation. Working records are then made only for the participants the auction
+reaches before the GPUs run out and the lease holders among the participants; the
+leftover round, when GPUs remain, makes them for everyone as before. Below
+``columns_from_jobs`` (256) active jobs the plain form runs. From about 64 jobs the
+column form is the cheaper (measured on ee9e8c), but the two forms order the shares and
+the jobs memory differently, so moving the threshold would change the bytes of the event
+log; it stays where the log was recorded. Most of a Themis simulation is decisions at
+lease ends (a 10-minute lease per job), and each still takes the running jobs' columns
+in Python.
 
 Memory (msgpack-able): ``contention`` (∫ active jobs dt since the start), ``t`` and ``n``
 (time and number of jobs of the last decision), ``jobs``: job id →
@@ -133,13 +139,20 @@ _PEAKS: dict[tuple[int, tuple[int, ...]], tuple[tuple[float, ...], float]] = {}
 its curve is not. An entry holds its curve, so the id stays that curve's."""
 
 
-def _work(job: JobView, counts: tuple[int, ...], lease_s: float) -> tuple[float, float, float]:
-    """``(remaining work, total work, peak throughput)`` of a job, as ρ uses them."""
-    remaining = job.remaining_iterations
+def _work(
+    job: JobView, counts: tuple[int, ...], lease_s: float, lengths: bool = True
+) -> tuple[float, float, float]:
+    """``(remaining work, total work, peak throughput)`` of a job, as ρ uses them.
+
+    With ``lengths`` false the job's ``remaining_iterations`` and ``total_iterations``
+    are not read, as if both were unknown (``themis-unaware``)."""
+    remaining = job.remaining_iterations if lengths else None
     if remaining is None:
         # Unknown length: assume the future equals the past (module docstring).
         remaining = max(job.iterations_done, _rate(job, counts[0] if counts else 1) * lease_s)
-    total = job.total_iterations if job.total_iterations is not None else job.iterations_done + remaining
+    total = job.total_iterations if lengths else None
+    if total is None:
+        total = job.iterations_done + remaining
     return remaining, total, _peak(job, counts)
 
 
@@ -149,14 +162,21 @@ class _Bidder:
     __slots__ = ("counts", "current", "elapsed", "gpus", "job", "remaining", "t_best", "t_id")
 
     def __init__(
-        self, job: JobView, counts: tuple[int, ...], gpus: int, elapsed: float, n_avg: float, lease_s: float
+        self,
+        job: JobView,
+        counts: tuple[int, ...],
+        gpus: int,
+        elapsed: float,
+        n_avg: float,
+        lease_s: float,
+        lengths: bool = True,
     ):
         self.job = job
         self.counts = counts
         self.gpus = gpus
         self.current = gpus
         self.elapsed = elapsed
-        remaining, total, peak = _work(job, counts, lease_s)
+        remaining, total, peak = _work(job, counts, lease_s, lengths)
         self.remaining = remaining
         self.t_id = n_avg * total / peak if peak > 0 else _INF
         self.t_best = elapsed + remaining / peak if peak > 0 else _INF
@@ -198,6 +218,30 @@ _ARRIVAL_KEY = operator.attrgetter("arrival_s", "job_id")
 _ARRIVAL, _REMAINING_PER_PEAK, _TOTAL, _PEAK, _C0, _T0 = range(6)
 
 
+def _rank_terms(
+    arrival: np.ndarray,
+    rp: np.ndarray,
+    total: np.ndarray,
+    peak: np.ndarray,
+    c0: np.ndarray,
+    t0: np.ndarray,
+    contention: float,
+    now: float,
+    n_now: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(elapsed, T_id, -ρ at peak)`` of jobs as columns, by :class:`_Bidder`'s operations
+    in its order (``rp``: remaining work over peak throughput), so the same floats."""
+    elapsed = now - arrival
+    elapsed = np.where(elapsed > 0.0, elapsed, 0.0)  # max(0.0, now - arrival)
+    n_avg = np.where(now > t0, (contention - c0) / (now - t0), float(n_now))
+    n_avg = np.where(n_avg < 1.0, 1.0, n_avg)  # max(n_avg, 1.0)
+    has_peak = peak > 0
+    t_id = np.where(has_peak, n_avg * total / peak, _INF)
+    t_best = np.where(has_peak, elapsed + rp, _INF)
+    neg_lower = -np.where((t_id > 0) & (t_id < _INF), t_best / t_id, 0.0)
+    return elapsed, t_id, neg_lower
+
+
 class _Rows:
     """What ρ needs of each job, as columns, for ranking every job with array operations.
 
@@ -210,7 +254,7 @@ class _Rows:
     and the rows are built afresh, so they never change a decision.
     """
 
-    __slots__ = ("cols", "fresh", "idx", "leased", "obj", "of", "row", "size")
+    __slots__ = ("cols", "fresh", "ids", "idx", "leased", "obj", "of", "row", "size")
 
     def __init__(
         self,
@@ -231,6 +275,7 @@ class _Rows:
         self.fresh = True
         for job in jobs:
             self._put(policy, job, seen_prev, contention, now)
+        self.ids = ids
         self.idx = np.fromiter(map(self.row.__getitem__, ids), np.intp, len(ids))
 
     def _put(
@@ -243,7 +288,9 @@ class _Rows:
             self.size += 1
             if r >= self.cols.shape[1]:
                 self.cols = np.concatenate([self.cols, np.empty_like(self.cols)], axis=1)
-        remaining, total, peak = _work(job, policy._counts(job), policy.lease_duration_s)
+        remaining, total, peak = _work(
+            job, policy._counts(job), policy.lease_duration_s, policy.reads_lengths
+        )
         first = seen_prev.get(jid)
         if first is not None and len(first) >= 2:
             c0, t0 = float(first[0]), float(first[1])
@@ -263,15 +310,18 @@ class _Rows:
     ) -> None:
         """Redo the rows of the jobs whose view is not the one their row was made of.
 
-        A running job's view changes at every decision, and its rank comes from its
-        working record (``rank_order``'s ``built``), so its row is redone only when it
-        has none; its view will have changed again by the time it waits."""
+        A running job's view changes at every decision, and its rank comes from the
+        columns the decision takes of it (``rank_order``'s ``held_cols``), so its row is
+        redone only when it has none; its view will have changed again by the time it
+        waits."""
         self.fresh = False
         row = self.row
         for job in itertools.compress(jobs, map(operator.is_not, map(self.obj.get, ids), jobs)):
             if not job.current_gpus or job.job_id not in row:
                 self._put(policy, job, seen_prev, contention, now)
-        self.idx = np.fromiter(map(self.row.__getitem__, ids), np.intp, len(ids))
+        if ids != self.ids:  # a job came or went (a kept job keeps its row)
+            self.ids = ids
+            self.idx = np.fromiter(map(self.row.__getitem__, ids), np.intp, len(ids))
 
     @staticmethod
     def positions(job_ids: Iterable[str], jobs: Sequence[JobView], view: ClusterView) -> Iterator[int]:
@@ -284,25 +334,38 @@ class _Rows:
                 yield bisect.bisect_left(jobs, _ARRIVAL_KEY(job), key=_ARRIVAL_KEY)
 
     def rank_order(
-        self, built: Mapping[int, _Bidder], contention: float, now: float, n_now: int
+        self,
+        holders: Sequence[int],
+        held_cols: Sequence[tuple[float, ...]],
+        contention: float,
+        now: float,
+        n_now: int,
     ) -> np.ndarray | None:
         """Positions in :meth:`_Bidder.rank_key` order, or None if a key is NaN.
 
         The array operations are those of :class:`_Bidder`, in the same order, so the
-        keys are the same floats; ``built`` (the jobs holding GPUs) bring their own."""
-        arrival, rp, total, peak, c0, t0 = self.cols[:, self.idx]
+        keys are the same floats. The jobs at positions ``holders`` (those that may hold
+        GPUs) bring their own columns, ``held_cols``: arrival, remaining work, total
+        work, peak throughput, first sight (contention and time) and the throughput of
+        what they hold now, taken at this decision (a running job's view changes at
+        every decision, so its row would be stale)."""
+        cols = self.cols[:, self.idx]  # a copy
         with np.errstate(all="ignore"):
-            elapsed = now - arrival
-            elapsed = np.where(elapsed > 0.0, elapsed, 0.0)  # max(0.0, now - arrival)
-            n_avg = np.where(now > t0, (contention - c0) / (now - t0), float(n_now))
-            n_avg = np.where(n_avg < 1.0, 1.0, n_avg)  # max(n_avg, 1.0)
-            has_peak = peak > 0
-            t_id = np.where(has_peak, n_avg * total / peak, _INF)
-            t_best = np.where(has_peak, elapsed + rp, _INF)
-            neg_lower = -np.where((t_id > 0) & (t_id < _INF), t_best / t_id, 0.0)
-            neg_rho = -np.where(t_id == _INF, 0.0, _INF)  # ρ without GPUs
-        for i, b in built.items():
-            neg_rho[i], neg_lower[i], _, _ = b.rank_key()
+            if holders:
+                at = np.fromiter(holders, np.intp, len(holders))
+                held = np.array(held_cols, np.float64).T
+                remaining, peak, rate = held[1].copy(), held[3], held[6]
+                held[1] = np.where(peak > 0, remaining / peak, _INF)  # what the rows hold
+                cols[:, at] = held[:6]
+            arrival, rp, total, peak, c0, t0 = cols
+            elapsed, t_id, neg_lower = _rank_terms(arrival, rp, total, peak, c0, t0, contention, now, n_now)
+            if holders:
+                # ρ at the present allocation (_Bidder.rho) needs T_sh; without GPUs it is ∞.
+                t_sh = np.full(n_now, _INF)
+                t_sh[at] = np.where(rate > 0, elapsed[at] + remaining / rate, _INF)
+                neg_rho = -np.where(t_id == _INF, 0.0, np.where(t_id > 0, t_sh / t_id, _INF))
+            else:
+                neg_rho = -np.where(t_id == _INF, 0.0, _INF)  # ρ without GPUs
         if np.isnan(neg_rho).any() or np.isnan(neg_lower).any():
             return None
         # Stable: ties keep arrival order (then job id), the rest of rank_key.
@@ -388,6 +451,9 @@ class Themis:
         self.cap_at_request = cap_at_request
         self.hidden_payment = hidden_payment
         self.seed = seed
+        self.reads_lengths = True
+        """Whether ρ uses the jobs' known lengths; ``themis-unaware``
+        (:mod:`shoal.policies.unaware`) clears it, and every length counts as unknown."""
         self._rows: _Rows | None = None
 
     def _counts(self, job: JobView) -> tuple[int, ...]:
@@ -435,40 +501,52 @@ class Themis:
                 return float(first[0]), float(first[1]), float(first[2]) if len(first) > 2 else 0.0
             return contention, now, 0.0
 
+        lengths = self.reads_lengths
+        kept: dict[str, int] = {}
+        holding: set[int] = set()  # the holders' positions
+        starts: dict[int, tuple[float, float, float]] = {}  # start() of each holder
+
         def bidder(job: JobView) -> _Bidder:
-            """The job's working record, as decide_all makes it."""
+            """The job's working record, as decide_all makes it, holding its kept GPUs."""
             c0, t0, _ = start(job)
             n_avg = (contention - c0) / (now - t0) if now > t0 else float(n_now)
             n_avg = max(n_avg, 1.0)
             counts = self._counts(job)
             gpus = job.current_gpus if job.current_gpus in counts else 0
-            return _Bidder(job, counts, gpus, max(0.0, now - job.arrival_s), n_avg, lease)
+            b = _Bidder(job, counts, gpus, max(0.0, now - job.arrival_s), n_avg, lease, lengths)
+            b.gpus = kept.get(job.job_id, 0)
+            return b
 
-        # The jobs that may hold GPUs: the running ones, and the ones given GPUs last time.
-        built: dict[int, _Bidder] = {}
-        kept: dict[str, int] = {}
+        # The jobs that may hold GPUs: the running ones, and the ones given GPUs last time
+        # (positions in ``jobs``, first met first). What ranks them (_Rows.rank_order's
+        # holder columns) is taken here; a working record is made for one only when the
+        # auction reaches it.
+        holders: list[int] = []
+        held_cols: list[tuple[float, ...]] = []
         for i in itertools.chain(
             itertools.compress(range(n_now), map(_CURRENT, jobs)), rows.positions(rows.leased, jobs, view)
         ):
-            if i in built:
+            if i in holding:
                 continue
+            holding.add(i)
+            holders.append(i)
             job = jobs[i]
-            b = built[i] = bidder(job)
-            lease_end = start(job)[2]
+            c0, t0, lease_end = starts[i] = start(job)
+            counts = self._counts(job)
+            gpus = job.current_gpus if job.current_gpus in counts else 0
+            remaining, work, peak = _work(job, counts, lease, lengths)
+            held_cols.append((job.arrival_s, remaining, work, peak, c0, t0, _rate(job, gpus)))
             held = same_round if self.lease_grid else lease_end > now + 1e-9
-            if b.gpus and held:
-                kept[job.job_id] = b.gpus
+            if gpus and held:
+                kept[job.job_id] = gpus
         if sum(kept.values()) > total:
             kept = {}  # GPUs were lost: every lease ends now.
-        for b in built.values():
-            b.gpus = kept.get(b.job.job_id, 0)
         free = total - sum(kept.values())
 
+        built: dict[int, _Bidder] = {}
         participants: dict[int, _Bidder] = {}  # rank -> bidder, for the ranks looked at
-        order: np.ndarray | None = None
-        k = 0
         if free > 0 and n_now:
-            order = rows.rank_order(built, contention, now, n_now)
+            order = rows.rank_order(holders, held_cols, contention, now, n_now)
             if order is None:  # a NaN in ρ: sorting is not a total order, take the reference form
                 self._rows = None
                 return self.decide_all(view, memory)
@@ -479,16 +557,15 @@ class Themis:
                 b = built.get(i)
                 if b is None:
                     b = built[i] = bidder(jobs[i])
-                    b.gpus = 0  # not running, so not kept
                 return b
 
             # Step one of the auction takes the participants in rank order only while GPUs
             # are free; the lease holders among them take part in the rest.
             rank_of = np.empty(n_now, dtype=np.intp)
             rank_of[order] = np.arange(n_now)
-            for i, b in built.items():
-                if b.gpus and (r := int(rank_of[i])) < k:
-                    participants[r] = b
+            for i in holders:
+                if jobs[i].job_id in kept and (r := int(rank_of[i])) < k:
+                    participants[r] = at(r)
             r = 0
             while r < k and free > 0:
                 b = participants.get(r) or at(r)
@@ -508,15 +585,20 @@ class Themis:
                 if free > 0:  # nobody else can use them: back to the bidders (work-conserving)
                     free = self._leftover([at(r) for r in range(k)], free)
 
+        # The shares and leases: the holders first, then the others in the order their
+        # records were made.
         shares: dict[str, int] = {}
         wake = float("inf")
         out = rows.memory_out(seen_prev, jobs, ids, contention, now)
-        for b in built.values():
-            jid = b.job.job_id
-            c0, t0, lease_end = start(b.job)
-            if b.gpus:
-                shares[jid] = b.gpus
-                if kept.get(jid) != b.gpus:
+        for i in itertools.chain(holders, itertools.filterfalse(holding.__contains__, built)):
+            job = jobs[i]
+            jid = job.job_id
+            record = built.get(i)
+            gpus = record.gpus if record is not None else kept.get(jid, 0)
+            c0, t0, lease_end = starts.get(i) or start(job)
+            if gpus:
+                shares[jid] = gpus
+                if kept.get(jid) != gpus:
                     lease_end = now + lease  # granted or changed: a fresh lease
                 wake = min(wake, lease_end)
             else:
@@ -550,6 +632,7 @@ class Themis:
         seen_prev = memory.get("jobs", {})
         if not isinstance(seen_prev, Mapping):
             seen_prev = {}
+        lengths = self.reads_lengths
 
         kept: dict[str, int] = {}
         bidders: list[_Bidder] = []
@@ -569,7 +652,7 @@ class Themis:
             held = same_round if self.lease_grid else lease_end > now + 1e-9
             if gpus and held:
                 kept[job.job_id] = gpus
-            bidders.append(_Bidder(job, counts, gpus, max(0.0, now - job.arrival_s), n_avg, lease))
+            bidders.append(_Bidder(job, counts, gpus, max(0.0, now - job.arrival_s), n_avg, lease, lengths))
         if sum(kept.values()) > total:
             kept = {}  # GPUs were lost: every lease ends now.
         for b in bidders:
