@@ -170,7 +170,8 @@ def _advance(v: ClusterView, d: Decision, dt: float, data: hs.DataObject, gone: 
 def test_ranking_by_columns_decides_as_decide_all(v: ClusterView, data: hs.DataObject) -> None:
     """decide (ρ of every job from kept columns, the auction walked only as far as GPUs
     go) equals decide_all (a working record for every job), decision and memory, over
-    rounds where waiting jobs keep their view objects and memory is passed on or decoded."""
+    rounds where waiting jobs keep their view objects and memory is passed on or decoded;
+    below ``columns_from_jobs`` it is decide_all's byte for byte."""
     kw = data.draw(
         hs.fixed_dictionaries(
             {
@@ -190,16 +191,24 @@ def test_ranking_by_columns_decides_as_decide_all(v: ClusterView, data: hs.DataO
             arrival_ordered=True,
         )
     fast, reference = Themis(**kw), Themis(**kw)
-    fast.columns_from_jobs = 0  # the column form even for a few jobs
+    fast.ranks_from_jobs = 0  # the columns rank even a few jobs
+    # Written in the column form's order, or (below columns_from_jobs) in decide_all's.
+    plain = data.draw(hs.booleans())
+    fast.columns_from_jobs = 10**9 if plain else 0
     fast.reads_lengths = reference.reads_lengths = data.draw(hs.booleans())
     memory: dict = {}
+    ref_memory: dict = {}
     gone: list[JobView] = []
     for _ in range(4):
         d = fast.decide(v, memory)
-        assert d == reference.decide_all(v, memory)
-        memory = d.memory
+        want = reference.decide_all(v, ref_memory)
+        assert d == want
+        if plain:  # the same bytes: the mappings in the same order
+            assert msgspec.msgpack.encode(d) == msgspec.msgpack.encode(want)
+        memory, ref_memory = d.memory, want.memory
         if data.draw(hs.booleans()):  # as if decoded from the log: another object
             memory = msgspec.msgpack.decode(msgspec.msgpack.encode(memory))
+            ref_memory = msgspec.msgpack.decode(msgspec.msgpack.encode(ref_memory))
         v = _advance(v, d, data.draw(hs.sampled_from([0.0, 50.0, 100.0, 700.0])), data, gone)
 
 

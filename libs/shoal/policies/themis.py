@@ -73,13 +73,18 @@ job's view is new at every decision) bring the same columns taken afresh, with t
 throughput of what they hold, and are ranked in the same array operations by ρ at their
 present allocation. Working records are then made only for the participants the auction
 reaches before the GPUs run out and the lease holders among the participants; the
-leftover round, when GPUs remain, makes them for everyone as before. Below
-``columns_from_jobs`` (256) active jobs the plain form runs. From about 64 jobs the
-column form is the cheaper (measured on ee9e8c), but the two forms order the shares and
-the jobs memory differently, so moving the threshold would change the bytes of the event
-log; it stays where the log was recorded. Most of a Themis simulation is decisions at
-lease ends (a 10-minute lease per job), and each still takes the running jobs' columns
-in Python.
+leftover round, when GPUs remain, makes them for everyone as before. The two forms
+write the same decision in different orders: the column form the holders first, then the
+jobs the auction reached, and the jobs memory as it was plus the new jobs; the plain form
+every job by rank, each with a new memory entry. The event log records those bytes, and
+it was recorded with the plain form below 256 active jobs. So there are three bands:
+below ``ranks_from_jobs`` (128) the plain form runs (on a short queue the arrays cost
+more than they save); up to ``columns_from_jobs`` (256) the columns rank and the auction
+runs as above, and the decision is written in the plain form's order
+(:meth:`Themis._written_as_decide_all`, a pass over every job but no record for each);
+from 256 on, the column form's order. Most of a Themis simulation is decisions at lease
+ends (a 10-minute lease per job), and each still takes the running jobs' columns in
+Python.
 
 Memory (msgpack-able): ``contention`` (∫ active jobs dt since the start), ``t`` and ``n``
 (time and number of jobs of the last decision), ``jobs``: job id →
@@ -95,7 +100,7 @@ import itertools
 import math
 import operator
 import random
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -254,7 +259,7 @@ class _Rows:
     and the rows are built afresh, so they never change a decision.
     """
 
-    __slots__ = ("cols", "fresh", "ids", "idx", "leased", "obj", "of", "row", "size")
+    __slots__ = ("cols", "fresh", "ids", "idx", "leased", "obj", "of", "plain", "row", "size")
 
     def __init__(
         self,
@@ -268,6 +273,8 @@ class _Rows:
         self.of: Mapping[str, Any] | None = None
         self.leased: set[str] = set()
         """The jobs given GPUs at the decision that returned :attr:`of`."""
+        self.plain = False
+        """Whether that decision was written in :meth:`Themis.decide_all`'s order."""
         self.row: dict[str, int] = {}
         self.obj: dict[str, JobView] = {}
         self.size = 0
@@ -400,9 +407,10 @@ class _Rows:
             out[jid] = [contention, now, 0.0]
         return out
 
-    def finish(self, out: Mapping[str, Any], shares: Mapping[str, int]) -> None:
+    def finish(self, out: Mapping[str, Any], shares: Mapping[str, int], plain: bool) -> None:
         self.of = out
         self.leased = set(shares)
+        self.plain = plain
 
 
 class Themis:
@@ -412,8 +420,13 @@ class Themis:
     elastic = True
     """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
     columns_from_jobs = 256
-    """Below this many active jobs a decision takes :meth:`decide_all` (same decision):
-    the column machinery costs more than it saves on a short queue."""
+    """From this many active jobs a decision writes its shares and jobs memory in the
+    column form's order (holders first, then the jobs the auction reached). Below it, the
+    order of :meth:`decide_all` (every job, by rank), so the event log is the same bytes
+    as when only :meth:`decide_all` ran there."""
+    ranks_from_jobs = 128
+    """Below this many active jobs a decision takes :meth:`decide_all` (same decision,
+    same bytes): the column machinery costs more than it saves on a short queue."""
 
     def __init__(
         self,
@@ -469,9 +482,10 @@ class Themis:
         Decides as :meth:`decide_all`, with the cost of a long queue kept off the Python
         level (module docstring, "Cost of a decision in a long queue").
         """
-        if len(view.jobs) < self.columns_from_jobs:
+        if len(view.jobs) < self.ranks_from_jobs:
             self._rows = None
             return self.decide_all(view, memory)
+        plain = len(view.jobs) < self.columns_from_jobs  # written in decide_all's order
         now = view.now_s
         total = view.total_gpus
         lease = self.lease_duration_s
@@ -490,7 +504,12 @@ class Themis:
         # kept between decisions for the jobs memory this policy returned (_Rows).
         rows, self._rows = self._rows, None
         ids = list(map(_JOB_ID, jobs))
-        if rows is None or rows.of is not seen_prev or rows.size > 2 * n_now + 1024:
+        if (
+            rows is None
+            or rows.of is not seen_prev
+            or rows.size > 2 * n_now + 1024
+            or (rows.plain and not plain)  # the column order starts from fresh rows, as it always did
+        ):
             rows = _Rows(self, jobs, ids, seen_prev, contention, now)
         else:
             rows.update(self, jobs, ids, seen_prev, contention, now)
@@ -545,6 +564,7 @@ class Themis:
 
         built: dict[int, _Bidder] = {}
         participants: dict[int, _Bidder] = {}  # rank -> bidder, for the ranks looked at
+        order: np.ndarray | None = None
         if free > 0 and n_now:
             order = rows.rank_order(holders, held_cols, contention, now, n_now)
             if order is None:  # a NaN in ρ: sorting is not a total order, take the reference form
@@ -585,6 +605,11 @@ class Themis:
                 if free > 0:  # nobody else can use them: back to the bidders (work-conserving)
                     free = self._leftover([at(r) for r in range(k)], free)
 
+        if plain:
+            return self._written_as_decide_all(
+                view, jobs, order, built, kept, start, rows, now, contention, round_no
+            )
+
         # The shares and leases: the holders first, then the others in the order their
         # records were made.
         shares: dict[str, int] = {}
@@ -606,9 +631,53 @@ class Themis:
             old = out.get(jid)
             if old is None or old[0] != c0 or old[1] != t0 or old[2] != lease_end:
                 out[jid] = [c0, t0, lease_end]
-        rows.finish(out, shares)
+        rows.finish(out, shares, plain=False)
         self._rows = rows
         new_memory: dict[str, Any] = {"contention": contention, "t": now, "n": n_now, "jobs": out}
+        if self.lease_grid:
+            new_memory["round"] = round_no
+        elif wake != float("inf"):
+            new_memory["next_decision_at_s"] = wake
+        return Decision(shares=shares, memory=new_memory)
+
+    def _written_as_decide_all(
+        self,
+        view: ClusterView,
+        jobs: Sequence[JobView],
+        order: np.ndarray | None,
+        built: Mapping[int, _Bidder],
+        kept: Mapping[str, int],
+        start: Callable[[JobView], tuple[float, float, float]],
+        rows: _Rows,
+        now: float,
+        contention: float,
+        round_no: int,
+    ) -> Decision:
+        """The decision :meth:`decide` reached, written as :meth:`decide_all` writes it:
+        every job, by rank when there was a ranking (GPUs were free; the ranks are a total
+        order, so the column ranking's is decide_all's), else in the view's order, each
+        with a jobs memory entry of its own."""
+        lease = self.lease_duration_s
+        records = {jobs[i].job_id: b for i, b in built.items()}
+        shares: dict[str, int] = {}
+        out: dict[str, list[float]] = {}
+        wake = float("inf")
+        for job in view.jobs if order is None else map(jobs.__getitem__, order.tolist()):
+            jid = job.job_id
+            b = records.get(jid)
+            gpus = b.gpus if b is not None else kept.get(jid, 0)
+            c0, t0, lease_end = start(job)
+            if gpus:
+                shares[jid] = gpus
+                if kept.get(jid) != gpus:
+                    lease_end = now + lease  # granted or changed: a fresh lease
+                wake = min(wake, lease_end)
+            else:
+                lease_end = 0.0
+            out[jid] = [c0, t0, lease_end]
+        rows.finish(out, shares, plain=True)
+        self._rows = rows
+        new_memory: dict[str, Any] = {"contention": contention, "t": now, "n": len(jobs), "jobs": out}
         if self.lease_grid:
             new_memory["round"] = round_no
         elif wake != float("inf"):
