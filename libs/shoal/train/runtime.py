@@ -89,6 +89,21 @@ class _Pending:
     aborted: bool = False
 
 
+def _regroup_plan(
+    pending: dict[int, _Pending], gen: int, members: tuple[int, ...], worker: int
+) -> _Pending | None:
+    """The plan a survivor of generation ``gen`` (of ``members``) regroups into, once built:
+    the oldest newer one, not aborted, with ``worker`` and with no member from outside
+    the group. None while that plan is still being built or has not come yet."""
+    group = set(members)
+    for g in sorted(pending):
+        p = pending[g]
+        if g > gen and worker in p.plan.members and not p.plan.cold and not p.aborted:
+            if set(p.plan.members) <= group:
+                return p if p.built.is_set() else None
+    return None
+
+
 @dataclass
 class Step:
     """One training step as the user's loop sees it."""
@@ -222,6 +237,8 @@ class ElasticJob:
         self.rank = 0
         self.world = 1
         self.gen = -1
+        self.members: tuple[int, ...] = ()
+        """The workers of generation ``gen``, in rank order."""
         self.loss: float = math.nan
         """Mean loss over the global batch of the last step."""
         self._comm: _Comm | None = None
@@ -653,6 +670,7 @@ class ElasticJob:
 
     def _adopt(self, plan: pr.Plan, pg: Any) -> None:
         self.gen = plan.gen
+        self.members = plan.members
         self.rank = plan.members.index(self.cfg.worker)
         self.world = len(plan.members)
         self._comm = _Comm(pg, self.cfg.collective_timeout_s)
@@ -710,7 +728,15 @@ class ElasticJob:
             )
 
     def _regroup_after_failure(self, reason: str) -> None:
-        """Approximate recovery (EDL §4.2): wait for the sidecar's plan of survivors, adopt it."""
+        """Approximate recovery (EDL §4.2): wait for the sidecar's plan of survivors, adopt it.
+
+        The plan to adopt is the oldest newer one, not aborted, made of this group's members
+        only (a regrouping only drops members), once it built. A newer plan with a joiner (the
+        dead worker's GPU given back once the survivors regrouped) is a scale-out, to be
+        switched to at a batch boundary like any other; it can arrive while a slow
+        survivor still waits here, and adopting it then would leave that survivor in a
+        different group from the others, each all-reducing alone.
+        """
         assert self._control is not None
         t0 = time.perf_counter()
         self._control.send(
@@ -719,13 +745,8 @@ class ElasticJob:
         deadline = time.monotonic() + self.cfg.rendezvous_timeout_s
         while True:
             with self._lock:
-                ready = [
-                    p
-                    for g, p in sorted(self._pending.items())
-                    if g > self.gen and self.cfg.worker in p.plan.members and not p.plan.cold
-                ]
-            if ready and ready[-1].built.is_set():
-                pending = ready[-1]
+                pending = _regroup_plan(self._pending, self.gen, self.members, self.cfg.worker)
+            if pending is not None:
                 break
             if time.monotonic() > deadline:
                 self._fail(f"no regrouping plan within {self.cfg.rendezvous_timeout_s}s after: {reason}")
