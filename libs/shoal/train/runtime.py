@@ -98,9 +98,14 @@ def _regroup_plan(
     group = set(members)
     for g in sorted(pending):
         p = pending[g]
-        if g > gen and worker in p.plan.members and not p.plan.cold and not p.aborted:
-            if set(p.plan.members) <= group:
-                return p if p.built.is_set() else None
+        if (
+            g > gen
+            and worker in p.plan.members
+            and not p.plan.cold
+            and not p.aborted
+            and set(p.plan.members) <= group
+        ):
+            return p if p.built.is_set() else None
     return None
 
 
