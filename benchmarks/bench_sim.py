@@ -218,18 +218,31 @@ def _bucket(queue: int) -> int:
     return 0 if queue <= 0 else 1 << (queue.bit_length() - 1)
 
 
+def policy_named(policy_name: str) -> Any:
+    """The policy of a run: a registered one, seed 0, or ``engine-only`` (:class:`EngineOnlyFifo`)."""
+    from shoal.sim.engine import make_policy
+
+    return EngineOnlyFifo() if policy_name == "engine-only" else make_policy(policy_name, seed=0)
+
+
+def simulator(jobs: Any, trace: str, limited: _Limited, setting: str) -> Any:
+    """The simulator of a run: log not retained, ``flat`` or the default topology."""
+    from shoal.sim.engine import SimConfig, Simulator
+
+    return Simulator(jobs, limited, SimConfig(retain_log=False, flat=setting == "flat"), trace=trace)
+
+
 def run_cell(
     trace: str, policy_name: str, setting: str, limit_s: float, probe: bool = False
 ) -> dict[str, Any]:
     """One simulation in this process; what it cost and how far it got."""
-    from shoal.sim.engine import SimConfig, Simulator, make_policy
     from shoal.workloads import load_workload
 
     c0 = time.process_time()
     jobs = load_workload(trace, seed=0)
     load_s = time.process_time() - c0
     try:
-        policy = EngineOnlyFifo() if policy_name == "engine-only" else make_policy(policy_name, seed=0)
+        policy = policy_named(policy_name)
     except Exception as exc:
         if type(exc).__name__ != "UnknownPolicyError":
             raise
@@ -237,12 +250,7 @@ def run_cell(
         return {"trace": trace, "policy": policy_name, "setting": setting, "status": "not in this tree"}
     buckets: dict[int, list[float]] | None = {} if probe else None
     limited = _Limited(policy, limit_s, buckets)
-    sim = Simulator(
-        jobs,
-        limited,
-        SimConfig(retain_log=False, flat=setting == "flat"),
-        trace=trace,
-    )
+    sim = simulator(jobs, trace, limited, setting)
     status = "ok"
     c0, w0 = time.process_time(), time.perf_counter()
     try:

@@ -135,15 +135,13 @@ def child(run: str, limit_s: float) -> dict[str, Any]:
     """Profile one run in this process."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_sim  # the same simulator set-up and CPU-time stop as the speed report
-    from shoal.sim.engine import SimConfig, Simulator, make_policy
     from shoal.workloads import load_workload
 
     vc, policy_name, setting = run.split(":")
     trace = f"philly:{vc}"
     jobs = load_workload(trace, seed=0)
-    policy = bench_sim.EngineOnlyFifo() if policy_name == "engine-only" else make_policy(policy_name, seed=0)
-    limited = bench_sim._Limited(policy, limit_s)
-    sim = Simulator(jobs, limited, SimConfig(retain_log=False, flat=setting == "flat"), trace=trace)
+    limited = bench_sim._Limited(bench_sim.policy_named(policy_name), limit_s)
+    sim = bench_sim.simulator(jobs, trace, limited, setting)
     # The profiler's default clock: a CPU clock (a system call per reading) made it
     # ten times slower than a plain run, drowning the shares in its own overhead.
     profile = cProfile.Profile()
@@ -189,7 +187,7 @@ def render(results: list[dict[str, Any]], cmd: str) -> str:
         "The profiler inflates small, frequent calls, so the seconds are the profiled run's "
         "(`bench_sim.py` has the plain ones); the shares say where the time goes. Parts are "
         "by the file a function is defined in (see the script's docstring); built-in and C "
-        "functions count in their caller's part.",
+        "functions, and the policies' shared helpers, count in their callers' parts.",
         "",
         "## By part",
         "",
@@ -222,9 +220,7 @@ def render(results: list[dict[str, Any]], cmd: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument(
-        "--runs", required=False, default="", help="VC:POLICY:SETTING,... (setting: flat or topology)"
-    )
+    ap.add_argument("--runs", default="", help="VC:POLICY:SETTING,... (setting: flat or topology)")
     ap.add_argument("--cpu-limit", type=float, default=60.0, help="profiled CPU s before a run is stopped")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -233,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args.child, args.cpu_limit)))
         return 0
     runs = [r for r in args.runs.split(",") if r]
+    if not runs:
+        ap.error("--runs names at least one VC:POLICY:SETTING")
     for r in runs:
         if len(r.split(":")) != 3 or r.split(":")[2] not in ("flat", "topology"):
             ap.error(f"a run is VC:POLICY:flat or VC:POLICY:topology, got {r!r}")
