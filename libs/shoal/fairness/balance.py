@@ -196,25 +196,27 @@ def rebalance(
     Returns:
         The moves, in the order to make them.
     """
-    place = {j: tuple(n) for j, n in placement.items()}
+    # Built when first needed: most quanta are balanced, and the loads come from the caller.
+    place: dict[str, tuple[str, ...]] | None = None
     moves: list[Migration] = []
 
     for _ in range(max_migrations):
         if loads is None or moves:
+            if place is None:
+                place = {j: tuple(n) for j, n in placement.items()}
             loads = ticket_load_per_gpu(node_gpus, place, job_size, job_tickets_per_gpu)
         finite = {n: v for n, v in loads.items() if math.isfinite(v)}
         if len(finite) < 2:
             break
         mean = sum(finite.values()) / len(finite)
-        # The most loaded node and the least, each the first in node order among equals.
-        hi = lo = next(iter(finite))
-        for n, v in finite.items():
-            if v > finite[hi]:
-                hi = n
-            if v < finite[lo]:
-                lo = n
+        # The most loaded node and the least, each the first in node order among equals
+        # (max and min return the first of equals).
+        hi = max(finite, key=finite.__getitem__)
+        lo = min(finite, key=finite.__getitem__)
         if finite[hi] - finite[lo] <= threshold * mean:
             break
+        if place is None:
+            place = {j: tuple(n) for j, n in placement.items()}
         # The single-node jobs of both nodes (and their sizes), in placement order.
         on_hi = [(j, job_size[j]) for j, n in place.items() if n == (hi,)]
         on_lo = [job_size[j] for j, n in place.items() if n == (lo,)]
@@ -325,9 +327,8 @@ def packing_migrations(
         The moves.
     """
     on_node: dict[str, list[str]] = {n: [] for n in node_gpus}
-    for job, nodes in sorted(placement.items()):
-        if len(nodes) == 1:
-            on_node[nodes[0]].append(job)
+    for job, node in sorted([(j, nodes[0]) for j, nodes in placement.items() if len(nodes) == 1]):
+        on_node[node].append(job)
 
     def risk(node: str) -> int:
         here = on_node[node]
@@ -338,7 +339,8 @@ def packing_migrations(
     moves: list[Migration] = []
     tried: set[str] = set()
     while len(moves) < max_migrations:
-        risks = {n: r for n in node_gpus if n not in tried and (r := risk(n)) > 0}
+        # risk() is 0 on a node with fewer than two single-node jobs: not called there.
+        risks = {n: r for n in node_gpus if n not in tried and len(on_node[n]) > 1 and (r := risk(n)) > 0}
         if not risks:
             break
         target = min(risks, key=lambda n: (-risks[n], n))

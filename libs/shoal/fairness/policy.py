@@ -505,18 +505,19 @@ class GandivaFairPolicy:
                     else:
                         fresh.append(j)
                 else:
-                    got = 0
-                    for node in prev_nodes:
-                        gpus = node_gpus.get(node)
-                        if gpus is None:
-                            got = -1
-                            break
-                        got += gpus
-                    if got >= size[j]:
+                    # The GPUs of each node (-1: a node no longer there).
+                    got = [node_gpus.get(node, -1) for node in prev_nodes]
+                    s_j = size[j]
+                    if -1 not in got and sum(got) >= s_j:
                         placed[j] = tuple(prev_nodes)
                         if distinct and len(set(prev_nodes)) != len(prev_nodes):
                             distinct = False
-                        self._add_load(node_load, node_gpus, placed[j], size[j], tpg[j])
+                        # _add_load, inline (most gangs span nodes on small servers).
+                        t = tpg[j]
+                        for node, gpus in zip(prev_nodes, got, strict=True):
+                            take = s_j if s_j < gpus else gpus  # min(gpus, s_j)
+                            node_load[node] += take * t
+                            s_j -= take
                     else:
                         fresh.append(j)
             for j in sorted(fresh, key=lambda k: (jobs[k].arrival_s, k)):

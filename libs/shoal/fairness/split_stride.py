@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 from msgspec import Struct
 
@@ -96,33 +97,44 @@ def split_stride_quantum(
         if len(servers) == 1:
             small_by_server[servers[0]].append(job)
         else:
-            large.append((_large_key(job.job_id), job.size, True, job.job_tickets, servers))
+            # _large_key, inline (a call per large job per quantum is measurable).
+            large.append((f"job:{job.job_id}", job.size, True, job.job_tickets, servers))
     entries: list[tuple[str, int, bool, float, tuple[str, ...]]] = [
         (server, server_gpus[server], False, sum(j.job_tickets for j in small), (server,))
         for server, small in small_by_server.items()
         if small
     ]
     entries += large
-    start = new_job_pass([central_passes[e[0]] for e in entries if e[0] in central_passes])
-    central = {e[0]: central_passes.get(e[0], start) for e in entries}
-    entries.sort(key=lambda e: (e[3] <= 0, central[e[0]], e[1], e[2], e[0]))
+    known = {e[0]: central_passes.get(e[0]) for e in entries}
+    central: dict[str, float]
+    if None in known.values():  # new entries start at new_job_pass of the others' passes
+        start = new_job_pass([p for p in known.values() if p is not None])
+        central = {k: start if p is None else p for k, p in known.items()}
+    else:
+        central = cast("dict[str, float]", known)
+    # Sorted by (no tickets, pass, size, aggregate before large, key), the key unique, so
+    # the decorated tuples never compare their last item (no key function to call).
+    ranked = [(e[3] <= 0, central[e[0]], e[1], e[2], e[0], e) for e in entries]
+    ranked.sort()
 
-    free = {s: True for s in server_gpus}
+    # The servers still free this quantum (a server missing from ``server_gpus`` never
+    # is); ``free_count`` drops by one per server an entry names, as before.
+    free = set(server_gpus)
     free_count = len(server_gpus)
     capacity_left = dict(server_gpus)
     scheduled: list[str] = []
     run_local: set[str] = set()
-    for key, size, is_large, tickets, servers in entries:  # Algorithm 1 over central entries
+    for r in ranked:  # Algorithm 1 over central entries
+        key, size, is_large, tickets, servers = r[5]
         if free_count == 0:
             break
         if len(servers) == 1:
-            if not free.get(servers[0], False):
+            if servers[0] not in free:
                 continue
-        elif not all(free.get(s, False) for s in servers):
+        elif not free.issuperset(servers):
             continue
-        for s in servers:
-            free[s] = False
-            free_count -= 1
+        free.difference_update(servers)
+        free_count -= len(servers)
         step = stride(size, tickets, stride1)
         if math.isfinite(step):
             central[key] += step
@@ -138,24 +150,24 @@ def split_stride_quantum(
 
     # Servers whose aggregate won run their small jobs on all their GPUs; servers a
     # large job left partly empty backfill their leftover GPUs (work conservation).
+    # A server's GPUs left idle are ``capacity_left`` (all of them when no large job took
+    # it), except where its small jobs run: there, what their stride leaves free.
     new_local: dict[str, float] = {}
-    idle = 0
+    idle = sum(capacity_left.values())
     for server, small in small_by_server.items():
-        if not small:  # nothing to run or to carry over: its GPUs are idle unless a large job took them
-            idle += capacity_left[server] if not free[server] else server_gpus[server]
+        if not small:  # nothing to run or to carry over
             continue
-        cap = capacity_left[server] if not free[server] else 0
+        cap = capacity_left[server] if server not in free else 0
         if server in run_local:
             cap = server_gpus[server]
         if cap > 0:
             res = gang_aware_stride(small, cap, local_passes, stride1)
             scheduled.extend(res.scheduled)
             new_local.update(res.passes)
-            idle += res.free_gpus
+            idle += res.free_gpus - capacity_left[server]
         else:
             start_local = new_job_pass(local_passes[j.job_id] for j in small if j.job_id in local_passes)
             new_local.update({j.job_id: local_passes.get(j.job_id, start_local) for j in small})
-            idle += cap if not free[server] else server_gpus[server]
     return SplitStrideResult(
         scheduled=tuple(scheduled), central_passes=central, local_passes=new_local, idle_gpus=idle
     )
