@@ -283,7 +283,7 @@ class GandivaFairPolicy:
                 size[jv.job_id] = n
                 jobs[jv.job_id] = jv
         by_user: dict[str, list[str]] = {}
-        for _, _, jid, user in sorted((-j.priority, j.arrival_s, k, j.user) for k, j in jobs.items()):
+        for _, _, jid, user in sorted([(-j.priority, j.arrival_s, k, j.user) for k, j in jobs.items()]):
             by_user.setdefault(user, []).append(jid)
         old_gen = _generation_of(mem.get("placement", {}))
 
@@ -621,7 +621,6 @@ class GandivaFairPolicy:
         suspension returns to the GPUs it ran on (``gpu_slots``, see the module docstring).
         """
         out: dict[str, int] = {}
-        kept: dict[str, list[str]] = {}  # node -> its jobs that keep their slot
         rest = []
         for j, nodes in placed.items():
             if len(nodes) != 1:
@@ -630,12 +629,17 @@ class GandivaFairPolicy:
             if s >= node_gpus[n]:
                 continue
             k = old_slots.get(j)
-            if k is not None and old_nodes.get(j) == [n] and 0 <= k <= node_gpus[n] - s:
+            if k is not None and 0 <= k <= node_gpus[n] - s and old_nodes.get(j) == [n]:
                 out[j] = k
-                kept.setdefault(n, []).append(j)
             else:
                 rest.append(j)
-        # The occupancy of a node's GPUs is needed only where a job takes a new slot.
+        if not rest:
+            return out
+        # node -> its jobs that keep their slot (in ``placed`` order), and the occupancy
+        # of a node's GPUs: needed only where a job takes a new slot.
+        kept: dict[str, list[str]] = {}
+        for j in out:
+            kept.setdefault(placed[j][0], []).append(j)
         used: dict[str, list[int]] = {}
         for j in sorted(rest, key=lambda k: (jobs[k].arrival_s, k)):
             n, s = placed[j][0], size[j]

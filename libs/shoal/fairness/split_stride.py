@@ -165,9 +165,13 @@ def split_stride_quantum(
             scheduled.extend(res.scheduled)
             new_local.update(res.passes)
             idle += res.free_gpus - capacity_left[server]
-        else:
-            start_local = new_job_pass(local_passes[j.job_id] for j in small if j.job_id in local_passes)
-            new_local.update({j.job_id: local_passes.get(j.job_id, start_local) for j in small})
+        else:  # the small jobs keep their passes; a new one starts at new_job_pass of the others'
+            kept = {j.job_id: local_passes.get(j.job_id) for j in small}
+            if None in kept.values():
+                start_local = new_job_pass([p for p in kept.values() if p is not None])
+                new_local.update({k: start_local if p is None else p for k, p in kept.items()})
+            else:
+                new_local.update(cast("dict[str, float]", kept))
     return SplitStrideResult(
         scheduled=tuple(scheduled), central_passes=central, local_passes=new_local, idle_gpus=idle
     )

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 from msgspec import Struct
 
@@ -133,15 +133,23 @@ def gang_aware_stride(
                 value += step
             return StrideResult(scheduled=(job_id,), passes={job_id: value}, free_gpus=num_gpus - job.size)
         return StrideResult(scheduled=(), passes={job_id: value}, free_gpus=num_gpus)
-    start = new_job_pass([passes[j.job_id] for j in jobs if j.job_id in passes])
-    current = {j.job_id: passes.get(j.job_id, start) for j in jobs}
-    # order_key, inline (a call per job is measurable here).
-    ordered = sorted(
-        jobs, key=lambda j: (j.job_tickets <= 0, current[j.job_id], j.size, j.arrival_s, j.job_id)
-    )
+    known = {j.job_id: passes.get(j.job_id) for j in jobs}
+    current: dict[str, float]
+    if None in known.values():  # a new job starts at new_job_pass of the others' passes
+        start = new_job_pass([p for p in known.values() if p is not None])
+        current = {k: start if p is None else p for k, p in known.items()}
+    else:
+        current = cast("dict[str, float]", known)
+    # order_key, inline, on decorated tuples (no key function called per job); the
+    # position last, so equal keys keep their order as a stable sort does.
+    ranked = [
+        (j.job_tickets <= 0, current[j.job_id], j.size, j.arrival_s, j.job_id, i) for i, j in enumerate(jobs)
+    ]
+    ranked.sort()
     free = num_gpus
     scheduled: list[str] = []
-    for job in ordered:  # Algorithm 1, lines 6-12
+    for r in ranked:  # Algorithm 1, lines 6-12
+        job = jobs[r[5]]
         if free <= 0:
             break
         if job.size <= free:
