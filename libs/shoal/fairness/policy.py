@@ -275,16 +275,35 @@ class GandivaFairPolicy:
             else {"": view.total_gpus}
         )
         order = generation_order(gens, self.generation_rank)
+        cap = dict(gens)
+        largest = max(cap.values(), default=0)
         size: dict[str, int] = {}
         jobs: dict[str, JobView] = {}
+        # The jobs in priority order (the key stops at the id: the view, its size after it).
+        ranked: list[tuple[int, float, str, str, JobView, int]] = []
         for jv in view.jobs:
             n = gang_size(jv)
             if n > 0:
-                size[jv.job_id] = n
-                jobs[jv.job_id] = jv
+                jid = jv.job_id
+                size[jid] = n
+                jobs[jid] = jv
+                ranked.append((-jv.priority, jv.arrival_s, jid, jv.user, jv, n))
+        if len(ranked) != len(jobs):  # an id twice in the view: the last one counts, as in ``jobs``
+            ranked = [(-j.priority, j.arrival_s, k, j.user, j, size[k]) for k, j in jobs.items()]
+        ranked.sort()
+        # Each user's jobs in priority order, and (step 2 below) the GPUs of its jobs that may
+        # run on any generation, and of those pinned to one, summed in that order.
         by_user: dict[str, list[str]] = {}
-        for _, _, jid, user in sorted([(-j.priority, j.arrival_s, k, j.user) for k, j in jobs.items()]):
+        flexible_of: dict[str, float] = {}
+        pinned_of: dict[str, dict[str, float]] = {}
+        for _, _, jid, user, jv, n in ranked:
             by_user.setdefault(user, []).append(jid)
+            pin = jv.pinned_gpu_type
+            if pin is not None:
+                if cap.get(pin, 0) >= n:
+                    pinned_of.setdefault(user, {})[pin] = pinned_of.get(user, {}).get(pin, 0.0) + n
+            elif largest >= n:  # some generation can hold the gang
+                flexible_of[user] = flexible_of.get(user, 0.0) + n
         old_gen = _generation_of(mem.get("placement", {}))
 
         # 1. Opportunistic profiling (§3.5). The per-user and per-job dicts of the old
@@ -320,19 +339,10 @@ class GandivaFairPolicy:
                 rates_of[user] = self._rates(user, by_user[user], jobs, size, profiles, gens)
             return rates_of[user]
 
-        # 2. Entitlements: newest generation first, pinned demand on its generation.
-        cap = dict(gens)
-        largest = max(cap.values(), default=0)
-        flexible: dict[str, float] = {}
-        pinned: dict[str, dict[str, float]] = {}
-        for user, jids in by_user.items():
-            for jid in jids:
-                pin = jobs[jid].pinned_gpu_type
-                if pin is not None:
-                    if cap.get(pin, 0) >= size[jid]:
-                        pinned.setdefault(user, {})[pin] = pinned.get(user, {}).get(pin, 0.0) + size[jid]
-                elif largest >= size[jid]:  # some generation can hold the gang
-                    flexible[user] = flexible.get(user, 0.0) + size[jid]
+        # 2. Entitlements: newest generation first, pinned demand on its generation. The
+        # users in the order of ``by_user`` (of their first job), as the shares are.
+        flexible = {u: flexible_of[u] for u in by_user if u in flexible_of}
+        pinned = {u: pinned_of[u] for u in by_user if u in pinned_of} if pinned_of else {}
         tickets = {u: float(view.user_tickets.get(u, self.default_tickets)) for u in by_user}
         entitled = fair_shares_newest_first(tickets, flexible, gens, order, pinned)
         # Gangs cannot use fractions spread over generations: hand out what
@@ -468,18 +478,11 @@ class GandivaFairPolicy:
         new_slots: dict[str, int] = {}
         for gen in order:
             node_gpus = _node_gpus(gen, gens[gen], view.gpus_per_node)
-            here = [j for j in gen_of if gen_of[j] == gen]
+            here = list(gen_of) if only is not None else [j for j in gen_of if gen_of[j] == gen]
             # Eq. (1) on effective tickets: the user's holding here over the GPUs its
-            # jobs here need, once per user.
+            # jobs here need, once per user (in the loop below).
             tpg: dict[str, float] = {}
             tpg_of_user: dict[str, float] = {}
-            for j in here:
-                user = jobs[j].user
-                t = tpg_of_user.get(user)
-                if t is None:
-                    load_u = load[user]
-                    t = tpg_of_user[user] = held[user][gen] / load_u[gen] if load_u.get(gen, 0) > 0 else 0.0
-                tpg[j] = t
             placed: dict[str, tuple[str, ...]] = {}
             fresh: list[str] = []
             # A job stays where it was while its nodes are still there and hold its
@@ -490,6 +493,12 @@ class GandivaFairPolicy:
             # them): node_load is then eq. (2) exactly as rebalance computes it.
             distinct = True
             for j in here:
+                user = jobs[j].user
+                t = tpg_of_user.get(user)
+                if t is None:
+                    load_u = load[user]
+                    t = tpg_of_user[user] = held[user][gen] / load_u[gen] if load_u.get(gen, 0) > 0 else 0.0
+                tpg[j] = t
                 prev_nodes = placement_mem.get(j)
                 if not prev_nodes:
                     fresh.append(j)
@@ -499,8 +508,8 @@ class GandivaFairPolicy:
                     s_j = size[j]
                     if gpus is not None and gpus >= s_j:
                         placed[j] = (node,)
-                        # _add_load of a gang on one node, inline (most gangs).
-                        node_load[node] += min(gpus, s_j) * tpg[j]
+                        # _add_load of a gang on one node, inline (most gangs): it takes s_j GPUs.
+                        node_load[node] += s_j * t
                         node_sizes[node].append(s_j)
                     else:
                         fresh.append(j)
@@ -513,7 +522,6 @@ class GandivaFairPolicy:
                         if distinct and len(set(prev_nodes)) != len(prev_nodes):
                             distinct = False
                         # _add_load, inline (most gangs span nodes on small servers).
-                        t = tpg[j]
                         for node, gpus in zip(prev_nodes, got, strict=True):
                             take = s_j if s_j < gpus else gpus  # min(gpus, s_j)
                             node_load[node] += take * t
