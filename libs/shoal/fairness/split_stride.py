@@ -112,9 +112,10 @@ def split_stride_quantum(
         central = {k: start if p is None else p for k, p in known.items()}
     else:
         central = cast("dict[str, float]", known)
-    # Sorted by (no tickets, pass, size, aggregate before large, key), the key unique, so
-    # the decorated tuples never compare their last item (no key function to call).
-    ranked = [(e[3] <= 0, central[e[0]], e[1], e[2], e[0], e) for e in entries]
+    # Sorted by (no tickets, pass, size, aggregate before large, key) on decorated tuples
+    # (no key function to call); the position last, so equal keys keep their order as a
+    # stable sort does.
+    ranked = [(e[3] <= 0, central[e[0]], e[1], e[2], e[0], i) for i, e in enumerate(entries)]
     ranked.sort()
 
     # The servers still free this quantum (a server missing from ``server_gpus`` never
@@ -125,7 +126,7 @@ def split_stride_quantum(
     scheduled: list[str] = []
     run_local: set[str] = set()
     for r in ranked:  # Algorithm 1 over central entries
-        key, size, is_large, tickets, servers = r[5]
+        key, size, is_large, tickets, servers = entries[r[5]]
         if free_count == 0:
             break
         if len(servers) == 1:
