@@ -199,31 +199,17 @@ def main() -> int:
     if args.instructions and shutil.which("valgrind") is None:
         parser.error("--instructions needs valgrind")
 
-    sha = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline_ref],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    here = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", "libs"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    from bench_sim import _dirty
+    from cell_history import _git
+
+    sha = _git("rev-parse", "--short", args.baseline_ref)
+    here = _git("rev-parse", "--short", "HEAD")
     tmp = Path(tempfile.mkdtemp(prefix="replay-policy-"))
     worktree = tmp / "baseline"
-    subprocess.run(
-        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree), sha],
-        check=True,
-        capture_output=True,
-    )
+    _git("worktree", "add", "--detach", str(worktree), sha)
     trees = [
         Tree(f"baseline {args.baseline_ref} ({sha})", worktree),
-        Tree(f"this tree ({here}{' + changes' if dirty else ''})", ROOT),
+        Tree(f"this tree ({here}{' + changes' if _dirty() else ''})", ROOT),
     ]
     rows: list[dict[str, Any]] = []
     try:
