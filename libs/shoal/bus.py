@@ -999,6 +999,36 @@ class Bus:
         info = await self.js.stream_info(stream or self.names.events_stream)
         return int(info.state.last_seq)
 
+    async def wait_for_stream(self, stream: str | None = None) -> int:
+        """The last sequence of ``stream`` (the event stream by default), waiting for as
+        long as it takes while the stream does not exist yet or has no leader yet.
+
+        Identities that may not create streams (the authorizer, node daemons) can start
+        before whoever declares them (a service, ``shoal nats-config``), and a cluster
+        whose JetStream quorum is still forming answers a stream's info with no
+        responders, a timeout or "temporarily unavailable". Each of those means "not
+        yet" here: one warning per episode, and the caller stays not ready (``/readyz``)
+        instead of exiting. Exiting is no answer: a runtime that does not restart the
+        process (podman-compose, whose containers require the one-shot ``nats-config``
+        that has exited, so podman never restarts them) would leave it down for good.
+        """
+        name = stream or self.names.events_stream
+        delay, warned = 0.2, False
+        while True:
+            try:
+                return await self.last_seq(name)
+            except (
+                nats.js.errors.NotFoundError,
+                nats.js.errors.ServiceUnavailableError,
+                nats.errors.NoRespondersError,
+                nats.errors.TimeoutError,
+            ) as exc:
+                if not warned:
+                    log.warning("waiting_for_stream", stream=name, error=str(exc) or type(exc).__name__)
+                    warned = True
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
     async def last_subject_seq(self, subject: str) -> int:
         """Stream sequence of the newest message on ``subject`` (0 when none)."""
         try:

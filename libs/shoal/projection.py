@@ -37,7 +37,6 @@ import time
 from collections.abc import Awaitable, Callable
 
 import msgspec
-import nats.js.errors
 import structlog
 
 from shoal import state as st
@@ -158,7 +157,7 @@ class Projection:
         snap = await self._load() if self.snapshot_name else None
         own = await self.restore() if self.restore is not None else None
         # Read after the snapshot: its sequence was in the stream when it was written.
-        target = await self._stream_tail()
+        target = await self.bus.wait_for_stream()
         if snap is not None:
             self._restore(snap, target)
         elif own is not None:
@@ -169,25 +168,6 @@ class Projection:
             self._set_ready()
         # A follower that dies must not leave the service deciding on a frozen state.
         self._task = critical(asyncio.create_task(self._follow(target), name="projection"))
-
-    async def _stream_tail(self) -> int:
-        """The event stream's last sequence, waiting while the stream does not exist yet.
-
-        Identities that may not create streams (the authorizer, node daemons) can start
-        before whoever declares them (another service, ``shoal nats-config``): a missing
-        stream then means "not yet", one warning per episode, and the service stays
-        not ready (``/readyz``) instead of exiting; a runtime that does not restart
-        it (podman without systemd) would leave it down for good."""
-        delay, warned = 0.2, False
-        while True:
-            try:
-                return await self.bus.last_seq()
-            except nats.js.errors.NotFoundError:
-                if not warned:
-                    log.warning("waiting_for_event_stream", stream=self.bus.names.events_stream)
-                    warned = True
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
 
     async def _load(self) -> Snapshot | None:
         name = self.snapshot_name

@@ -539,6 +539,10 @@ class NodeDaemon:
                 await asyncio.wait_for(stop.wait(), self.heartbeat_s)
 
     async def run(self, stop: asyncio.Event) -> None:
+        # A node may start before any service has declared the streams (or while the
+        # cluster elects their leaders): it waits, not ready, rather than failing its
+        # registration and exiting (Bus.wait_for_stream).
+        await self.bus.wait_for_stream()
         await self._publish(self._registration())
         await self.projection.start()
         await self.projection.wait_ready()
