@@ -24,9 +24,11 @@ paper's numbers appear only in the comparison columns.
 Cells run through :mod:`shoal.sim.matrix` (``--workers`` processes, at most 2 on a
 shared machine). Each finished cell is stored under ``<figs>/cells/`` with a
 fingerprint of the source files that decide its result (simulator, fold, view,
-allocation, placement, workloads, models, the policy's module, and of each other policy
-module it imports only the code of the names it takes: Themis takes ``gang_size`` from
-Tiresias-L's module, so editing Tiresias-L's decision leaves Themis' cells fresh); a
+allocation, workloads, models, for the topology setting placement and the measured
+reconfiguration costs, which a flat pool never uses (:func:`setting_files`), the
+policy's module, and of each other policy module it imports only the code of the names
+it takes: Themis takes ``gang_size`` from Tiresias-L's module, so editing Tiresias-L's
+decision leaves Themis' cells fresh); a
 later run reuses a stored cell only when its fingerprint still matches, so a report can be built in
 pieces without ever mixing code versions (docstrings and comments are not part of the
 fingerprint). ``--cpu-limit`` stops a cell after that
@@ -149,8 +151,31 @@ FINGERPRINT_FILES = (
     "libs/shoal/models.py",
     "libs/shoal/policies/base.py",
     "libs/shoal/policies/common.py",
-    "libs/shoal/data/reconfig_costs.json",  # the measured costs the topology setting charges
 )
+"""The files every cell's result depends on, whatever its setting."""
+
+PLACING_FILES = ("libs/shoal/data/reconfig_costs.json",)  # the measured costs the topology setting charges
+"""Besides every module of ``libs/shoal/placement/``: what only a setting that places
+reads (:func:`setting_files`)."""
+
+
+def setting_files(setting: str) -> list[str]:
+    """The files a cell of ``setting`` depends on beyond :data:`FINGERPRINT_FILES`.
+
+    ``topology`` packs, places and regulates on 16 servers of 4 GPUs and charges the
+    measured reconfiguration costs: every module of ``libs/shoal/placement/`` and
+    :data:`PLACING_FILES`. ``flat`` is one homogeneous 64-GPU pool: the simulator
+    places nothing there (``Simulator.placing`` is false for a flat homogeneous pool),
+    regulation returns at once (``gpus_per_node`` 0), and reconfigurations cost the
+    ``free`` preset, so none of those files decides a flat cell, and editing them leaves
+    the flat cells fresh. ``tests/test_afs_reproduction.py`` runs every policy of the
+    matrix on a flat pool and checks that no code of those modules runs, so a change
+    that made a flat run place (which would itself edit a file above) fails there.
+    """
+    if SETTINGS[setting].flat:
+        return []
+    placement = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "libs/shoal/placement").glob("*.py"))
+    return [*placement, *PLACING_FILES]
 
 
 def _strip_docstrings(tree: ast.AST) -> ast.AST:
@@ -300,14 +325,14 @@ def _policy_modules(module: str) -> list[str]:
     return list(_policy_parts(module))
 
 
-def fingerprint(policy: str) -> str:
+def fingerprint(policy: str, setting: str) -> str:
     """SHA-256 (first 16 hex) of the code (not the docs) that decides a cell's result:
-    the engine's files, placement, and the policy's modules (:func:`_policy_parts`; of a
-    module the policy takes names from, only the code those names use)."""
+    the engine's files, what the setting adds (:func:`setting_files`: placement and the
+    measured costs, for ``topology``), and the policy's modules (:func:`_policy_parts`; of
+    a module the policy takes names from, only the code those names use)."""
     from shoal.policies.registry import POLICIES as REGISTRY
 
-    placement = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "libs/shoal/placement").glob("*.py"))
-    files: list[str] = [*FINGERPRINT_FILES, *placement]
+    files: list[str] = [*FINGERPRINT_FILES, *setting_files(setting)]
     module = REGISTRY[policy].split(":")[0]
     parts = {f: n for f, n in _policy_parts(module).items() if f not in files}
     h = hashlib.sha256()
@@ -421,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = args.figs / ("cells" if args.limit is None else f"cells-limit{args.limit}")
     cache.mkdir(parents=True, exist_ok=True)
     sizes = {vc: int(philly_summary()[vc]["jobs_afs_pcs"]) for vc in vcs}
-    prints = {p: fingerprint(p) for p in policies}
+    prints = {(p, s): fingerprint(p, s) for p in policies for s in settings}
 
     cells: dict[tuple[str, str, str], Cell] = {}
     stale: dict[tuple[str, str, str], Cell] = {}
@@ -441,10 +466,10 @@ def main(argv: list[str] | None = None) -> int:
             path = cell_path(cache, setting, vc, policy, args.seed)
             if path.exists():
                 stored = msgspec.json.decode(path.read_bytes(), type=Cell)
-                if stored.fingerprint == prints[policy] and not _allowed_more(stored, args):
+                if stored.fingerprint == prints[(policy, setting)] and not _allowed_more(stored, args):
                     cells[(setting, vc, policy)] = stored
                     continue
-                if stored.fingerprint != prints[policy]:
+                if stored.fingerprint != prints[(policy, setting)]:
                     stale[(setting, vc, policy)] = stored
             if not args.no_run:
                 todo.append(spec_for(setting, vc, policy, args.seed, args.cpu_limit, args.limit))
@@ -452,8 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     for policy in EXTRA_POLICIES:
         if policy in policies:
             continue
-        extra_print = fingerprint(policy)
         for setting in settings:
+            extra_print = fingerprint(policy, setting)
             for vc in vcs:
                 path = cell_path(cache, setting, vc, policy, args.seed)
                 if path.exists():
@@ -485,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             vc=vc,
             policy=o.spec.policy,
             seed=o.spec.seed,
-            fingerprint=prints[o.spec.policy],
+            fingerprint=prints[(o.spec.policy, setting)],
             finished_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             outcome=thin(o),
             replaced=None
@@ -945,7 +970,9 @@ def _seed_section(args: argparse.Namespace, order: list[str], ids: dict[str, int
     found: dict[tuple[str, str, str], dict[int, float]] = {}
     for path in sorted(cache.glob("*.json")):
         cell = msgspec.json.decode(path.read_bytes(), type=Cell)
-        if (cell.fingerprint != fingerprint(cell.policy) and not args.stale) or not cell.outcome.ok:
+        if (
+            cell.fingerprint != fingerprint(cell.policy, cell.setting) and not args.stale
+        ) or not cell.outcome.ok:
             continue  # with --stale, cells of earlier code versions count too
         found.setdefault((cell.setting, cell.vc, cell.policy), {})[cell.seed] = cell.outcome.summary[
             "avg_jct_s"

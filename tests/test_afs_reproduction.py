@@ -8,9 +8,11 @@ and ``--stale`` reports such a cell as one of an earlier code version.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tests.scripts import load_script
 
@@ -123,7 +125,7 @@ def test_a_cells_fingerprint_takes_of_an_imported_module_only_the_code_it_uses(t
     policies = ("tiresias-l", "themis", "themis-unaware", "optimus", "max-min")
 
     def prints() -> dict[str, str]:
-        return {p: script.fingerprint(p) for p in policies}
+        return {p: script.fingerprint(p, "topology") for p in policies}
 
     tiresias = tmp_path / "libs/shoal/policies/tiresias.py"
     source = tiresias.read_text()
@@ -152,6 +154,80 @@ def test_a_cells_fingerprint_takes_of_an_imported_module_only_the_code_it_uses(t
     assert changed(edited("jobs_by_id\n", "jobs_by_id, view_key\n")) == {"tiresias-l"}
     tiresias.write_text(source)
     assert prints() == before
+
+
+def test_placement_and_the_measured_costs_decide_only_the_topology_cells(tmp_path: Path) -> None:
+    """Editing a placement module or the measured reconfiguration costs makes every
+    topology cell stale and leaves every flat cell fresh; editing the engine makes both
+    stale."""
+    script = load_script(SCRIPT, "afs_reproduction_settings")
+    shutil.copytree(script.ROOT / "libs" / "shoal", tmp_path / "libs" / "shoal")
+    script.ROOT = tmp_path
+    keys = [(p, s) for p in script.POLICIES for s in script.SETTINGS]
+
+    def prints() -> dict[tuple[str, str], str]:
+        return {(p, s): script.fingerprint(p, s) for p, s in keys}
+
+    def stale_after(rel: str, added: str) -> set[tuple[str, str]]:
+        """The (policy, setting) cells made stale by appending ``added`` to ``rel``."""
+        path = tmp_path / rel
+        source = path.read_text()
+        before = prints()
+        path.write_text(source + added)
+        try:
+            after = prints()
+        finally:
+            path.write_text(source)
+        return {k for k in keys if after[k] != before[k]}
+
+    code = "\n\ndef _unused() -> None:\n    return None\n"
+    topology = {(p, s) for p, s in keys if s == "topology"}
+    assert stale_after("libs/shoal/placement/min_migration.py", code) == topology
+    assert stale_after("libs/shoal/placement/_cluster.py", code) == topology
+    assert stale_after("libs/shoal/data/reconfig_costs.json", "\n") == topology
+    assert stale_after("libs/shoal/sim/engine.py", code) == set(keys)
+    assert stale_after("libs/shoal/allocation.py", code) == set(keys)
+
+
+def test_a_flat_cell_runs_no_placement_code_and_reads_no_measured_costs() -> None:
+    """What :func:`setting_files` leaves out of a flat cell's fingerprint never runs in
+    one: every policy of the matrix, on a flat pool, calls no function of
+    ``shoal.placement`` and never loads the measured costs. A change that made a flat
+    run place would have to edit a fingerprinted file (the engine, the allocation step),
+    and this test then says the flat fingerprint must take placement back."""
+    from shoal.sim.matrix import run_one
+
+    script = load_script(SCRIPT, "afs_reproduction_flat")
+    placement = str(script.ROOT / "libs" / "shoal" / "placement")
+    costs = str(script.ROOT / "libs" / "shoal" / "sim" / "costs.py")
+    ran: set[str] = set()
+
+    def profile(frame: Any, event: str, _arg: object) -> None:
+        if event == "call":
+            code = frame.f_code
+            if code.co_filename.startswith(placement) or (
+                code.co_filename == costs and code.co_name in ("measured", "load_calibration")
+            ):
+                ran.add(f"{code.co_filename}:{code.co_name}")
+
+    for policy in script.POLICIES:
+        spec = script.spec_for("flat", "2869ce", policy, 0, None, 150)
+        sys.setprofile(profile)
+        try:
+            outcome = run_one(spec)
+        finally:
+            sys.setprofile(None)
+        assert outcome.ok, (policy, outcome.error)
+        assert outcome.completed > 0, policy
+    assert ran == set(), sorted(ran)[:10]
+    # The same probe does see placement in a topology run (it is not blind).
+    spec = script.spec_for("topology", "2869ce", "afs-p", 0, None, 150)
+    sys.setprofile(profile)
+    try:
+        run_one(spec)
+    finally:
+        sys.setprofile(None)
+    assert ran, "a topology run calls shoal.placement"
 
 
 def test_an_extra_variants_stored_cells_get_a_comparison_row(tmp_path: Path) -> None:
