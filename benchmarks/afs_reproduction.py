@@ -325,21 +325,55 @@ def _policy_modules(module: str) -> list[str]:
     return list(_policy_parts(module))
 
 
+def cell_files(policy: str, setting: str) -> dict[str, frozenset[str] | None]:
+    """The files a ``(policy, setting)`` cell's fingerprint covers, in its order: each
+    with ``None`` when all of its code counts, else the top-level names whose code does
+    (:func:`_policy_parts`)."""
+    from shoal.policies.registry import POLICIES as REGISTRY
+
+    files: dict[str, frozenset[str] | None] = dict.fromkeys([*FINGERPRINT_FILES, *setting_files(setting)])
+    module = REGISTRY[policy].split(":")[0]
+    files.update({f: n for f, n in _policy_parts(module).items() if f not in files})
+    return files
+
+
+def recompute_cost(cache: Path, paths: list[str]) -> list[str]:
+    """What editing the code of ``paths`` (relative to the repository) would cost: the
+    stored cells whose fingerprint covers one of them (any of its code: an edit to a
+    name a policy does not take leaves that policy's cells fresh, so this is an upper
+    bound), with the CPU seconds their stored runs took, by setting and policy."""
+    wanted = set(paths)
+    rows: dict[tuple[str, str], list[float]] = {}
+    covers: dict[tuple[str, str], bool] = {}
+    for path in sorted(cache.glob("*.json")):
+        cell = msgspec.json.decode(path.read_bytes(), type=Cell)
+        key = (cell.setting, cell.policy)
+        if key not in covers:
+            covers[key] = bool(wanted & set(cell_files(cell.policy, cell.setting)))
+        if covers[key]:
+            rows.setdefault((cell.setting, cell.policy), []).append(cell.outcome.cpu_s or 0.0)
+    total = sum(sum(v) for v in rows.values())
+    lines = [
+        f"Stored cells a change to {', '.join(paths)} makes stale: "
+        f"{sum(len(v) for v in rows.values())}, which took {total:,.0f} CPU s ({total / 3600:.1f} h) to compute.",
+        "",
+        "| setting | policy | cells | CPU s |",
+        "|---|---|---:|---:|",
+    ]
+    for (setting, policy), cpu in sorted(rows.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"| {setting} | {policy} | {len(cpu)} | {sum(cpu):,.0f} |")
+    return lines
+
+
 def fingerprint(policy: str, setting: str) -> str:
     """SHA-256 (first 16 hex) of the code (not the docs) that decides a cell's result:
     the engine's files, what the setting adds (:func:`setting_files`: placement and the
     measured costs, for ``topology``), and the policy's modules (:func:`_policy_parts`; of
     a module the policy takes names from, only the code those names use)."""
-    from shoal.policies.registry import POLICIES as REGISTRY
-
-    files: list[str] = [*FINGERPRINT_FILES, *setting_files(setting)]
-    module = REGISTRY[policy].split(":")[0]
-    parts = {f: n for f, n in _policy_parts(module).items() if f not in files}
     h = hashlib.sha256()
-    for rel in [*files, *parts]:
+    for rel, names in cell_files(policy, setting).items():
         path = ROOT / rel
         h.update(rel.encode())
-        names = parts.get(rel)
         if not path.exists():
             h.update(b"<missing>")
         elif path.suffix != ".py":
@@ -426,6 +460,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--figs", type=Path, default=ROOT / "benchmarks/reports/afs_reproduction")
     parser.add_argument("--no-run", action="store_true", help="only build the report from stored cells")
     parser.add_argument(
+        "--recompute-cost",
+        nargs="+",
+        metavar="PATH",
+        help="print which stored cells an edit to these files (relative to the repository) "
+        "would make stale, and the CPU seconds they took; run nothing",
+    )
+    parser.add_argument(
         "--stale",
         action="store_true",
         help="report stored cells of an earlier code version too (listed as such) instead of leaving them out",
@@ -437,6 +478,10 @@ def main(argv: list[str] | None = None) -> int:
         help="command lines that produced the stored cells (listed in the report; repeatable)",
     )
     args = parser.parse_args(argv)
+    if args.recompute_cost:
+        cache = args.figs / ("cells" if args.limit is None else f"cells-limit{args.limit}")
+        print("\n".join(recompute_cost(cache, args.recompute_cost)))
+        return 0
     if args.workers > 2:
         print("note: more than 2 workers on a shared 2-core machine slows everyone down", file=sys.stderr)
 

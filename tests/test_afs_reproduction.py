@@ -189,6 +189,30 @@ def test_placement_and_the_measured_costs_decide_only_the_topology_cells(tmp_pat
     assert stale_after("libs/shoal/allocation.py", code) == set(keys)
 
 
+def test_the_recompute_cost_of_an_edit_counts_the_cells_it_stales() -> None:
+    """``--recompute-cost``, on the stored cells: an edit to the engine stales every
+    cell, to a placement module the topology ones only, to Gandiva_fair none."""
+    script = load_script(SCRIPT, "afs_reproduction_cost", register=True)
+    cache = script.ROOT / "benchmarks/reports/afs_reproduction/cells"
+    stored = [json.loads(p.read_text()) for p in cache.glob("*.json")]
+    assert stored
+
+    def rows(path: str) -> dict[tuple[str, str], int]:
+        lines = script.recompute_cost(cache, [path])
+        cells = int(lines[0].split("stale: ")[1].split(",")[0])
+        table = {(r.split("|")[1].strip(), r.split("|")[2].strip()): int(r.split("|")[3]) for r in lines[4:]}
+        assert sum(table.values()) == cells
+        return table
+
+    assert sum(rows("libs/shoal/sim/engine.py").values()) == len(stored)
+    placement = rows("libs/shoal/placement/min_migration.py")
+    assert {setting for setting, _ in placement} == {"topology"}
+    assert sum(placement.values()) == sum(1 for c in stored if c["setting"] == "topology")
+    assert rows("libs/shoal/fairness/policy.py") == {}
+    themis = rows("libs/shoal/policies/themis.py")
+    assert {policy for _, policy in themis} == {"themis", "themis-unaware"}
+
+
 def test_a_flat_cell_runs_no_placement_code_and_reads_no_measured_costs() -> None:
     """What :func:`setting_files` leaves out of a flat cell's fingerprint never runs in
     one: every policy of the matrix, on a flat pool, calls no function of
