@@ -1007,13 +1007,15 @@ class Bus:
         before whoever declares them (a service, ``shoal nats-config``), and a cluster
         whose JetStream quorum is still forming answers a stream's info with no
         responders, a timeout or "temporarily unavailable". Each of those means "not
-        yet" here: one warning per episode, and the caller stays not ready (``/readyz``)
-        instead of exiting. Exiting is no answer: a runtime that does not restart the
+        yet" here: a warning at once and every minute after, and the caller stays not
+        ready (``/readyz``) instead of exiting. Exiting is no answer: a runtime that does not restart the
         process (podman-compose, whose containers require the one-shot ``nats-config``
         that has exited, so podman never restarts them) would leave it down for good.
         """
         name = stream or self.names.events_stream
-        delay, warned = 0.2, False
+        delay = 0.2
+        started = time.monotonic()
+        warn_at = started
         while True:
             try:
                 return await self.last_seq(name)
@@ -1023,9 +1025,15 @@ class Bus:
                 nats.errors.NoRespondersError,
                 nats.errors.TimeoutError,
             ) as exc:
-                if not warned:
-                    log.warning("waiting_for_stream", stream=name, error=str(exc) or type(exc).__name__)
-                    warned = True
+                now = time.monotonic()
+                if now >= warn_at:
+                    log.warning(
+                        "waiting_for_stream",
+                        stream=name,
+                        error=str(exc) or type(exc).__name__,
+                        waited_s=round(now - started, 1),
+                    )
+                    warn_at = now + 60.0
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 

@@ -19,6 +19,10 @@ in a container of the shoal image: the services export to it exactly as they wou
 collector, but it is not the collector. Prometheus is Debian's, built from the same base
 (target ``prometheus``), and scrapes every service.
 
+It starts the stack in the order that once broke it: the servers, the authorizer and
+the node daemons first, which may not create the streams and must wait for them, up
+and not ready (Prometheus says so), then the services that declare them.
+
 From the host it checks: an outsider is refused by the NATS cluster; each container holds
 only its own credentials; a node's sidecar seed is no user of the cluster and a forged
 sidecar token is refused (auth callout); the streams have three replicas; a job submitted with a user's
@@ -88,6 +92,22 @@ NOT_STARTED = {
     "jaeger": "jaegertracing/all-in-one",
     "grafana": "grafana/grafana",
 }
+EARLY = [
+    "nats-config",
+    "nats-1",
+    "nats-2",
+    "nats-3",
+    "authorizer",
+    "node-a",
+    "node-b",
+    "prometheus",
+    "trace-sink",
+]
+"""Started first, before any service that declares the streams: the identities that may
+not create them (the authorizer, the node daemons) must wait for them, up and not ready,
+rather than exit. podman-compose never restarts an exited service (docs/deploy.md), so
+the stack would never be ready; CI lost both nodes and the authorizer to this race once."""
+WAITING = ["authorizer", "node-a", "node-b"]
 SCRAPED = [
     "admission",
     "profiler",
@@ -261,11 +281,25 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s.timings["build_s"] = time.monotonic() - t0
     try:
         t1 = time.monotonic()
-        up = s.compose("up", "-d", *STARTED, timeout=900)
+        up = s.compose("up", "-d", *EARLY, timeout=900)
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
         # The operator's seeds (admin, users) are in a volume no long-running service mounts.
         shutil.copytree(s.volume("operator-creds"), s.creds)
         try:
+            # No stream exists yet: each of the three is scraped up through a 10 s window
+            # (two scrapes; the old failure exited 5 s after connecting) and not ready.
+            waiting = wait_for(
+                "the authorizer and the nodes scraped, up and waiting for the streams",
+                lambda: (
+                    len(s.query('min_over_time(up{job="shoal"}[10s]) == 1 and shoal_ready == 0'))
+                    == len(WAITING)
+                ),
+                180,
+                1.0,
+            )
+            assert waiting
+            up = s.compose("up", "-d", *[x for x in STARTED if x not in EARLY], timeout=900)
+            assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
             # Ready, not only scraped: a service serves /metrics while it still waits for
             # NATS (SHOAL_CONNECT_WAIT_S), and says shoal_ready 0 until it has caught up.
             wait_for(
