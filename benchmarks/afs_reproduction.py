@@ -159,23 +159,32 @@ PLACING_FILES = ("libs/shoal/data/reconfig_costs.json",)  # the measured costs t
 reads (:func:`setting_files`)."""
 
 
-def setting_files(setting: str) -> list[str]:
-    """The files a cell of ``setting`` depends on beyond :data:`FINGERPRINT_FILES`.
+MODULE_LEVEL = "<module level>"
+"""In :func:`cell_files`: of this file, only what its module runs at import
+(:func:`_module_level_code`), not the bodies of its functions and classes."""
+
+
+def setting_files(setting: str) -> dict[str, str | None]:
+    """The files a cell of ``setting`` depends on beyond :data:`FINGERPRINT_FILES`: each
+    with ``None`` when all of its code counts, or :data:`MODULE_LEVEL`.
 
     ``topology`` packs, places and regulates on 16 servers of 4 GPUs and charges the
-    measured reconfiguration costs: every module of ``libs/shoal/placement/`` and
-    :data:`PLACING_FILES`. ``flat`` is one homogeneous 64-GPU pool: the simulator
+    measured reconfiguration costs: all of every module of ``libs/shoal/placement/``
+    and :data:`PLACING_FILES`. ``flat`` is one homogeneous 64-GPU pool: the simulator
     places nothing there (``Simulator.placing`` is false for a flat homogeneous pool),
     regulation returns at once (``gpus_per_node`` 0), and reconfigurations cost the
-    ``free`` preset, so none of those files decides a flat cell, and editing them leaves
-    the flat cells fresh. ``tests/test_afs_reproduction.py`` runs every policy of the
-    matrix on a flat pool and checks that no code of those modules runs, so a change
-    that made a flat run place (which would itself edit a file above) fails there.
+    ``free`` preset, so no function or method of ``shoal.placement`` runs in a flat cell
+    and the measured costs are never loaded; editing those leaves the flat cells fresh.
+    The placement modules are still imported (the engine reads ``NODE_HINTS``), so what
+    they run and bind at import counts for flat cells too. ``tests/test_afs_reproduction.py``
+    runs every policy of the matrix on a flat pool and checks that no function of those
+    modules is called and the costs are not loaded, so a change that made a flat run
+    place (which would itself edit a fingerprinted file) fails there.
     """
-    if SETTINGS[setting].flat:
-        return []
     placement = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "libs/shoal/placement").glob("*.py"))
-    return [*placement, *PLACING_FILES]
+    if SETTINGS[setting].flat:
+        return dict.fromkeys(placement, MODULE_LEVEL)
+    return dict.fromkeys([*placement, *PLACING_FILES])
 
 
 def _strip_docstrings(tree: ast.AST) -> ast.AST:
@@ -197,6 +206,19 @@ def _code_only(source: bytes) -> bytes:
     """The module's syntax tree without docstrings (comments are not in it): editing
     documentation does not invalidate stored cells, editing code does."""
     return ast.dump(_strip_docstrings(ast.parse(source))).encode()
+
+
+def _module_level_code(source: bytes) -> bytes:
+    """What a module runs and binds at import: its top-level statements other than
+    function and class definitions (without docstrings), then the code of the top-level
+    names those statements use (:func:`_partial_code`), so a constant computed by a
+    function of the module counts with that function."""
+    tree = ast.parse(source)
+    kept = [s for s in tree.body if not isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)]
+    used = {n.id for s in kept for n in ast.walk(s) if isinstance(n, ast.Name)}
+    out = [ast.dump(_strip_docstrings(copy.deepcopy(s))).encode() for s in kept]
+    out.append(_partial_code(source, used))
+    return b"".join(out)
 
 
 def _module_file(module: str) -> str:
@@ -325,50 +347,59 @@ def _policy_modules(module: str) -> list[str]:
     return list(_policy_parts(module))
 
 
-def cell_files(policy: str, setting: str) -> dict[str, frozenset[str] | None]:
+def cell_files(policy: str, setting: str) -> dict[str, frozenset[str] | str | None]:
     """The files a ``(policy, setting)`` cell's fingerprint covers, in its order: each
-    with ``None`` when all of its code counts, else the top-level names whose code does
-    (:func:`_policy_parts`)."""
+    with ``None`` when all of its code counts, :data:`MODULE_LEVEL` when only what it
+    runs at import does (:func:`setting_files`), else the top-level names whose code
+    does (:func:`_policy_parts`)."""
     from shoal.policies.registry import POLICIES as REGISTRY
 
-    files: dict[str, frozenset[str] | None] = dict.fromkeys([*FINGERPRINT_FILES, *setting_files(setting)])
+    files: dict[str, frozenset[str] | str | None] = dict.fromkeys(FINGERPRINT_FILES)
+    files.update(setting_files(setting))
     module = REGISTRY[policy].split(":")[0]
     files.update({f: n for f, n in _policy_parts(module).items() if f not in files})
     return files
 
 
 def recompute_cost(cache: Path, paths: list[str]) -> list[str]:
-    """What editing the code of ``paths`` (relative to the repository) would cost: the
-    stored cells whose fingerprint covers one of them (any of its code: an edit to a
-    name a policy does not take leaves that policy's cells fresh, so this is an upper
-    bound), with the CPU seconds their stored runs took, by setting and policy."""
+    """What editing the code of ``paths`` (relative to the repository) would cost, from
+    the stored cells and the CPU seconds their runs took, by setting and policy: the
+    cells whose fingerprint takes all of one of the files (any edit of its code makes
+    them stale), then those that take only part of one (some of its names, or what it
+    runs at import: stale only when the edit touches that part)."""
     wanted = set(paths)
     rows: dict[tuple[str, str], list[float]] = {}
-    covers: dict[tuple[str, str], bool] = {}
+    partly: dict[tuple[str, str], list[float]] = {}
+    covers: dict[tuple[str, str], str] = {}
     for path in sorted(cache.glob("*.json")):
         cell = msgspec.json.decode(path.read_bytes(), type=Cell)
         key = (cell.setting, cell.policy)
         if key not in covers:
-            covers[key] = bool(wanted & set(cell_files(cell.policy, cell.setting)))
+            taken = {f: n for f, n in cell_files(cell.policy, cell.setting).items() if f in wanted}
+            covers[key] = "" if not taken else ("all" if None in taken.values() else "part")
         if covers[key]:
-            rows.setdefault((cell.setting, cell.policy), []).append(cell.outcome.cpu_s or 0.0)
-    total = sum(sum(v) for v in rows.values())
-    lines = [
-        f"Stored cells a change to {', '.join(paths)} makes stale: "
-        f"{sum(len(v) for v in rows.values())}, which took {total:,.0f} CPU s ({total / 3600:.1f} h) to compute.",
-        "",
-        "| setting | policy | cells | CPU s |",
-        "|---|---|---:|---:|",
-    ]
-    for (setting, policy), cpu in sorted(rows.items(), key=lambda kv: -sum(kv[1])):
-        lines.append(f"| {setting} | {policy} | {len(cpu)} | {sum(cpu):,.0f} |")
+            (rows if covers[key] == "all" else partly).setdefault(key, []).append(cell.outcome.cpu_s or 0.0)
+    lines = []
+    for group, what in ((rows, "makes stale"), (partly, "makes stale only if it touches the part they take")):
+        total = sum(sum(v) for v in group.values())
+        lines += [
+            f"Stored cells a change to {', '.join(paths)} {what}: "
+            f"{sum(len(v) for v in group.values())}, which took {total:,.0f} CPU s ({total / 3600:.1f} h) to compute.",
+            "",
+        ]
+        if group:
+            lines += ["| setting | policy | cells | CPU s |", "|---|---|---:|---:|"]
+            for (setting, policy), cpu in sorted(group.items(), key=lambda kv: -sum(kv[1])):
+                lines.append(f"| {setting} | {policy} | {len(cpu)} | {sum(cpu):,.0f} |")
+            lines.append("")
     return lines
 
 
 def fingerprint(policy: str, setting: str) -> str:
     """SHA-256 (first 16 hex) of the code (not the docs) that decides a cell's result:
     the engine's files, what the setting adds (:func:`setting_files`: placement and the
-    measured costs, for ``topology``), and the policy's modules (:func:`_policy_parts`; of
+    measured costs for ``topology``, what placement runs at import for ``flat``), and the
+    policy's modules (:func:`_policy_parts`; of
     a module the policy takes names from, only the code those names use)."""
     h = hashlib.sha256()
     for rel, names in cell_files(policy, setting).items():
@@ -380,7 +411,10 @@ def fingerprint(policy: str, setting: str) -> str:
             h.update(path.read_bytes())
         elif names is None:
             h.update(_code_only(path.read_bytes()))
+        elif names == MODULE_LEVEL:
+            h.update(_module_level_code(path.read_bytes()))
         else:
+            assert isinstance(names, frozenset)
             h.update(_partial_code(path.read_bytes(), names))
     return h.hexdigest()[:16]
 

@@ -185,6 +185,8 @@ def test_placement_and_the_measured_costs_decide_only_the_topology_cells(tmp_pat
     assert stale_after("libs/shoal/placement/min_migration.py", code) == topology
     assert stale_after("libs/shoal/placement/_cluster.py", code) == topology
     assert stale_after("libs/shoal/data/reconfig_costs.json", "\n") == topology
+    # What a placement module runs at import (a constant the engine reads) counts for all.
+    assert stale_after("libs/shoal/placement/hinted.py", "\nX = 1\n") == set(keys)
     assert stale_after("libs/shoal/sim/engine.py", code) == set(keys)
     assert stale_after("libs/shoal/allocation.py", code) == set(keys)
 
@@ -197,20 +199,37 @@ def test_the_recompute_cost_of_an_edit_counts_the_cells_it_stales() -> None:
     stored = [json.loads(p.read_text()) for p in cache.glob("*.json")]
     assert stored
 
-    def rows(path: str) -> dict[tuple[str, str], int]:
-        lines = script.recompute_cost(cache, [path])
-        cells = int(lines[0].split("stale: ")[1].split(",")[0])
-        table = {(r.split("|")[1].strip(), r.split("|")[2].strip()): int(r.split("|")[3]) for r in lines[4:]}
-        assert sum(table.values()) == cells
-        return table
+    def rows(path: str) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]:
+        """(cells stale whatever the edit, cells stale if it touches their part), by
+        (setting, policy)."""
+        groups: list[dict[tuple[str, str], int]] = []
+        totals: list[int] = []
+        for line in script.recompute_cost(cache, [path]):
+            if line.startswith("Stored cells"):
+                groups.append({})
+                totals.append(int(line.split(": ")[1].split(",")[0]))
+            elif line.startswith("| ") and not line.startswith("| setting"):
+                cols = [c.strip() for c in line.split("|")[1:-1]]
+                groups[-1][(cols[0], cols[1])] = int(cols[2])
+        assert [sum(g.values()) for g in groups] == totals and len(groups) == 2
+        return groups[0], groups[1]
 
-    assert sum(rows("libs/shoal/sim/engine.py").values()) == len(stored)
-    placement = rows("libs/shoal/placement/min_migration.py")
+    engine, engine_partly = rows("libs/shoal/sim/engine.py")
+    assert sum(engine.values()) == len(stored) and not engine_partly
+    placement, placement_partly = rows("libs/shoal/placement/min_migration.py")
     assert {setting for setting, _ in placement} == {"topology"}
     assert sum(placement.values()) == sum(1 for c in stored if c["setting"] == "topology")
-    assert rows("libs/shoal/fairness/policy.py") == {}
-    themis = rows("libs/shoal/policies/themis.py")
-    assert {policy for _, policy in themis} == {"themis", "themis-unaware"}
+    # What the module runs at import counts for the flat cells.
+    assert {setting for setting, _ in placement_partly} == {"flat"}
+    assert rows("libs/shoal/fairness/policy.py") == ({}, {})
+    # Themis' module: all of it for Themis, what the length-unaware wrapper takes for it.
+    themis, themis_partly = rows("libs/shoal/policies/themis.py")
+    assert {policy for _, policy in themis} == {"themis"}
+    assert {policy for _, policy in themis_partly} == {"themis-unaware"}
+    # Tiresias-L's module: all of it for its own cells, gang_size for Themis and Optimus.
+    tiresias, tiresias_partly = rows("libs/shoal/policies/tiresias.py")
+    assert {policy for _, policy in tiresias} == {"tiresias-l"}
+    assert "themis" in {policy for _, policy in tiresias_partly}
 
 
 def test_a_flat_cell_runs_no_placement_code_and_reads_no_measured_costs() -> None:
