@@ -24,11 +24,11 @@ paper's numbers appear only in the comparison columns.
 Cells run through :mod:`shoal.sim.matrix` (``--workers`` processes, at most 2 on a
 shared machine). Each finished cell is stored under ``<figs>/cells/`` with a
 fingerprint of the source files that decide its result (simulator, fold, view,
-allocation, workloads, models, for the topology setting placement and the measured
-reconfiguration costs, which a flat pool never uses (:func:`setting_files`), the
-policy's module, and of each other policy module it imports only the code of the names
-it takes: Themis takes ``gang_size`` from Tiresias-L's module, so editing Tiresias-L's
-decision leaves Themis' cells fresh); a
+allocation, workloads, models; placement and the measured reconfiguration costs for
+the topology setting, of placement only what it runs at import for the flat one, which
+places nothing (:func:`setting_files`); the policy's module, and of each other policy
+module it imports only the code of the names it takes: Themis takes ``gang_size`` from
+Tiresias-L's module, so editing Tiresias-L's decision leaves Themis' cells fresh); a
 later run reuses a stored cell only when its fingerprint still matches, so a report can be built in
 pieces without ever mixing code versions (docstrings and comments are not part of the
 fingerprint). ``--cpu-limit`` stops a cell after that
@@ -399,8 +399,8 @@ def fingerprint(policy: str, setting: str) -> str:
     """SHA-256 (first 16 hex) of the code (not the docs) that decides a cell's result:
     the engine's files, what the setting adds (:func:`setting_files`: placement and the
     measured costs for ``topology``, what placement runs at import for ``flat``), and the
-    policy's modules (:func:`_policy_parts`; of
-    a module the policy takes names from, only the code those names use)."""
+    policy's modules (:func:`_policy_parts`; of a module the policy takes names from,
+    only the code those names use). ``--recompute-cost`` tells what an edit would stale."""
     h = hashlib.sha256()
     for rel, names in cell_files(policy, setting).items():
         path = ROOT / rel

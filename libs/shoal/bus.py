@@ -1008,9 +1008,10 @@ class Bus:
         whose JetStream quorum is still forming answers a stream's info with no
         responders, a timeout or "temporarily unavailable". Each of those means "not
         yet" here: a warning at once and every minute after, and the caller stays not
-        ready (``/readyz``) instead of exiting. Exiting is no answer: a runtime that does not restart the
-        process (podman-compose, whose containers require the one-shot ``nats-config``
-        that has exited, so podman never restarts them) would leave it down for good.
+        ready (``/readyz``) instead of exiting. Exiting is no answer: a runtime that does
+        not restart the process would leave it down for good (podman-compose: its
+        containers require the one-shot ``nats-config``, which has exited, and podman
+        4.3 does not restart a container whose requirement is not running).
         """
         name = stream or self.names.events_stream
         delay = 0.2
