@@ -16,8 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,8 @@ from shoal.bus import Bus
 from shoal.nats_server import EmbeddedNats
 
 from tests.conftest import add_identity
+from tests.services.test_probes_up import get
+from tests.test_tracing_e2e import stop_process
 
 pytestmark = pytest.mark.integration
 
@@ -37,11 +37,9 @@ def _free_port() -> int:
 
 
 def _status(url: str) -> int:
+    """The probe's HTTP status; 0 while nothing listens."""
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
+        return get(url)[0]
     except OSError:
         return 0
 
@@ -110,10 +108,4 @@ async def test_a_node_daemon_started_before_the_streams_waits_and_registers(
         finally:
             await admin.close()
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
