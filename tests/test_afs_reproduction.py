@@ -157,9 +157,9 @@ def test_a_cells_fingerprint_takes_of_an_imported_module_only_the_code_it_uses(t
 
 
 def test_placement_and_the_measured_costs_decide_only_the_topology_cells(tmp_path: Path) -> None:
-    """Editing a placement module or the measured reconfiguration costs makes every
-    topology cell stale and leaves every flat cell fresh; editing the engine makes both
-    stale."""
+    """Editing a function of a placement module or the measured reconfiguration costs
+    makes every topology cell stale and leaves every flat cell fresh; editing what a
+    placement module runs at import, the engine or the allocation step makes both stale."""
     script = load_script(SCRIPT, "afs_reproduction_settings")
     shutil.copytree(script.ROOT / "libs" / "shoal", tmp_path / "libs" / "shoal")
     script.ROOT = tmp_path
