@@ -327,6 +327,11 @@ class _Rows:
             if not job.current_gpus or job.job_id not in row:
                 self._put(policy, job, seen_prev, contention, now)
         if ids != self.ids:  # a job came or went (a kept job keeps its row)
+            # A job that went may come back with the same view object; memory no longer
+            # knows it then, so its first sight is the decision it comes back at, as
+            # ``start`` says: forget the view its row was made of, so that row is redone.
+            for jid in set(self.ids).difference(ids):
+                self.obj.pop(jid, None)
             self.ids = ids
             self.idx = np.fromiter(map(self.row.__getitem__, ids), np.intp, len(ids))
 
