@@ -158,6 +158,11 @@ PLACING_FILES = ("libs/shoal/data/reconfig_costs.json",)  # the measured costs t
 """Besides every module of ``libs/shoal/placement/``: what only a setting that places
 reads (:func:`setting_files`)."""
 
+HINT_FILES = ("libs/shoal/placement/hinted.py",)
+"""Placement modules whose functions run only for a decision that names nodes
+(``node_hints``: Gandiva_fair, which is not in the matrix): a topology cell takes only
+what they run at import (:func:`setting_files`)."""
+
 
 MODULE_LEVEL = "<module level>"
 """In :func:`cell_files`: of this file, only what its module runs at import
@@ -180,11 +185,19 @@ def setting_files(setting: str) -> dict[str, str | None]:
     runs every policy of the matrix on a flat pool and checks that no function of those
     modules is called and the costs are not loaded, so a change that made a flat run
     place (which would itself edit a fingerprinted file) fails there.
+
+    A topology cell places every decision, but only a decision with node hints
+    (:data:`shoal.placement.hinted.NODE_HINTS`) goes through :data:`HINT_FILES`, and no
+    policy of the matrix names nodes; so of those it takes only what they run at import.
+    The same test module runs every matrix policy with topology and checks that no
+    function of :data:`HINT_FILES` is called.
     """
     placement = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "libs/shoal/placement").glob("*.py"))
     if SETTINGS[setting].flat:
         return dict.fromkeys(placement, MODULE_LEVEL)
-    return dict.fromkeys([*placement, *PLACING_FILES])
+    files: dict[str, str | None] = dict.fromkeys([*placement, *PLACING_FILES])
+    files.update({f: MODULE_LEVEL for f in HINT_FILES if f in files})
+    return files
 
 
 def _strip_docstrings(tree: ast.AST) -> ast.AST:

@@ -158,7 +158,8 @@ def test_a_cells_fingerprint_takes_of_an_imported_module_only_the_code_it_uses(t
 
 def test_placement_and_the_measured_costs_decide_only_the_topology_cells(tmp_path: Path) -> None:
     """Editing a function of a placement module or the measured reconfiguration costs
-    makes every topology cell stale and leaves every flat cell fresh; editing what a
+    makes every topology cell stale and leaves every flat cell fresh (a function of
+    node-hinted placement, which no matrix policy uses, stales none); editing what a
     placement module runs at import, the engine or the allocation step makes both stale."""
     script = load_script(SCRIPT, "afs_reproduction_settings")
     shutil.copytree(script.ROOT / "libs" / "shoal", tmp_path / "libs" / "shoal")
@@ -187,6 +188,8 @@ def test_placement_and_the_measured_costs_decide_only_the_topology_cells(tmp_pat
     assert stale_after("libs/shoal/data/reconfig_costs.json", "\n") == topology
     # What a placement module runs at import (a constant the engine reads) counts for all.
     assert stale_after("libs/shoal/placement/hinted.py", "\nX = 1\n") == set(keys)
+    # The functions of node-hinted placement run for no matrix policy: no cell takes them.
+    assert stale_after("libs/shoal/placement/hinted.py", code) == set()
     assert stale_after("libs/shoal/sim/engine.py", code) == set(keys)
     assert stale_after("libs/shoal/allocation.py", code) == set(keys)
 
@@ -362,3 +365,35 @@ def test_a_cell_recomputed_across_a_deliberate_model_change_is_reported_apart() 
     text = "\n".join(script._provenance_section({("t", "b", "u"): unexplained}, []))
     assert "1 cells; the average JCT is identical in 0 of them" in text
     assert "deliberate change" not in text
+
+
+def test_a_topology_cell_runs_no_node_hinted_placement() -> None:
+    """What :func:`setting_files` leaves out of a topology cell's fingerprint never runs
+    in one: every policy of the matrix (and its stored variants), with topology, calls
+    no function of :data:`HINT_FILES` (they serve decisions that name nodes). The probe
+    is not blind: a Gandiva_fair run with topology calls them."""
+    from shoal.sim.matrix import run_one
+
+    script = load_script(SCRIPT, "afs_reproduction_hints")
+    hinted = {str(script.ROOT / f) for f in script.HINT_FILES}
+    ran: set[str] = set()
+
+    def profile(frame: Any, event: str, _arg: object) -> None:
+        if event == "call" and frame.f_code.co_filename in hinted and frame.f_code.co_name != "<module>":
+            ran.add(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    def probe(policy: str) -> None:
+        spec = script.spec_for("topology", "2869ce", policy, 0, None, 150)
+        sys.setprofile(profile)
+        try:
+            outcome = run_one(spec)
+        finally:
+            sys.setprofile(None)
+        assert outcome.ok, (policy, outcome.error)
+        assert outcome.completed > 0, policy
+
+    for policy in (*script.POLICIES, *script.EXTRA_POLICIES):
+        probe(policy)
+    assert ran == set(), sorted(ran)[:10]
+    probe("gandiva-fair")
+    assert any(r.endswith(":place_hinted") for r in ran), "a Gandiva_fair run places by its hints"
