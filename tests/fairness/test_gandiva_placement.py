@@ -215,3 +215,34 @@ def test_every_gang_gandiva_fair_schedules_runs_whole(workload: tuple[list[Any],
         check(pending[1])
     assert checked > 0
     assert sim.unplaced_decisions == 0
+
+
+def test_every_hint_spelling_names_the_node_resolve_hint_names() -> None:
+    """place_hinted looks canonical names up in an index of the topology and sends any
+    other spelling to resolve_hint; both name the same node, and a name that resolves to
+    nothing sends the job to the fallback, as before the index."""
+    from shoal.placement.hinted import _HintIndex
+
+    topology = Topology(
+        nodes=(
+            msgspec_slots("a0", (0, 1), "V100"),
+            msgspec_slots("b0", (0, 1), "K80"),
+            msgspec_slots("a1", (0, 1), "V100"),
+            msgspec_slots("c0", (0, 1), ""),
+        )
+    )
+    index = _HintIndex.of(topology)
+    assert _HintIndex.of(topology) is index  # kept for the same topology object
+    for name, node in index.items():
+        assert resolve_hint(topology, [name]) == [node], name
+    assert set(index) == {"#0", "#1", "#2", "#3", "V100#0", "V100#1", "K80#0"}
+    # Spellings only resolve_hint knows: a case-insensitive type, a zero-padded index.
+    for name, node_id in (("v100#1", "a1"), ("V100#01", "a1"), ("#03", "c0")):
+        got = place_hinted(topology, {"j": 2}, {}, {"j": [name]})
+        assert {g.node_id for g in got.placements["j"]} == {node_id}, name
+    # A name that names no node: the fallback places the gang whole, somewhere.
+    got = place_hinted(topology, {"j": 2}, {}, {"j": ["V100#2"]})
+    assert sum(len(g) for g in got.placements.values()) == 2
+    # Another topology object gets its own index.
+    other = Topology(nodes=(msgspec_slots("z", (0,), "K80"),))
+    assert _HintIndex.of(other) == {"#0": other.nodes[0], "K80#0": other.nodes[0]}

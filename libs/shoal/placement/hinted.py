@@ -63,6 +63,32 @@ def resolve_hint(topology: Topology, names: Sequence[str]) -> list[NodeSlots] | 
     return out
 
 
+class _HintIndex:
+    """The nodes of a topology by their canonical hint names, for the last topology object
+    asked for (the simulator places every decision on one)."""
+
+    last: tuple[Topology, dict[str, NodeSlots]] | None = None
+
+    @classmethod
+    def of(cls, topology: Topology) -> dict[str, NodeSlots]:
+        """``#<i>`` (the ``i``-th node) and ``<gpu_type>#<i>`` (the ``i``-th node of that
+        type) -> the node, as :func:`resolve_hint` resolves those names; other spellings (a
+        case-insensitive type, a zero-padded index) are left to it."""
+        last = cls.last
+        if last is not None and last[0] is topology:
+            return last[1]
+        index: dict[str, NodeSlots] = {}
+        count: dict[str, int] = {}
+        for i, node in enumerate(topology.nodes):
+            index[f"#{i}"] = node
+            if node.gpu_type:
+                k = count.get(node.gpu_type, 0)
+                count[node.gpu_type] = k + 1
+                index[f"{node.gpu_type}#{k}"] = node
+        cls.last = (topology, index)
+        return index
+
+
 def place_hinted(
     topology: Topology,
     shares: Mapping[str, int],
@@ -95,49 +121,72 @@ def place_hinted(
     wanted = {j: s for j, s in shares.items() if s > 0}
     targets: dict[str, list[NodeSlots]] = {}
     rest: dict[str, int] = {}
+    # A canonical name is looked up, any other goes through resolve_hint.
+    index = _HintIndex.of(topology)
     for job, share in wanted.items():
-        nodes = resolve_hint(topology, hints.get(job, ())) if hints.get(job) else None
+        names = hints.get(job)
+        nodes: list[NodeSlots] | None = None
+        if names:
+            nodes = []
+            for name in names:
+                hinted = index.get(name) if type(name) is str else None
+                if hinted is None:
+                    found = resolve_hint(topology, (name,))
+                    hinted = found[0] if found else None
+                if hinted is None:
+                    nodes = None
+                    break
+                nodes.append(hinted)
         if nodes is None:
             rest[job] = share
         else:
             targets[job] = nodes
 
-    def holds_here(job: str) -> bool:
-        ids = {n.node_id for n in targets[job]}
-        return any(g.node_id in ids for g in previous.get(job, ()))
-
+    # The node ids of each job's hint, and whether it holds GPUs there now.
+    ids_of = {j: {n.node_id for n in nodes} for j, nodes in targets.items()}
+    empty: tuple[GpuRef, ...] = ()
+    order = sorted(
+        targets, key=lambda j: (not any(g.node_id in ids_of[j] for g in previous.get(j, empty)), j)
+    )
     placements: dict[str, tuple[GpuRef, ...]] = {}
-    order = sorted(targets, key=lambda j: (not holds_here(j), j))
-    taken: dict[str, list[GpuRef]] = {j: [] for j in order}
-
-    def take(job: str, node: str, index: int) -> None:
-        free[node].remove(index)
-        taken[job].append(GpuRef(node_id=node, index=index))
+    taken: dict[str, list[GpuRef]] = {}
 
     # Pass 1, every job: the GPUs it holds on its hinted nodes, then its slot's free GPUs.
+    slot_of = slots or {}
     for job in order:
-        ids = {n.node_id for n in targets[job]}
-        for g in previous.get(job, ()):
-            if len(taken[job]) < wanted[job] and g.node_id in ids and g.index in free[g.node_id]:
-                take(job, g.node_id, g.index)
-        slot = (slots or {}).get(job)
+        got: list[GpuRef] = []
+        taken[job] = got
+        want = wanted[job]
+        ids = ids_of[job]
+        for g in previous.get(job, empty):
+            if len(got) < want and g.node_id in ids:
+                here = free[g.node_id]
+                if g.index in here:
+                    here.remove(g.index)
+                    got.append(g)
+        slot = slot_of.get(job)
         if isinstance(slot, int) and slot >= 0:
             first = targets[job][0]
-            for i in sorted(first.gpu_indices)[slot : slot + wanted[job]]:
-                if len(taken[job]) < wanted[job] and i in free[first.node_id]:
-                    take(job, first.node_id, i)
+            here = free[first.node_id]
+            for i in sorted(first.gpu_indices)[slot : slot + want]:
+                if len(got) < want and i in here:
+                    here.remove(i)
+                    got.append(GpuRef(node_id=first.node_id, index=i))
     # Pass 2: the lowest free GPUs on the hinted nodes, in hint order; whole gang or nothing.
     for job in order:
+        got = taken[job]
+        want = wanted[job]
         for node in dict.fromkeys(n.node_id for n in targets[job]):
-            while len(taken[job]) < wanted[job] and free[node]:
-                take(job, node, free[node][0])
-        if len(taken[job]) < wanted[job]:
-            for g in taken[job]:
+            here = free[node]
+            while len(got) < want and here:
+                got.append(GpuRef(node_id=node, index=here.pop(0)))
+        if len(got) < want:
+            for g in got:
                 free[g.node_id].append(g.index)
                 free[g.node_id].sort()
-            rest[job] = wanted[job]
+            rest[job] = want
         else:
-            placements[job] = tuple(sorted(taken[job]))
+            placements[job] = tuple(sorted(got))
     unplaced: dict[str, int] = {}
     if rest:
         left = Topology(
