@@ -55,6 +55,8 @@ RUNS: tuple[tuple[str, str, int, bool], ...] = (
     ("philly:2869ce:120", "gandiva-fair", 0, False),
     ("philly:2869ce:120", "gandiva-fair", 0, True),
     ("s55:4", "gandiva-fair", 0, False),
+    ("s55:8", "gandiva-fair", 1, False),
+    ("philly:b436b2:120", "gandiva-fair", 1, False),
     ("philly:2869ce:250", "elastic-tiresias", 0, False),
     ("philly:2869ce:250", "srsf-e", 0, True),
     ("philly:2869ce:250", "afs-p-naive", 0, False),
@@ -65,7 +67,7 @@ RUNS: tuple[tuple[str, str, int, bool], ...] = (
     ("philly:2869ce:250", "sidecar-default-k8s", 1, False),
     ("philly:2869ce:250", "sidecar-termination", 0, False),
 )
-"""(trace, policy, seed, flat): 60 runs; seed is the model draw's and the policy's.
+"""(trace, policy, seed, flat): 62 runs; seed is the model draw's and the policy's.
 
 ``s55:<n>`` is not a trace: it is Gandiva_fair's §5.5 workload (``n`` jobs per user) on
 the §5.5 heterogeneous cluster (V100, P100 and K80 servers of 4 GPUs), where profiling,

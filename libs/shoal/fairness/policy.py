@@ -152,6 +152,28 @@ def _node_gpus(gen: str, gpus: int, per_node: int) -> dict[str, int]:
     return nodes
 
 
+@functools.lru_cache(maxsize=16384)
+def _span(
+    gen: str, gpus: int, per_node: int, nodes: tuple[str, ...], size: int
+) -> tuple[tuple[tuple[str, int], ...], bool] | None:
+    """Whether a gang of ``size`` GPUs still fits its ``nodes`` (several) of the generation's
+    servers (:func:`_node_gpus`), and if so the GPUs it takes on each node, in order (the
+    first nodes filled first, a node past the gang taking 0), and whether the nodes are
+    distinct. ``None``: a node is gone or they hold fewer GPUs than the gang. Memoised: a
+    gang that stays placed asks the same at every quantum."""
+    node_gpus = _node_gpus(gen, gpus, per_node)
+    got = [node_gpus.get(node, -1) for node in nodes]
+    if -1 in got or sum(got) < size:
+        return None
+    takes: list[tuple[str, int]] = []
+    rest = size
+    for node, free in zip(nodes, got, strict=True):
+        take = rest if rest < free else free  # min(free, rest)
+        takes.append((node, take))
+        rest -= take
+    return tuple(takes), len(set(nodes)) == len(nodes)
+
+
 def _generation_of(placement: Mapping[str, list[str]]) -> dict[str, str]:
     """Job -> generation, read back from node names ``<generation>#<index>``."""
     return {j: _generation_of_node(nodes[0]) for j, nodes in placement.items() if nodes}
@@ -514,18 +536,16 @@ class GandivaFairPolicy:
                     else:
                         fresh.append(j)
                 else:
-                    # The GPUs of each node (-1: a node no longer there).
-                    got = [node_gpus.get(node, -1) for node in prev_nodes]
-                    s_j = size[j]
-                    if -1 not in got and sum(got) >= s_j:
-                        placed[j] = tuple(prev_nodes)
-                        if distinct and len(set(prev_nodes)) != len(prev_nodes):
+                    # A gang on several nodes: _add_load of what _span says it takes there.
+                    key = tuple(prev_nodes)
+                    span = _span(gen, gens[gen], view.gpus_per_node, key, size[j])
+                    if span is not None:
+                        placed[j] = key
+                        takes, apart = span
+                        if distinct and not apart:
                             distinct = False
-                        # _add_load, inline (most gangs span nodes on small servers).
-                        for node, gpus in zip(prev_nodes, got, strict=True):
-                            take = s_j if s_j < gpus else gpus  # min(gpus, s_j)
+                        for node, take in takes:
                             node_load[node] += take * t
-                            s_j -= take
                     else:
                         fresh.append(j)
             for j in sorted(fresh, key=lambda k: (jobs[k].arrival_s, k)):

@@ -115,7 +115,8 @@ def split_stride_quantum(
     # Sorted by (no tickets, pass, size, aggregate before large, key) on decorated tuples
     # (no key function to call); the position last, so equal keys keep their order as a
     # stable sort does.
-    ranked = [(e[3] <= 0, central[e[0]], e[1], e[2], e[0], i) for i, e in enumerate(entries)]
+    # The servers ride after the position, which is unique, so they are never compared.
+    ranked = [(e[3] <= 0, central[e[0]], e[1], e[2], e[0], i, e[4]) for i, e in enumerate(entries)]
     ranked.sort()
 
     # The servers still free this quantum (a server missing from ``server_gpus`` never
@@ -125,8 +126,7 @@ def split_stride_quantum(
     capacity_left = dict(server_gpus)
     scheduled: list[str] = []
     run_local: set[str] = set()
-    for r in ranked:  # Algorithm 1 over central entries
-        key, size, is_large, tickets, servers = entries[r[5]]
+    for _, _, size, is_large, key, i, servers in ranked:  # Algorithm 1 over central entries
         if free_count == 0:
             break
         if len(servers) == 1:
@@ -136,7 +136,7 @@ def split_stride_quantum(
             continue
         free.difference_update(servers)
         free_count -= len(servers)
-        step = stride(size, tickets, stride1)
+        step = stride(size, entries[i][3], stride1)
         if math.isfinite(step):
             central[key] += step
         if is_large:
