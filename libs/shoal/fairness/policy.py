@@ -259,6 +259,11 @@ class GandivaFairPolicy:
         self.homogeneous_only = homogeneous_only
         self.homogeneity_tolerance = homogeneity_tolerance
         self.costs = get_costs(costs) if isinstance(costs, str) else (costs or SUSPEND_RESUME)
+        self._gang_sizes: dict[str, tuple[JobView, int]] = {}
+        """Job -> (the view last sized, its :func:`gang_size`): a view is immutable, and the
+        simulator and the allocator hand an unchanged job's view over again, so the same
+        object has the same size. Holds only the jobs of the last view (pruned when it
+        grows past twice that). Decides nothing: a policy without it decides the same."""
 
     def planning_costs(self) -> ReconfigCosts:
         """The costs the simulator charges this schedule: :attr:`costs` (see :data:`SUSPEND_RESUME`).
@@ -303,13 +308,21 @@ class GandivaFairPolicy:
         jobs: dict[str, JobView] = {}
         # The jobs in priority order (the key stops at the id: the view, its size after it).
         ranked: list[tuple[int, float, str, str, JobView, int]] = []
+        sized = self._gang_sizes
         for jv in view.jobs:
-            n = gang_size(jv)
+            jid = jv.job_id
+            hit = sized.get(jid)
+            if hit is not None and hit[0] is jv:
+                n = hit[1]
+            else:
+                n = gang_size(jv)
+                sized[jid] = (jv, n)
             if n > 0:
-                jid = jv.job_id
                 size[jid] = n
                 jobs[jid] = jv
                 ranked.append((-jv.priority, jv.arrival_s, jid, jv.user, jv, n))
+        if len(sized) > 2 * len(view.jobs) + 64:  # forget the jobs that left
+            self._gang_sizes = {j.job_id: sized[j.job_id] for j in view.jobs}
         if len(ranked) != len(jobs):  # an id twice in the view: the last one counts, as in ``jobs``
             ranked = [(-j.priority, j.arrival_s, k, j.user, j, size[k]) for k, j in jobs.items()]
         ranked.sort()
