@@ -95,7 +95,13 @@ async def test_jobs_run_to_completion_on_emulated_gpus(bus: Bus, nats_url: str) 
             )
             await bus.publish(codec.wrap(ev.JobSubmitted(job_id=j, spec=spec), at=clock.now()))
         state = daemon.projection.state
-        await wait_until(lambda: all(state.jobs[j].status == "completed" for j in "abc"), timeout=30)
+
+        def all_completed() -> bool:
+            # A job the daemon's projection has not read yet is not completed (the publish
+            # returns once the log has it, before the projection applies it).
+            return all(job is not None and job.status == "completed" for job in map(state.jobs.get, "abc"))
+
+        await wait_until(all_completed, timeout=30)
         pids = [s.proc.pid for s in daemon.sidecars.values()]
         await wait_until(lambda: not daemon.sidecars, timeout=10)
     finally:
