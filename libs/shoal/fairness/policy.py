@@ -262,8 +262,9 @@ class GandivaFairPolicy:
         self._gang_sizes: dict[str, tuple[JobView, int]] = {}
         """Job -> (the view last sized, its :func:`gang_size`): a view is immutable, and the
         simulator and the allocator hand an unchanged job's view over again, so the same
-        object has the same size. Holds only the jobs of the last view (pruned when it
-        grows past twice that). Decides nothing: a policy without it decides the same."""
+        object has the same size. Cut back to the jobs of the current view whenever it holds
+        more than twice as many, plus 64. Decides nothing: a policy without it decides the
+        same."""
 
     def planning_costs(self) -> ReconfigCosts:
         """The costs the simulator charges this schedule: :attr:`costs` (see :data:`SUSPEND_RESUME`).
