@@ -235,13 +235,25 @@ def test_the_recompute_cost_of_an_edit_counts_the_cells_it_stales() -> None:
     assert "themis" in {policy for _, policy in tiresias_partly}
 
 
+def _probed_run(script: Any, setting: str, policy: str, profile: Any) -> Any:
+    """The first 150 jobs of 2869ce run as a cell of ``setting`` runs them, with
+    ``profile`` as the profile hook (:func:`sys.setprofile`)."""
+    from shoal.sim.matrix import run_one
+
+    spec = script.spec_for(setting, "2869ce", policy, 0, None, 150)
+    sys.setprofile(profile)
+    try:
+        return run_one(spec)
+    finally:
+        sys.setprofile(None)
+
+
 def test_a_flat_cell_runs_no_placement_code_and_reads_no_measured_costs() -> None:
     """What :func:`setting_files` leaves out of a flat cell's fingerprint never runs in
     one: every policy of the matrix, on a flat pool, calls no function of
     ``shoal.placement`` and never loads the measured costs. A change that made a flat
     run place would have to edit a fingerprinted file (the engine, the allocation step),
     and this test then says the flat fingerprint must take placement back."""
-    from shoal.sim.matrix import run_one
 
     script = load_script(SCRIPT, "afs_reproduction_flat")
     placement = str(script.ROOT / "libs" / "shoal" / "placement")
@@ -257,22 +269,12 @@ def test_a_flat_cell_runs_no_placement_code_and_reads_no_measured_costs() -> Non
                 ran.add(f"{code.co_filename}:{code.co_name}")
 
     for policy in script.POLICIES:
-        spec = script.spec_for("flat", "2869ce", policy, 0, None, 150)
-        sys.setprofile(profile)
-        try:
-            outcome = run_one(spec)
-        finally:
-            sys.setprofile(None)
+        outcome = _probed_run(script, "flat", policy, profile)
         assert outcome.ok, (policy, outcome.error)
         assert outcome.completed > 0, policy
     assert ran == set(), sorted(ran)[:10]
     # The same probe does see placement in a topology run (it is not blind).
-    spec = script.spec_for("topology", "2869ce", "afs-p", 0, None, 150)
-    sys.setprofile(profile)
-    try:
-        run_one(spec)
-    finally:
-        sys.setprofile(None)
+    _probed_run(script, "topology", "afs-p", profile)
     assert ran, "a topology run calls shoal.placement"
 
 
@@ -372,7 +374,6 @@ def test_a_topology_cell_runs_no_node_hinted_placement() -> None:
     in one: every policy of the matrix (and its stored variants), with topology, calls
     no function of :data:`HINT_FILES` (they serve decisions that name nodes). The probe
     is not blind: a Gandiva_fair run with topology calls them."""
-    from shoal.sim.matrix import run_one
 
     script = load_script(SCRIPT, "afs_reproduction_hints")
     hinted = {str(script.ROOT / f) for f in script.HINT_FILES}
@@ -383,12 +384,7 @@ def test_a_topology_cell_runs_no_node_hinted_placement() -> None:
             ran.add(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
 
     def probe(policy: str) -> None:
-        spec = script.spec_for("topology", "2869ce", policy, 0, None, 150)
-        sys.setprofile(profile)
-        try:
-            outcome = run_one(spec)
-        finally:
-            sys.setprofile(None)
+        outcome = _probed_run(script, "topology", policy, profile)
         assert outcome.ok, (policy, outcome.error)
         assert outcome.completed > 0, policy
 
