@@ -221,7 +221,7 @@ def test_every_hint_spelling_names_the_node_resolve_hint_names() -> None:
     """place_hinted looks canonical names up in an index of the topology and sends any
     other spelling to resolve_hint; both name the same node, and a name that resolves to
     nothing sends the job to the fallback, as before the index."""
-    from shoal.placement.hinted import _HintIndex
+    from shoal.placement.hinted import _hint_index
 
     topology = Topology(
         nodes=(
@@ -231,8 +231,7 @@ def test_every_hint_spelling_names_the_node_resolve_hint_names() -> None:
             msgspec_slots("c0", (0, 1), ""),
         )
     )
-    index = _HintIndex.of(topology)
-    assert _HintIndex.of(topology) is index  # kept for the same topology object
+    index = _hint_index(topology)
     for name, node in index.items():
         assert resolve_hint(topology, [name]) == [node], name
     assert set(index) == {"#0", "#1", "#2", "#3", "V100#0", "V100#1", "K80#0"}
@@ -243,6 +242,6 @@ def test_every_hint_spelling_names_the_node_resolve_hint_names() -> None:
     # A name that names no node: the fallback places the gang whole, somewhere.
     got = place_hinted(topology, {"j": 2}, {}, {"j": ["V100#2"]})
     assert sum(len(g) for g in got.placements.values()) == 2
-    # Another topology object gets its own index.
+    # Another topology gets its own index.
     other = Topology(nodes=(msgspec_slots("z", (0,), "K80"),))
-    assert _HintIndex.of(other) == {"#0": other.nodes[0], "K80#0": other.nodes[0]}
+    assert _hint_index(other) == {"#0": other.nodes[0], "K80#0": other.nodes[0]}

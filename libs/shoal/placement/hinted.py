@@ -63,30 +63,24 @@ def resolve_hint(topology: Topology, names: Sequence[str]) -> list[NodeSlots] | 
     return out
 
 
-class _HintIndex:
-    """The nodes of a topology by their canonical hint names, for the last topology object
-    asked for (the simulator places every decision on one)."""
+def _hint_index(topology: Topology) -> dict[str, NodeSlots]:
+    """``#<i>`` (the ``i``-th node) and ``<gpu_type>#<i>`` (the ``i``-th node of that type)
+    -> the node, as :func:`resolve_hint` resolves those names; other spellings (a
+    case-insensitive type, a zero-padded index) are left to it.
 
-    last: tuple[Topology, dict[str, NodeSlots]] | None = None
-
-    @classmethod
-    def of(cls, topology: Topology) -> dict[str, NodeSlots]:
-        """``#<i>`` (the ``i``-th node) and ``<gpu_type>#<i>`` (the ``i``-th node of that
-        type) -> the node, as :func:`resolve_hint` resolves those names; other spellings (a
-        case-insensitive type, a zero-padded index) are left to it."""
-        last = cls.last
-        if last is not None and last[0] is topology:
-            return last[1]
-        index: dict[str, NodeSlots] = {}
-        count: dict[str, int] = {}
-        for i, node in enumerate(topology.nodes):
-            index[f"#{i}"] = node
-            if node.gpu_type:
-                k = count.get(node.gpu_type, 0)
-                count[node.gpu_type] = k + 1
-                index[f"{node.gpu_type}#{k}"] = node
-        cls.last = (topology, index)
-        return index
+    Built once per :func:`place_hinted` call, which is linear in the nodes where
+    :func:`resolve_hint` is linear in the nodes for every name. Not kept across calls: a
+    class-level cache is what ``shoal native build`` (mypyc) refuses without a
+    ``ClassVar``."""
+    index: dict[str, NodeSlots] = {}
+    count: dict[str, int] = {}
+    for i, node in enumerate(topology.nodes):
+        index[f"#{i}"] = node
+        if node.gpu_type:
+            k = count.get(node.gpu_type, 0)
+            count[node.gpu_type] = k + 1
+            index[f"{node.gpu_type}#{k}"] = node
+    return index
 
 
 def place_hinted(
@@ -122,7 +116,7 @@ def place_hinted(
     targets: dict[str, list[NodeSlots]] = {}
     rest: dict[str, int] = {}
     # A canonical name is looked up, any other goes through resolve_hint.
-    index = _HintIndex.of(topology)
+    index = _hint_index(topology)
     for job, share in wanted.items():
         names = hints.get(job)
         nodes: list[NodeSlots] | None = None
