@@ -380,3 +380,28 @@ def test_decide_never_modifies_the_memory_it_is_given() -> None:
         for j, n in d.shares.items():
             done[j] += TABLE3_SPEED[j[0]][d.gpu_types[j]] * n * 60.0
     assert traded and profiled
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_pack_on_placement_sends_a_new_small_job_where_it_raises_no_idle_risk(pack: bool) -> None:
+    """§3.3 packing on new placements (``pack_on_placement``): the sizes of the gangs the
+    policy keeps on each node decide where a new 1-GPU job goes. Node #0 holds a 4- and a
+    2-GPU gang, node #1 a 4-GPU gang; #1 is less loaded (the paper's rule, the default),
+    but a 1-GPU job there could leave 3 GPUs idle in some quantum, on #0 none more."""
+    from shoal.fairness.balance import idle_risk
+
+    first = (
+        job("A0", "A", 4, arrival_s=0.0),
+        job("A1", "A", 4, arrival_s=1.0),
+        job("B2", "B", 2, arrival_s=2.0),
+    )
+    view = ClusterView(now_s=0.0, total_gpus=8, jobs=first, gpus_per_node=4)
+    policy = GandivaFairPolicy(pack_on_placement=pack)
+    d = policy.decide(view, {})
+    assert d.memory["placement"] == {"A0": ["#0"], "A1": ["#1"], "B2": ["#0"]}
+    memory = msgspec.msgpack.decode(msgspec.msgpack.encode(d.memory))
+    later = msgspec.structs.replace(view, now_s=10.0, jobs=(*first, job("C", "C", 1, arrival_s=9.0)))
+    placed = policy.decide(later, memory).memory["placement"]
+    assert {j: placed[j] for j in ("A0", "A1", "B2")} == memory["placement"]  # kept where they were
+    assert idle_risk(4, [4, 1]) > idle_risk(4, [4]) and idle_risk(4, [4, 2, 1]) <= idle_risk(4, [4, 2])
+    assert placed["C"] == (["#0"] if pack else ["#1"])

@@ -524,7 +524,10 @@ class GandivaFairPolicy:
             # A job stays where it was while its nodes are still there and hold its
             # gang; its eq. (2) load is added as it is kept (the order of `placed`).
             node_load = dict.fromkeys(node_gpus, 0.0)
-            node_sizes: dict[str, list[int]] = {n: [] for n in node_gpus}
+            # The gang sizes on each node: read only by pack_on_placement's rule (place_job).
+            node_sizes: dict[str, list[int]] | None = (
+                {n: [] for n in node_gpus} if self.pack_on_placement else None
+            )
             # Whether every gang is on distinct nodes (always, as the policy places
             # them): node_load is then eq. (2) exactly as rebalance computes it.
             distinct = True
@@ -546,7 +549,8 @@ class GandivaFairPolicy:
                         placed[j] = (node,)
                         # _add_load of a gang on one node, inline (most gangs): it takes s_j GPUs.
                         node_load[node] += s_j * t
-                        node_sizes[node].append(s_j)
+                        if node_sizes is not None:
+                            node_sizes[node].append(s_j)
                     else:
                         fresh.append(j)
                 else:
@@ -564,11 +568,11 @@ class GandivaFairPolicy:
                         fresh.append(j)
             for j in sorted(fresh, key=lambda k: (jobs[k].arrival_s, k)):
                 loads = {n: v / node_gpus[n] for n, v in node_load.items()}
-                nodes = place_job(size[j], node_gpus, loads, node_sizes if self.pack_on_placement else None)
+                nodes = place_job(size[j], node_gpus, loads, node_sizes)
                 if nodes:
                     placed[j] = nodes
                     self._add_load(node_load, node_gpus, nodes, size[j], tpg[j])
-                    if len(nodes) == 1:
+                    if node_sizes is not None and len(nodes) == 1:
                         node_sizes[nodes[0]].append(size[j])
                     base_local.pop(j, None)
             if new_quantum:
@@ -671,7 +675,14 @@ class GandivaFairPolicy:
             if s >= node_gpus[n]:
                 continue
             k = old_slots.get(j)
-            if k is not None and 0 <= k <= node_gpus[n] - s and old_nodes.get(j) == [n]:
+            was = old_nodes.get(j)
+            if (
+                k is not None
+                and 0 <= k <= node_gpus[n] - s
+                and was is not None
+                and len(was) == 1
+                and was[0] == n
+            ):
                 out[j] = k
             else:
                 rest.append(j)
