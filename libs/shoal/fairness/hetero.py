@@ -98,7 +98,19 @@ def record_sample(
         The new window, oldest first.
     """
     out = [*samples, value][-window:]
-    if len(out) > confirm:
+    n = len(out)
+    if confirm == 2 and n > 2:
+        # The steps below for the default ``confirm`` (every profiled job, every quantum):
+        # the same sum in the same order, the two recent samples compared directly.
+        a, b = out[-2], out[-1]
+        mean = sum(out[:-2]) / (n - 2)
+        if mean > 0:
+            high = mean * (1 + change_threshold)
+            low = mean * (1 - change_threshold)
+            if (a > high and b > high) or (a < low and b < low):
+                return [a, b]
+        return out
+    if n > confirm:
         old, recent = out[:-confirm], out[-confirm:]
         mean = sum(old) / len(old)
         if mean > 0:

@@ -111,13 +111,20 @@ def place_hinted(
         from shoal.placement.min_migration import place_min_migration
 
         fallback = place_min_migration
-    free: dict[str, list[int]] = {n.node_id: sorted(n.gpu_indices) for n in topology.nodes}
-    wanted = {j: s for j, s in shares.items() if s > 0}
+    # Each node's usable GPUs, sorted: the slots index these; ``free`` starts as copies.
+    usable: dict[str, list[int]] = {n.node_id: sorted(n.gpu_indices) for n in topology.nodes}
+    free: dict[str, list[int]] = {n: list(g) for n, g in usable.items()}
+    wanted: dict[str, int] = {}
+    # Each hinted job's nodes, and their distinct ids in hint order.
     targets: dict[str, list[NodeSlots]] = {}
+    ids_of: dict[str, tuple[str, ...]] = {}
     rest: dict[str, int] = {}
     # A canonical name is looked up, any other goes through resolve_hint.
     index = _hint_index(topology)
-    for job, share in wanted.items():
+    for job, share in shares.items():
+        if share <= 0:
+            continue
+        wanted[job] = share
         names = hints.get(job)
         nodes: list[NodeSlots] | None = None
         if names:
@@ -135,15 +142,28 @@ def place_hinted(
             rest[job] = share
         else:
             targets[job] = nodes
+            ids_of[job] = (
+                (nodes[0].node_id,) if len(nodes) == 1 else tuple(dict.fromkeys(n.node_id for n in nodes))
+            )
 
-    # The node ids of each job's hint, and whether it holds GPUs there now.
-    ids_of = {j: {n.node_id for n in nodes} for j, nodes in targets.items()}
+    # Jobs that hold GPUs on their hinted nodes first, then the others, each by id.
     empty: tuple[GpuRef, ...] = ()
-    order = sorted(
-        targets, key=lambda j: (not any(g.node_id in ids_of[j] for g in previous.get(j, empty)), j)
-    )
+    holding: list[str] = []
+    others: list[str] = []
+    for j, ids in ids_of.items():
+        for g in previous.get(j, empty):
+            if g.node_id in ids:
+                holding.append(j)
+                break
+        else:
+            others.append(j)
+    holding.sort()
+    others.sort()
+    order = holding + others
     placements: dict[str, tuple[GpuRef, ...]] = {}
     taken: dict[str, list[GpuRef]] = {}
+    # The jobs that keep a GPU they hold (pass 1): not migrated if the hints place them.
+    kept_any: set[str] = set()
 
     # Pass 1, every job: the GPUs it holds on its hinted nodes, then its slot's free GPUs.
     slot_of = slots or {}
@@ -158,29 +178,36 @@ def place_hinted(
                 if g.index in here:
                     here.remove(g.index)
                     got.append(g)
+        if got:
+            kept_any.add(job)
         slot = slot_of.get(job)
-        if isinstance(slot, int) and slot >= 0:
-            first = targets[job][0]
-            here = free[first.node_id]
-            for i in sorted(first.gpu_indices)[slot : slot + want]:
+        if isinstance(slot, int) and slot >= 0 and len(got) < want:
+            node_id = targets[job][0].node_id
+            here = free[node_id]
+            for i in usable[node_id][slot : slot + want]:
                 if len(got) < want and i in here:
                     here.remove(i)
-                    got.append(GpuRef(node_id=first.node_id, index=i))
+                    got.append(GpuRef(node_id=node_id, index=i))
     # Pass 2: the lowest free GPUs on the hinted nodes, in hint order; whole gang or nothing.
     for job in order:
         got = taken[job]
         want = wanted[job]
-        for node in dict.fromkeys(n.node_id for n in targets[job]):
+        for node in ids_of[job]:
+            need = want - len(got)
+            if need <= 0:
+                break
             here = free[node]
-            while len(got) < want and here:
-                got.append(GpuRef(node_id=node, index=here.pop(0)))
+            if here:
+                got.extend([GpuRef(node_id=node, index=i) for i in here[:need]])
+                del here[:need]
         if len(got) < want:
             for g in got:
                 free[g.node_id].append(g.index)
                 free[g.node_id].sort()
             rest[job] = want
+            kept_any.discard(job)
         else:
-            placements[job] = tuple(sorted(got))
+            placements[job] = tuple(sorted(got)) if len(got) > 1 else tuple(got)
     unplaced: dict[str, int] = {}
     if rest:
         left = Topology(
@@ -193,6 +220,8 @@ def place_hinted(
         sub = fallback(left, rest, {j: previous[j] for j in rest if j in previous}, gpu_types)
         placements.update({j: g for j, g in sub.placements.items() if g})
         unplaced = dict(sub.unplaced)
-    return Placement(
-        placements=placements, migrations=count_migrations(previous, placements), unplaced=unplaced
+    # A job its hints placed that kept a GPU it held is no migration: count the others.
+    migrations = count_migrations(
+        previous, {j: g for j, g in placements.items() if j not in kept_any} if kept_any else placements
     )
+    return Placement(placements=placements, migrations=migrations, unplaced=unplaced)
