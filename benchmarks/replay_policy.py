@@ -23,6 +23,15 @@ Two trees with the same digest returned the same decision and the same memory on
 recorded input. The recording is made by this tree, so the baseline is asked the same
 questions this tree was (a function-by-function check, not a whole run's).
 
+``--step placement`` records and replays the simulator's placement step instead
+(:func:`shoal.allocation.place`, which sends a decision that names nodes to
+:func:`shoal.placement.hinted.place_hinted`): its inputs are the topology, the
+``SharesDecided`` event (its ``policy_memory`` cut to the two keys placement reads,
+``node_hints`` and ``gpu_slots``), the GPUs each running job holds and the placer; the
+digest is of the ``PlacementDecided`` event and the placer's whole result (placements,
+migrations, unplaced jobs). The recording is made by this tree's simulation of
+``--policy``.
+
 Only a policy that takes everything it knows from ``memory`` and the view is replayed
 faithfully: one that carries state of its own between calls (AFS-L's keys, Tiresias-L's
 records, Themis's columns, all keyed to the simulator's live view) sees tuple views here
@@ -58,11 +67,17 @@ class _Enough(Exception):
     pass
 
 
-def record(trace: str, setting: str, policy_name: str, every: int, upto: int, out: Path) -> dict[str, Any]:
-    """Run one simulation in this process and pickle the policy's recorded inputs to ``out``."""
+def record(
+    trace: str, setting: str, policy_name: str, every: int, upto: int, out: Path, step: str = "policy"
+) -> dict[str, Any]:
+    """Run one simulation in this process and pickle the recorded inputs of ``step`` (the
+    policy's ``decide`` or the placement step) to ``out``."""
     import msgspec
     from shoal.sim.engine import SimConfig, Simulator, make_policy
     from sim_equality import _workload
+
+    if step == "placement":
+        return _record_placement(trace, setting, policy_name, every, upto, out)
 
     jobs, extra = _workload(trace, 0)
     policy = make_policy(policy_name, seed=0)
@@ -109,10 +124,103 @@ def record(trace: str, setting: str, policy_name: str, every: int, upto: int, ou
     }
 
 
-def child(path: str, policy_name: str, repeat: int, mode: str) -> None:
+def _record_placement(
+    trace: str, setting: str, policy_name: str, every: int, upto: int, out: Path
+) -> dict[str, Any]:
+    """:func:`record` for ``--step placement``: the inputs of every ``every``-th call of the
+    simulator's placement step, up to call ``upto``."""
+    import msgspec
+    import shoal.sim.engine as engine
+    from shoal.placement.hinted import NODE_HINTS, NODE_SLOTS
+    from sim_equality import _workload
+
+    jobs, extra = _workload(trace, 0)
+    inputs: list[tuple[Any, ...]] = []
+    calls = 0
+    enc = msgspec.msgpack.Encoder()
+    live = hashlib.sha256()
+    place = engine.place
+
+    def recording(topology: Any, shares: Any, previous: Any, *, placer: str = "min-migration") -> Any:
+        nonlocal calls
+        calls += 1
+        if calls > upto:
+            raise _Enough
+        result = place(topology, shares, previous, placer=placer)
+        if calls % every == 0:
+            memory = {
+                k: shares.policy_memory[k] for k in (NODE_HINTS, NODE_SLOTS) if k in shares.policy_memory
+            }
+            inputs.append(
+                (topology, msgspec.structs.replace(shares, policy_memory=memory), dict(previous), placer)
+            )
+            live.update(_placement_bytes(enc, result))
+        return result
+
+    engine.place = recording  # type: ignore[assignment]
+    try:
+        sim = engine.Simulator(
+            jobs,
+            engine.make_policy(policy_name, seed=0),
+            engine.SimConfig(flat=setting == "flat", retain_log=False, **extra),
+            trace=trace,
+        )
+        try:
+            sim.run()
+        except _Enough:
+            pass
+    finally:
+        engine.place = place  # type: ignore[assignment]
+    with out.open("wb") as f:
+        pickle.dump(inputs, f, protocol=pickle.HIGHEST_PROTOCOL)
+    queue = sorted(len(s.shares) for _, s, _, _ in inputs)
+    return {
+        "live_digest": live.hexdigest()[:16],
+        "decisions_seen": min(calls, upto),
+        "recorded": len(inputs),
+        "jobs_in_view_median": queue[len(queue) // 2] if queue else 0,
+        "jobs_in_view_max": queue[-1] if queue else 0,
+    }
+
+
+def _placement_bytes(enc: Any, placed: tuple[Any, Any]) -> bytes:
+    """What the digest of a placement step covers: the event and the placer's whole result."""
+    event, result = placed
+    return bytes(enc.encode([event, result.placements, result.migrations, result.unplaced]))
+
+
+def _child_placement(inputs: list[tuple[Any, ...]], repeat: int, mode: str) -> None:
+    """:func:`child` for a recording of the placement step."""
+    from shoal.allocation import place
+
+    if mode == "load":
+        return
+    if mode == "digest":
+        import msgspec
+
+        enc = msgspec.msgpack.Encoder()
+        h = hashlib.sha256()
+        for topology, shares, previous, placer in inputs:
+            h.update(_placement_bytes(enc, place(topology, shares, previous, placer=placer)))
+        print(json.dumps({"digest": h.hexdigest()[:16]}))
+        return
+    best = float("inf")
+    for _ in range(repeat if mode == "time" else 1):
+        c0 = time.process_time()
+        for topology, shares, previous, placer in inputs:
+            place(topology, shares, previous, placer=placer)
+        best = min(best, time.process_time() - c0)
+    if mode == "time":
+        print(json.dumps({"cpu_s": best}))
+
+
+def child(path: str, policy_name: str, repeat: int, mode: str, step: str = "policy") -> None:
     """In a child process: replay the recording at ``path`` (see the module docstring)."""
     with open(path, "rb") as f:
         inputs = pickle.load(f)
+    if step == "placement":
+        _child_placement(inputs, repeat, mode)
+        return
     from shoal.sim.engine import make_policy
 
     if mode == "load":
@@ -151,14 +259,14 @@ class Tree:
             env["PYTHONHASHSEED"] = "0"
         return env
 
-    def run(self, path: Path, policy: str, repeat: int, mode: str) -> dict[str, Any]:
-        cmd = [sys.executable, __file__, "--child", str(path), policy, str(repeat), mode]
+    def run(self, path: Path, policy: str, repeat: int, mode: str, step: str = "policy") -> dict[str, Any]:
+        cmd = [sys.executable, __file__, "--child", str(path), policy, str(repeat), mode, step]
         proc = subprocess.run(cmd, env=self.env(), capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{self.label}: {proc.stderr.strip().splitlines()[-1:]}")
         return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
-    def instructions(self, path: Path, policy: str, mode: str) -> int:
+    def instructions(self, path: Path, policy: str, mode: str, step: str = "policy") -> int:
         """Instructions of a child in ``mode`` (``once`` or ``load``), counted by callgrind."""
         cmd = [
             "valgrind",
@@ -171,6 +279,7 @@ class Tree:
             policy,
             "1",
             mode,
+            step,
         ]
         proc = subprocess.run(cmd, env=self.env(hash_seed=True), capture_output=True, text=True, check=False)
         for line in proc.stderr.splitlines():
@@ -181,7 +290,13 @@ class Tree:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+        child(
+            sys.argv[2],
+            sys.argv[3],
+            int(sys.argv[4]),
+            sys.argv[5],
+            sys.argv[6] if len(sys.argv) > 6 else "policy",
+        )
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", required=True)
@@ -189,6 +304,12 @@ def main() -> int:
         "--runs",
         required=True,
         help="TRACE@SETTING[@EVERY[@UPTO]],...: what to record (setting flat or topology)",
+    )
+    parser.add_argument(
+        "--step",
+        choices=("policy", "placement"),
+        default="policy",
+        help="what is recorded and replayed: the policy's decide, or the placement step (--policy's simulation)",
     )
     parser.add_argument("--baseline-ref", default="HEAD", help="git ref replayed beside this tree")
     parser.add_argument("--repeat", type=int, default=3, help="timed passes per child (the fastest is kept)")
@@ -219,18 +340,21 @@ def main() -> int:
             every = int(parts[2]) if len(parts) > 2 else 1
             upto = int(parts[3]) if len(parts) > 3 else 10**12
             path = tmp / f"rec{len(rows)}.pkl"
-            row: dict[str, Any] = {"run": spec, **record(trace, setting, args.policy, every, upto, path)}
+            row: dict[str, Any] = {
+                "run": spec,
+                **record(trace, setting, args.policy, every, upto, path, args.step),
+            }
             for t in trees:
-                row[f"digest {t.label}"] = t.run(path, args.policy, 1, "digest")["digest"]
+                row[f"digest {t.label}"] = t.run(path, args.policy, 1, "digest", args.step)["digest"]
             for _ in range(args.rounds):
                 for t in trees:
                     row.setdefault(f"cpu {t.label}", []).append(
-                        t.run(path, args.policy, args.repeat, "time")["cpu_s"]
+                        t.run(path, args.policy, args.repeat, "time", args.step)["cpu_s"]
                     )
             if args.instructions:
                 for t in trees:
-                    load = t.instructions(path, args.policy, "load")
-                    row[f"ir {t.label}"] = t.instructions(path, args.policy, "once") - load
+                    load = t.instructions(path, args.policy, "load", args.step)
+                    row[f"ir {t.label}"] = t.instructions(path, args.policy, "once", args.step) - load
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
@@ -246,23 +370,42 @@ def main() -> int:
 def render(args: argparse.Namespace, trees: list[Tree], rows: list[dict[str, Any]]) -> str:
     b, n = trees[0].label, trees[1].label
     cmd = " ".join(["python", "benchmarks/replay_policy.py", *sys.argv[1:]])
+    placing = args.step == "placement"
+    title = (
+        f"# Replaying the placement step of {args.policy}'s simulation on recorded inputs"
+        if placing
+        else f"# Replaying {args.policy} on recorded inputs"
+    )
+    what = (
+        "What this is (see the script's docstring): the inputs of the simulator's placement step "
+        "(`shoal.allocation.place`: the topology, the `SharesDecided` event with the node hints and GPU "
+        "slots, the GPUs each running job holds, the placer) recorded on a simulation of the policy by this "
+        "tree (seed 0; `RUN` is `TRACE@SETTING[@EVERY[@UPTO]]`: every EVERY-th call, up to call UPTO), "
+        "replayed in order by each tree in its own process. `same` = the SHA-256 of every call's "
+        "`PlacementDecided` event and placer result (placements, migrations, unplaced; msgpack) is equal. "
+        "`jobs` = jobs with a share in the decision. CPU s = the fastest of "
+        if placing
+        else "What this is (see the script's docstring): the inputs of the policy's `decide` recorded on a "
+        "simulation by this tree (seed 0; `RUN` is `TRACE@SETTING[@EVERY[@UPTO]]`: every EVERY-th call, up to "
+        "call UPTO), replayed in order by each tree in its own process. `same` = the SHA-256 of every call's "
+        "shares, GPU types and memory (msgpack) is equal. CPU s = the fastest of "
+    )
     lines = [
-        f"# Replaying {args.policy} on recorded inputs",
+        title,
         "",
         f"Generated by `{cmd}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared), Python {platform.python_version()}; "
         f"load average at the end {os.getloadavg()[0]:.1f}.",
         "",
-        "What this is (see the script's docstring): the inputs of the policy's `decide` recorded on a "
-        "simulation by this tree (seed 0; `RUN` is `TRACE@SETTING[@EVERY[@UPTO]]`: every EVERY-th call, up to "
-        "call UPTO), replayed in order by each tree in its own process. `same` = the SHA-256 of every call's "
-        "shares, GPU types and memory (msgpack) is equal. CPU s = the fastest of "
-        f"{args.repeat} passes in a child, one child per tree per round, {args.rounds} rounds alternating "
+        what
+        + f"{args.repeat} passes in a child, one child per tree per round, {args.rounds} rounds alternating "
         "(each round listed)."
         + (
             " Instructions = callgrind's count for one pass with `PYTHONHASHSEED=0`, less a child that only "
-            "loads the recording and imports the tree's policy: it does not move with the machine's load."
+            "loads the recording and imports the tree's "
+            + ("placement step" if placing else "policy")
+            + ": it does not move with the machine's load."
             if args.instructions
             else ""
         ),
@@ -270,7 +413,8 @@ def render(args: argparse.Namespace, trees: list[Tree], rows: list[dict[str, Any
         f"Trees: `{b}`; `{n}`.",
         "",
     ]
-    head = "| run | calls recorded (of seen) | jobs in view, median / max | same | CPU s, baseline | CPU s, this tree | ratio (fastest) |"
+    jobs_col = "jobs, median / max" if placing else "jobs in view, median / max"
+    head = f"| run | calls recorded (of seen) | {jobs_col} | same | CPU s, baseline | CPU s, this tree | ratio (fastest) |"
     sep = "|---|---|---|---|---|---|---:|"
     if args.instructions:
         head += " instructions, baseline (M) | instructions, this tree (M) | ratio |"
