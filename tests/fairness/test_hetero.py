@@ -73,6 +73,40 @@ def test_profile_averages_recent_samples_and_adapts_to_behaviour_change() -> Non
     assert profiled_rate([]) is None
 
 
+def test_record_sample_default_confirm_agrees_with_the_general_rule() -> None:
+    """The default ``confirm=2`` has a path of its own: it returns what the general rule
+    (the mean of the older samples; reset when every confirming sample is past it on one
+    side) returns, float for float, on edge values too."""
+    import math
+    import random
+
+    def general(samples: list[float], value: float, window: int) -> list[float]:
+        out = [*samples, value][-window:]
+        if len(out) > 2:
+            old, recent = out[:-2], out[-2:]
+            mean = sum(old) / len(old)
+            if mean > 0:
+                high, low = mean * 1.25, mean * 0.75
+                if all(r > high for r in recent) or all(r < low for r in recent):
+                    return recent
+        return out
+
+    rng = random.Random(7)
+    edges = [0.0, -1.0, math.nan, math.inf, 1.0, 1.25, 0.75]
+    resets = 0
+    for _ in range(20_000):
+        window = rng.choice([1, 2, 3, 5, 8])
+        samples = [
+            rng.choice(edges) if rng.random() < 0.3 else rng.uniform(0, 3) for _ in range(rng.randint(0, 7))
+        ]
+        value = rng.choice(edges) if rng.random() < 0.3 else rng.uniform(0, 3)
+        want = general(samples, value, window)
+        got = record_sample(samples, value, window=window)
+        assert repr(got) == repr(want), (samples, value, window)
+        resets += len(want) == 2 < min(window, len(samples) + 1)
+    assert resets > 0  # the reset branch was taken
+
+
 def test_migration_picks_largest_gain_and_profiles_unknown_generation() -> None:
     users = {
         # 8 VAE jobs all time-sharing 4 V100s while 4 K80s of share sit unused.
