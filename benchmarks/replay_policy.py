@@ -112,12 +112,18 @@ def record(
         sim.run()
     except _Enough:
         pass
+    return _saved(out, inputs, [len(v.jobs) for v, _ in inputs], live.hexdigest(), min(calls, upto))
+
+
+def _saved(out: Path, inputs: list[Any], jobs: list[int], live: str, seen: int) -> dict[str, Any]:
+    """Pickle a recording to ``out``; what :func:`record` returns about it (``jobs``: the
+    jobs of each recorded call)."""
     with out.open("wb") as f:
         pickle.dump(inputs, f, protocol=pickle.HIGHEST_PROTOCOL)
-    queue = sorted(len(v.jobs) for v, _ in inputs)
+    queue = sorted(jobs)
     return {
-        "live_digest": live.hexdigest()[:16],
-        "decisions_seen": min(calls, upto),
+        "live_digest": live[:16],
+        "decisions_seen": seen,
         "recorded": len(inputs),
         "jobs_in_view_median": queue[len(queue) // 2] if queue else 0,
         "jobs_in_view_max": queue[-1] if queue else 0,
@@ -171,16 +177,7 @@ def _record_placement(
             pass
     finally:
         engine.place = place  # type: ignore[assignment]
-    with out.open("wb") as f:
-        pickle.dump(inputs, f, protocol=pickle.HIGHEST_PROTOCOL)
-    queue = sorted(len(s.shares) for _, s, _, _ in inputs)
-    return {
-        "live_digest": live.hexdigest()[:16],
-        "decisions_seen": min(calls, upto),
-        "recorded": len(inputs),
-        "jobs_in_view_median": queue[len(queue) // 2] if queue else 0,
-        "jobs_in_view_max": queue[-1] if queue else 0,
-    }
+    return _saved(out, inputs, [len(s.shares) for _, s, _, _ in inputs], live.hexdigest(), min(calls, upto))
 
 
 def _placement_bytes(enc: Any, placed: tuple[Any, Any]) -> bytes:
