@@ -72,12 +72,11 @@ def record(
 ) -> dict[str, Any]:
     """Run one simulation in this process and pickle the recorded inputs of ``step`` (the
     policy's ``decide`` or the placement step) to ``out``."""
+    if step == "placement":
+        return _record_placement(trace, setting, policy_name, every, upto, out)
     import msgspec
     from shoal.sim.engine import SimConfig, Simulator, make_policy
     from sim_equality import _workload
-
-    if step == "placement":
-        return _record_placement(trace, setting, policy_name, every, upto, out)
 
     jobs, extra = _workload(trace, 0)
     policy = make_policy(policy_name, seed=0)
@@ -373,19 +372,23 @@ def render(args: argparse.Namespace, trees: list[Tree], rows: list[dict[str, Any
         if placing
         else f"# Replaying {args.policy} on recorded inputs"
     )
-    what = (
-        "What this is (see the script's docstring): the inputs of the simulator's placement step "
-        "(`shoal.allocation.place`: the topology, the `SharesDecided` event with the node hints and GPU "
-        "slots, the GPUs each running job holds, the placer) recorded on a simulation of the policy by this "
-        "tree (seed 0; `RUN` is `TRACE@SETTING[@EVERY[@UPTO]]`: every EVERY-th call, up to call UPTO), "
-        "replayed in order by each tree in its own process. `same` = the SHA-256 of every call's "
-        "`PlacementDecided` event and placer result (placements, migrations, unplaced; msgpack) is equal. "
-        "`jobs` = jobs with a share in the decision. CPU s = the fastest of "
+    recorded = (
+        "the inputs of the simulator's placement step (`shoal.allocation.place`: the topology, the "
+        "`SharesDecided` event with the node hints and GPU slots, the GPUs each running job holds, the placer) "
+        "recorded on a simulation of the policy"
         if placing
-        else "What this is (see the script's docstring): the inputs of the policy's `decide` recorded on a "
-        "simulation by this tree (seed 0; `RUN` is `TRACE@SETTING[@EVERY[@UPTO]]`: every EVERY-th call, up to "
-        "call UPTO), replayed in order by each tree in its own process. `same` = the SHA-256 of every call's "
-        "shares, GPU types and memory (msgpack) is equal. CPU s = the fastest of "
+        else "the inputs of the policy's `decide` recorded on a simulation"
+    )
+    digested = (
+        "`PlacementDecided` event and placer result (placements, migrations, unplaced; msgpack) is equal. "
+        "`jobs` = jobs with a share in the decision."
+        if placing
+        else "shares, GPU types and memory (msgpack) is equal."
+    )
+    what = (
+        f"What this is (see the script's docstring): {recorded} by this tree (seed 0; `RUN` is "
+        "`TRACE@SETTING[@EVERY[@UPTO]]`: every EVERY-th call, up to call UPTO), replayed in order by each tree "
+        f"in its own process. `same` = the SHA-256 of every call's {digested} CPU s = the fastest of "
     )
     lines = [
         title,

@@ -36,7 +36,14 @@ from typing import cast
 
 from msgspec import Struct
 
-from shoal.fairness.stride import STRIDE1, StrideJob, gang_aware_stride, new_job_pass, stride
+from shoal.fairness.stride import (
+    STRIDE1,
+    StrideJob,
+    gang_aware_stride,
+    gang_aware_stride_into,
+    new_job_pass,
+    stride,
+)
 
 
 class PlacedJob(Struct, frozen=True, kw_only=True):
@@ -64,57 +71,6 @@ class SplitStrideResult(Struct, frozen=True, kw_only=True):
 
 def _large_key(job_id: str) -> str:
     return f"job:{job_id}"
-
-
-def _local_stride(
-    jobs: Sequence[PlacedJob],
-    num_gpus: int,
-    passes: Mapping[str, float],
-    stride1: float,
-    scheduled: list[str],
-    new_passes: dict[str, float],
-) -> int:
-    """:func:`~shoal.fairness.stride.gang_aware_stride` on one server (``num_gpus`` > 0),
-    its result written into the caller's: the jobs picked appended to ``scheduled``, every
-    job's pass set in ``new_passes`` (in ``jobs`` order, as ``dict.update`` of its
-    ``passes`` would); returns the GPUs left idle. The same steps and the same order, without
-    a result and a pass dict per server per quantum."""
-    if len(jobs) == 1:
-        job = jobs[0]
-        job_id = job.job_id
-        value = passes.get(job_id, 0.0)
-        if job.size <= num_gpus:
-            step = stride(job.size, job.job_tickets, stride1)
-            if math.isfinite(step):
-                value += step
-            scheduled.append(job_id)
-            new_passes[job_id] = value
-            return num_gpus - job.size
-        new_passes[job_id] = value
-        return num_gpus
-    known = [passes.get(j.job_id) for j in jobs]
-    if None in known:  # a new job starts at new_job_pass of the others' passes
-        start = new_job_pass([p for p in known if p is not None])
-        current = [start if p is None else p for p in known]
-    else:
-        current = cast("list[float]", known)
-    for j, p in zip(jobs, current, strict=True):
-        new_passes[j.job_id] = p
-    # gang_aware_stride's order on decorated tuples, the position last.
-    ranked = [(j.job_tickets <= 0, current[i], j.size, j.arrival_s, j.job_id, i) for i, j in enumerate(jobs)]
-    ranked.sort()
-    free = num_gpus
-    for r in ranked:  # Algorithm 1, lines 6-12
-        if free <= 0:
-            break
-        job = jobs[r[5]]
-        if job.size <= free:
-            free -= job.size
-            scheduled.append(job.job_id)
-            step = stride(job.size, job.job_tickets, stride1)
-            if math.isfinite(step):
-                new_passes[job.job_id] += step
-    return free
 
 
 def split_stride_quantum(
@@ -214,7 +170,8 @@ def split_stride_quantum(
             cap = server_gpus[server]
         if cap > 0:
             idle += (
-                _local_stride(small, cap, local_passes, stride1, scheduled, new_local) - capacity_left[server]
+                gang_aware_stride_into(small, cap, local_passes, stride1, scheduled, new_local)
+                - capacity_left[server]
             )
         else:  # the small jobs keep their passes; a new one starts at new_job_pass of the others'
             kept = {j.job_id: local_passes.get(j.job_id) for j in small}

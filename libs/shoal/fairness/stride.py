@@ -121,6 +121,24 @@ def gang_aware_stride(
     Returns:
         The scheduled jobs and every job's new pass value.
     """
+    scheduled: list[str] = []
+    new_passes: dict[str, float] = {}
+    free = gang_aware_stride_into(jobs, num_gpus, passes, stride1, scheduled, new_passes)
+    return StrideResult(scheduled=tuple(scheduled), passes=new_passes, free_gpus=free)
+
+
+def gang_aware_stride_into(
+    jobs: Sequence[Gang],
+    num_gpus: int,
+    passes: Mapping[str, float],
+    stride1: float,
+    scheduled: list[str],
+    new_passes: dict[str, float],
+) -> int:
+    """:func:`gang_aware_stride`, its result written into the caller's: the jobs picked
+    appended to ``scheduled``, every job's pass set in ``new_passes`` (in ``jobs`` order);
+    returns the GPUs left idle. Split stride runs it on every server every quantum and
+    gathers the servers' results in one list and one dict."""
     if len(jobs) == 1:
         # The steps below for a lone job (common while the queue is short): its own
         # pass, else new_job_pass of no other pass (0); it runs if it fits.
@@ -131,34 +149,35 @@ def gang_aware_stride(
             step = stride(job.size, job.job_tickets, stride1)
             if math.isfinite(step):
                 value += step
-            return StrideResult(scheduled=(job_id,), passes={job_id: value}, free_gpus=num_gpus - job.size)
-        return StrideResult(scheduled=(), passes={job_id: value}, free_gpus=num_gpus)
-    known = {j.job_id: passes.get(j.job_id) for j in jobs}
-    current: dict[str, float]
-    if None in known.values():  # a new job starts at new_job_pass of the others' passes
-        start = new_job_pass([p for p in known.values() if p is not None])
-        current = {k: start if p is None else p for k, p in known.items()}
+            scheduled.append(job_id)
+            new_passes[job_id] = value
+            return num_gpus - job.size
+        new_passes[job_id] = value
+        return num_gpus
+    known = [passes.get(j.job_id) for j in jobs]
+    if None in known:  # a new job starts at new_job_pass of the others' passes
+        start = new_job_pass([p for p in known if p is not None])
+        current = [start if p is None else p for p in known]
     else:
-        current = cast("dict[str, float]", known)
+        current = cast("list[float]", known)
+    for j, p in zip(jobs, current, strict=True):
+        new_passes[j.job_id] = p
     # order_key, inline, on decorated tuples (no key function called per job); the
     # position last, so equal keys keep their order as a stable sort does.
-    ranked = [
-        (j.job_tickets <= 0, current[j.job_id], j.size, j.arrival_s, j.job_id, i) for i, j in enumerate(jobs)
-    ]
+    ranked = [(j.job_tickets <= 0, current[i], j.size, j.arrival_s, j.job_id, i) for i, j in enumerate(jobs)]
     ranked.sort()
     free = num_gpus
-    scheduled: list[str] = []
     for r in ranked:  # Algorithm 1, lines 6-12
-        job = jobs[r[5]]
         if free <= 0:
             break
+        job = jobs[r[5]]
         if job.size <= free:
             free -= job.size
             scheduled.append(job.job_id)
             step = stride(job.size, job.job_tickets, stride1)
             if math.isfinite(step):
-                current[job.job_id] += step
-    return StrideResult(scheduled=tuple(scheduled), passes=current, free_gpus=free)
+                new_passes[job.job_id] += step
+    return free
 
 
 def lottery_with_backfilling(
