@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Any
+
 from hypothesis import given, settings
 from hypothesis import strategies as hs
-from shoal.policies.base import ClusterView
+from shoal.policies.base import ClusterView, Decision
 from shoal.policies.sidecar import SideCarAdaptive
 from shoal.sim.costs import get_costs
 from shoal.sim.engine import SimConfig, Simulator
@@ -109,3 +112,49 @@ def test_runs_a_philly_prefix_to_completion() -> None:
     summary = Simulator(workload, SideCarAdaptive(), SimConfig(flat=True)).run().summary
     assert summary["completed"] == summary["jobs"] == 150
     assert summary["preemptions"] == 0  # SideCar reshapes, it never preempts to zero
+
+
+class KeptAndFresh:
+    """A SideCar policy as the simulator runs it (one instance, which keeps what it read of
+    each job's view from one decision to the next), checked at every decision against an
+    instance made fresh (``make()``, bound to the same costs) that has seen nothing."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make = make
+        self.kept = make()
+        self.decisions = 0
+        self.started = 0
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.kept, attr)
+
+    def decide(self, v: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        d = self.kept.decide(v, memory)
+        fresh = self.make()
+        if hasattr(fresh, "bind_costs"):
+            fresh.bind_costs(self.kept.costs)
+        assert fresh.decide(v, memory) == d
+        self.decisions += 1
+        self.started += sum(1 for j in v.jobs if not j.current_gpus and d.shares.get(j.job_id))
+        return d
+
+
+def assert_keeping_changes_no_decision(make: Callable[[], Any]) -> None:
+    """Simulate two Philly prefixes with :class:`KeptAndFresh`: 6214e9's first jobs queue
+    up behind long runners (hundreds wait at each decision), on the 16 x 4 topology; 2869ce
+    on a flat pool."""
+    for trace, flat in (("philly:6214e9:300", False), ("philly:2869ce:120", True)):
+        policy = KeptAndFresh(make)
+        Simulator(load_workload(trace, seed=0), policy, SimConfig(flat=flat, retain_log=False)).run()
+        assert policy.decisions > 100 and policy.started > 50
+
+
+def test_keeping_the_views_between_decisions_changes_no_decision() -> None:
+    assert_keeping_changes_no_decision(SideCarAdaptive)
+    # A view listing one job twice: each entry is a job of its own, as in a fresh instance.
+    a = job("a", requested_gpus=2, max_gpus=4, remaining_iterations=100.0)
+    b = job("b", arrival_s=1.0, requested_gpus=1, max_gpus=4, remaining_iterations=50.0)
+    twice = view(5.0, 4, a, a, b)
+    kept = SideCarAdaptive()
+    first = kept.decide(twice, {})
+    assert kept.decide(twice, {}) == first == SideCarAdaptive().decide(twice, {})

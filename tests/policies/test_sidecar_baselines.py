@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -17,6 +18,7 @@ from shoal.policies.sidecar_baselines import DefaultK8s, Termination, options
 from shoal.sim.costs import SIDECAR_PAPER, TERMINATION_PAPER, charge
 
 from tests.policies.test_policy_properties import later, views
+from tests.policies.test_sidecar import assert_keeping_changes_no_decision
 
 CURVE = (0.0, 1.0, 1.7, 2.0, 2.4, 2.6, 2.8, 2.9, 3.0)
 
@@ -175,3 +177,11 @@ def test_default_k8s_walking_the_queue_while_gpus_are_free_decides_as_walking_it
         fast = policy.decide(v, {})
         assert list(fast.shares.items()) == list(_literal_default_k8s(policy, v).items())
         v = later(v, fast, 60.0)
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: DefaultK8s(seed=1), Termination], ids=["default-k8s", "termination"]
+)
+def test_keeping_the_running_jobs_and_draws_between_decisions_changes_no_decision(make: Any) -> None:
+    """Each decides as an instance made fresh at every decision (which keeps nothing)."""
+    assert_keeping_changes_no_decision(make)

@@ -70,6 +70,7 @@ from typing import Any, overload
 import numpy as np
 
 from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
+from shoal.policies.common import view_arrival_order
 from shoal.policies.tiresias import gang_size
 from shoal.sim.costs import ReconfigCosts, charge, classify, get_costs, measured
 
@@ -108,7 +109,11 @@ class _Rest(Sequence["_Job"]):
 
 
 class _Job:
-    __slots__ = ("counts", "current", "finish", "job", "order", "remaining", "share")
+    """A job in one decision: what its view says (``counts``, ``current``, ``remaining``,
+    the same for every decision that sees that view) and what the decision gives it
+    (``share``, ``finish``)."""
+
+    __slots__ = ("counts", "current", "finish", "fins", "gang", "job", "order", "remaining", "share", "taken")
 
     def __init__(self, job: JobView, order: int, counts: tuple[int, ...]) -> None:
         self.job = job
@@ -120,6 +125,21 @@ class _Job:
         self.share = self.current
         remaining = job.remaining_iterations
         self.remaining = max(1.0, job.iterations_done) if remaining is None else remaining
+        self.finish = 0.0
+        self.fins: dict[int, float] = {}
+        """GPU count -> predicted finish (:meth:`_Plan.finish`): a function of the view,
+        the cluster's GPUs per node and the costs alone, so it is kept with the view."""
+        self.gang = -1
+        """:func:`~shoal.policies.tiresias.gang_size` of the view (-1: not yet asked)."""
+        self.taken = 0
+        """The decision that last took this job (:meth:`SideCarAdaptive._jobs`; 0: none)."""
+
+    def again(self, order: int) -> None:
+        """Make this job what a new decision that sees the same view starts from: the
+        view's share, no prediction of the decision's own, at position ``order``; the
+        view's predictions (``fins``) stay."""
+        self.order = order
+        self.share = self.current
         self.finish = 0.0
 
 
@@ -159,6 +179,16 @@ class SideCarAdaptive:
         self.costs = self._explicit or measured()
         self.consider_waiting = consider_waiting
         self.default_options = default_options
+        self._seen: dict[str, _Job] = {}
+        """Job id -> the job as the last decision that saw its view had it, taken again
+        (:meth:`_Job.again`) by a decision that sees the same view. A view is immutable,
+        and the simulator hands a job's view over again while it is unchanged, so the same
+        object has the same options and predictions (a waiting job's are asked for at
+        every decision). Kept only while :attr:`_seen_for` (GPUs per node, costs)
+        is unchanged, and cut back to the current jobs whenever it holds more than twice
+        as many, plus 64. Decides nothing: a policy without it decides the same."""
+        self._seen_for: tuple[int, ReconfigCosts] | None = None
+        self._stamp = 0
 
     def options(self, job: JobView) -> tuple[int, ...]:
         """The job's optional GPU counts (SideCar jobs declare e.g. {1, 2, 4, 8})."""
@@ -215,10 +245,10 @@ class SideCarAdaptive:
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Algorithm 1 for each incoming job, then Algorithm 2 if none is left waiting."""
-        ordered = sorted(view.jobs, key=lambda j: (j.arrival_s, j.job_id))
-        jobs = [_Job(job, i, self.options(job)) for i, job in enumerate(ordered)]
-        running = [j for j in jobs if j.share]
+        ordered = view_arrival_order(view)
         gpn = view.gpus_per_node
+        jobs = self._jobs(ordered, gpn)
+        running = [j for j in jobs if j.share]
         for j in running:
             j.finish = self._finish(j, j.share, gpn)
         idle = view.total_gpus - sum(j.share for j in running)
@@ -243,6 +273,33 @@ class SideCarAdaptive:
             plan.reshape_up()
         shares = {j.job.job_id: j.share for j in jobs if j.share}
         return Decision(shares=shares)
+
+    def _jobs(self, ordered: Sequence[JobView], gpus_per_node: int) -> list[_Job]:
+        """The decision's jobs, in ``ordered``'s order: a job whose view the last decision
+        saw too is that decision's :class:`_Job`, reset (:meth:`_Job.again`) with its
+        predictions kept; any other is built from its view."""
+        key = (gpus_per_node, self.costs)
+        seen = self._seen
+        if (
+            self._seen_for is None
+            or self._seen_for[0] != gpus_per_node
+            or self._seen_for[1] is not self.costs
+        ):
+            seen.clear()
+            self._seen_for = key
+        self._stamp = stamp = self._stamp + 1
+        jobs: list[_Job] = []
+        for i, jv in enumerate(ordered):
+            j = seen.get(jv.job_id)
+            if j is not None and j.job is jv and j.taken != stamp:  # (a view listed twice: a job each)
+                j.again(i)
+            else:
+                j = seen[jv.job_id] = _Job(jv, i, self.options(jv))
+            j.taken = stamp
+            jobs.append(j)
+        if len(seen) > 2 * len(jobs) + 64:  # forget the jobs that left
+            self._seen = {j.job.job_id: j for j in jobs}
+        return jobs
 
 
 class _Table:
@@ -304,10 +361,19 @@ class _Plan:
         self.by_finish = sorted((j.finish, j.share, j.order) for j in running)
         self._tables: dict[int, _Table] | None = None
         self._where: dict[str, list[tuple[int, int]]] = {}
+        self._found: dict[tuple[int, float], tuple[float, float, int] | None] = {}
+        """``(N_remove, bound)`` -> :meth:`_Table.query`'s answer, while no victim is
+        retired (a long queue asks the same of every waiting job that does not start)."""
+        self._waits: dict[int, float] = {}
+        """need -> :meth:`wait_time`, while the running set is unchanged."""
 
     def finish(self, j: _Job, gpus: int) -> float:
-        """:meth:`SideCarAdaptive._finish` on this decision's cluster."""
-        return self.policy._finish(j, gpus, self.gpn)
+        """:meth:`SideCarAdaptive._finish` on this decision's cluster (kept in ``j.fins``:
+        it reads only the job's view, the GPUs per node and the costs)."""
+        f = j.fins.get(gpus)
+        if f is None:
+            f = j.fins[gpus] = self.policy._finish(j, gpus, self.gpn)
+        return f
 
     # -- indexes ---------------------------------------------------------------------
 
@@ -320,14 +386,20 @@ class _Plan:
 
     def wait_time(self, need: int) -> float:
         """When ``need`` more GPUs than idle become free as running jobs finish."""
-        freed = 0
         if need <= 0:
             return 0.0
+        known = self._waits.get(need)
+        if known is not None:
+            return known
+        freed = 0
+        out = _INF
         for finish, gpus, _ in self.by_finish:
             freed += gpus
             if freed >= need:
-                return finish
-        return _INF
+                out = finish
+                break
+        self._waits[need] = out
+        return out
 
     def tables(self) -> dict[int, _Table]:
         """Per ``N_remove``, the victims' options (built once per decision)."""
@@ -350,6 +422,7 @@ class _Plan:
     def _retire(self, jid: str) -> None:
         """``jid`` is no longer a victim in this decision."""
         self.used.add(jid)
+        self._found.clear()
         if self._tables is not None:
             for nr, i in self._where.pop(jid, ()):
                 self._tables[nr].valid[i] = False
@@ -357,6 +430,7 @@ class _Plan:
     def _set(self, j: _Job, gpus: int) -> None:
         """Give ``j`` ``gpus`` GPUs and update every index."""
         jid = j.job.job_id
+        self._waits.clear()
         if jid in self.running:
             old = (j.finish, j.share, j.order)
             del self.by_finish[bisect.bisect_left(self.by_finish, old)]
@@ -382,38 +456,56 @@ class _Plan:
         best: tuple[float, float, int, int, int] | None = None  # (ms, sum, waits, N_remove, -N)
         choice: tuple[int, _Job | None, int] = (0, None, 0)
         tables = None
+        # Nothing below changes the plan before the job starts (self.start), so what every
+        # count reads of it is read once.
+        idle, total = self.idle, self.total
         top_job = self.by_order.get(top_order)
+        if top_job is not None and (top_job.job.job_id in self.used or not top_job.job.elastic):
+            top_job = None  # not a victim
+        fins, found_of = j.fins, self._found
         for n in j.counts:
-            f_new = self.finish(j, n)
+            f_new = fins.get(n)
+            if f_new is None:
+                f_new = self.finish(j, n)
             if f_new == _INF:
                 continue
-            if n <= self.idle:
-                key = (max(top1, f_new), self.total + f_new, 0, 0, -n)
+            if n <= idle:
+                key = (max(top1, f_new), total + f_new, 0, 0, -n)
                 if best is None or key < best:
                     best, choice = key, (n, None, 0)
                 continue
-            nr = n - self.idle
+            nr = n - idle
             if tables is None:
                 tables = self.tables()
             table = tables.get(nr)
-            found = table.query(max(top1, f_new)) if table is not None else None
-            if table is not None and found is not None:
-                ms, delta, i = found
-                key = (ms, self.total + f_new + delta, 0, nr, -n)
-                if best is None or key < best:
-                    best, choice = key, (n, self.running[table.ids[i]], nr)
-            if top_job is not None and top_job.job.job_id not in self.used and top_job.job.elastic:
+            if table is not None:
+                bound = max(top1, f_new)
+                if (nr, bound) in found_of:
+                    found = found_of[nr, bound]
+                else:
+                    found = found_of[nr, bound] = table.query(bound)
+                if found is not None:
+                    ms, delta, i = found
+                    key = (ms, total + f_new + delta, 0, nr, -n)
+                    if best is None or key < best:
+                        best, choice = key, (n, self.running[table.ids[i]], nr)
+            if top_job is not None:
                 # The job holding the makespan: without it the makespan is the runner-up's.
                 c = top_job.share - nr
                 if c in top_job.counts:
                     f_v = self.finish(top_job, c)
-                    key = (max(top2, f_v, f_new), self.total - top_job.finish + f_v + f_new, 0, nr, -n)
+                    key = (max(top2, f_v, f_new), total - top_job.finish + f_v + f_new, 0, nr, -n)
                     if best is None or key < best:
                         best, choice = key, (n, top_job, nr)
         if consider_waiting and best is not None:
-            gang = gang_size(j.job)
-            f_wait = self.wait_time(gang - self.idle) + self.finish(j, gang)
-            key = (max(top1, f_wait), self.total + f_wait, 1, 0, -gang)
+            gang = j.gang
+            if gang < 0:
+                gang = j.gang = gang_size(j.job)
+            f_gang = fins.get(gang)
+            if f_gang is None:
+                f_gang = self.finish(j, gang)
+            f_wait = self.wait_time(gang - idle) + f_gang
+            key = (max(top1, f_wait), total + f_wait, 1, 0, -gang)
             if key < best:
                 return False
         if best is None:

@@ -36,8 +36,8 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
-from shoal.policies.common import arrival_order
+from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts, jobs_by_id
+from shoal.policies.common import _ARRIVAL_KEY, arrival_order
 from shoal.sim.costs import ReconfigCosts, charge, get_costs, measured
 
 
@@ -74,11 +74,60 @@ def _remaining(job: JobView) -> float:
     return max(1.0, job.iterations_done) if r is None else r
 
 
-def _keep_running(view: ClusterView, jobs: Sequence[JobView]) -> tuple[dict[str, int], int]:
-    """Running jobs keep their counts, oldest first, while they fit (GPUs may have been lost)."""
+class _RunningJobs:
+    """The jobs with GPUs (``current_gpus > 0``) among a simulator's jobs, kept from one
+    decision to the next: the simulator names the jobs whose view it rebuilt and those that
+    left since the decision before (:meth:`shoal.policies.base.LiveJobs.rebuilt_since`,
+    ``left_since``), so only those are looked at, not every job of a long queue. Any other
+    sequence of jobs (a tuple, a decision skipped) takes the pass over every job."""
+
+    __slots__ = ("by_id", "serial")
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, JobView] = {}
+        self.serial = 0
+        """The serial of the jobs :attr:`by_id` was made from (0: none)."""
+
+    def of(self, view: ClusterView, jobs: Sequence[JobView]) -> list[JobView]:
+        """The running jobs of ``jobs`` (``view``'s, in arrival order), in that order."""
+        seq = view.jobs
+        serial = getattr(seq, "serial", 0)
+        rebuilt = left = None
+        if self.serial and serial:
+            rebuilt_since = getattr(seq, "rebuilt_since", None)
+            left_since = getattr(seq, "left_since", None)
+            if rebuilt_since is not None and left_since is not None:
+                rebuilt = rebuilt_since(self.serial)
+                left = left_since(self.serial)
+        self.serial = serial
+        if rebuilt is None or left is None:
+            running = [j for j in jobs if j.current_gpus]
+            self.by_id = {j.job_id: j for j in running}
+            if len(self.by_id) != len(running):  # an id twice: not kept
+                self.serial = 0
+            return running
+        by_id = self.by_id
+        for job_id in left:
+            by_id.pop(job_id, None)
+        if rebuilt:
+            index = jobs_by_id(view)
+            for job_id in rebuilt:
+                j = index.get(job_id)
+                if j is not None and j.current_gpus:
+                    by_id[job_id] = j
+                else:
+                    by_id.pop(job_id, None)
+        return sorted(by_id.values(), key=_ARRIVAL_KEY)
+
+
+def _keep_running(
+    view: ClusterView, jobs: Sequence[JobView], kept: _RunningJobs | None = None
+) -> tuple[dict[str, int], int]:
+    """Running jobs keep their counts, oldest first, while they fit (GPUs may have been lost).
+    ``kept``: the running jobs of the decision before, when the caller keeps them."""
     shares: dict[str, int] = {}
     free = view.total_gpus
-    for j in [j for j in jobs if j.current_gpus]:
+    for j in kept.of(view, jobs) if kept is not None else [j for j in jobs if j.current_gpus]:
         n = j.current_gpus
         if n <= free and n in feasible_counts(j):
             shares[j.job_id] = n
@@ -108,6 +157,12 @@ class DefaultK8s:
         seed: seeds the per-job draw of the GPU count.
         """
         self.seed = seed
+        self._running = _RunningJobs()
+        """The running jobs, kept between decisions (decides nothing: see :class:`_RunningJobs`)."""
+        self._drawn: dict[str, tuple[JobView, int, int]] = {}
+        """Job id -> (the view last drawn for, the cluster's GPUs then, :meth:`count`): a
+        view is immutable and the simulator hands an unchanged job's view over again, so
+        a waiting job passed over at every decision is drawn once. Decides nothing."""
 
     def count(self, job: JobView, total_gpus: int | None = None) -> int:
         """The job's drawn GPU count among its options that fit ``total_gpus`` (0 when none)."""
@@ -122,18 +177,28 @@ class DefaultK8s:
         The queue is walked only while GPUs are free: every count is at least one GPU,
         so once none is free no later job starts."""
         jobs = view.jobs if view.arrival_ordered else arrival_order(view.jobs)
-        shares, free = _keep_running(view, jobs)
+        shares, free = _keep_running(view, jobs, self._running)
         if free <= 0:
             return Decision(shares=shares)
+        total = view.total_gpus
+        drawn = self._drawn
         for j in jobs:
-            if j.job_id in shares:
+            job_id = j.job_id
+            if job_id in shares:
                 continue
-            n = self.count(j, view.total_gpus)
+            hit = drawn.get(job_id)
+            if hit is not None and hit[0] is j and hit[1] == total:
+                n = hit[2]
+            else:
+                n = self.count(j, total)
+                drawn[job_id] = (j, total, n)
             if 0 < n <= free:
-                shares[j.job_id] = n
+                shares[job_id] = n
                 free -= n
                 if free <= 0:
                     break
+        if len(drawn) > 2 * len(jobs) + 64:  # forget the jobs that left
+            self._drawn = {j.job_id: drawn[j.job_id] for j in jobs if j.job_id in drawn}
         return Decision(shares=shares)
 
 
@@ -150,6 +215,8 @@ class Termination:
         """
         self._explicit = get_costs(costs) if isinstance(costs, str) else costs
         self.costs = self._explicit or measured()
+        self._running = _RunningJobs()
+        """The running jobs, kept between decisions (decides nothing: see :class:`_RunningJobs`)."""
 
     def planning_costs(self) -> ReconfigCosts | None:
         """The costs named at construction, or ``None``."""
@@ -188,7 +255,7 @@ class Termination:
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Start waiting jobs at their minimum; then add idle GPUs by restarts while that helps."""
         jobs = view.jobs if view.arrival_ordered else arrival_order(view.jobs)
-        shares, free = _keep_running(view, jobs)
+        shares, free = _keep_running(view, jobs, self._running)
         waiting = False
         for j in jobs:
             if j.job_id in shares:
