@@ -6,7 +6,9 @@ This script takes the engine out:
 
 1. **Record** (in this process, this tree): run a simulation and keep the inputs of every
    ``--every``-th call of the policy's ``decide`` up to ``--upto`` calls, the view (its
-   jobs copied to a tuple) and the memory it was given, pickled to a file. The simulation
+   jobs copied to a tuple) and the memory it was given, pickled to a file with the
+   reconfiguration costs the simulator bound the policy to (a policy with ``bind_costs``,
+   such as SideCar's, predicts with them; the replay binds its fresh policy alike). The simulation
    is ``shoal simulate``'s: the VC (or a slice ``philly:<vc>:<n>``, or ``s55:<n>``, the
    Gandiva_fair §5.5 workload of ``sim_equality.py``), seed 0, ``flat`` or the default
    topology.
@@ -111,19 +113,29 @@ def record(
         sim.run()
     except _Enough:
         pass
-    return _saved(out, inputs, [len(v.jobs) for v, _ in inputs], live.hexdigest(), min(calls, upto))
+    # The costs the simulator bound the policy to (a SideCar policy predicts with them):
+    # the replay binds its fresh policy to the same.
+    costs = msgspec.structs.asdict(sim.costs) if callable(getattr(policy, "bind_costs", None)) else None
+    return _saved(
+        out,
+        {"inputs": inputs, "costs": costs},
+        [len(v.jobs) for v, _ in inputs],
+        live.hexdigest(),
+        min(calls, upto),
+    )
 
 
-def _saved(out: Path, inputs: list[Any], jobs: list[int], live: str, seen: int) -> dict[str, Any]:
-    """Pickle a recording to ``out``; what :func:`record` returns about it (``jobs``: the
-    jobs of each recorded call)."""
+def _saved(out: Path, inputs: Any, jobs: list[int], live: str, seen: int) -> dict[str, Any]:
+    """Pickle a recording to ``out`` (the placement step's inputs, or the policy's with the
+    costs it was bound to); what :func:`record` returns about it (``jobs``: the jobs of
+    each recorded call)."""
     with out.open("wb") as f:
         pickle.dump(inputs, f, protocol=pickle.HIGHEST_PROTOCOL)
     queue = sorted(jobs)
     return {
         "live_digest": live[:16],
         "decisions_seen": seen,
-        "recorded": len(inputs),
+        "recorded": len(jobs),
         "jobs_in_view_median": queue[len(queue) // 2] if queue else 0,
         "jobs_in_view_max": queue[-1] if queue else 0,
     }
@@ -217,16 +229,28 @@ def child(path: str, policy_name: str, repeat: int, mode: str, step: str = "poli
     if step == "placement":
         _child_placement(inputs, repeat, mode)
         return
+    from shoal.sim.costs import ReconfigCosts
     from shoal.sim.engine import make_policy
 
+    costs = inputs["costs"]
+    inputs = inputs["inputs"]
+
+    def make_policy_bound(name: str, seed: int) -> Any:
+        """A fresh policy, bound to the costs the simulation bound it to (if it binds any)."""
+        policy = make_policy(name, seed=seed)
+        if costs is not None:
+            policy.bind_costs(ReconfigCosts(**costs))
+        return policy
+
     if mode == "load":
+        make_policy_bound(policy_name, 0)
         return
     if mode == "digest":
         import msgspec
 
         enc = msgspec.msgpack.Encoder()
         h = hashlib.sha256()
-        policy = make_policy(policy_name, seed=0)
+        policy = make_policy_bound(policy_name, 0)
         for view, memory in inputs:
             d = policy.decide(view, memory)
             h.update(enc.encode([d.shares, d.gpu_types, d.memory]))
@@ -234,7 +258,7 @@ def child(path: str, policy_name: str, repeat: int, mode: str, step: str = "poli
         return
     best = float("inf")
     for _ in range(repeat if mode == "time" else 1):
-        policy = make_policy(policy_name, seed=0)
+        policy = make_policy_bound(policy_name, 0)
         c0 = time.process_time()
         for view, memory in inputs:
             policy.decide(view, memory)

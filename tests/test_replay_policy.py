@@ -90,3 +90,15 @@ def test_a_placement_recording_replays_to_the_simulations_placements(tmp_path: P
             pickle.dump(rec, f)
         digests.append(_replayed_digest(tmp_path / f"{name}.pkl", "gandiva-fair", "placement"))
     assert digests[0] != digests[1]
+
+
+def test_a_policy_bound_to_the_simulators_costs_replays_bound_to_them(tmp_path: Path) -> None:
+    """SideCar predicts with the costs the simulator binds it to (a flat pool: ``free``, not
+    its own default): the recording keeps them, and the replay's fresh policy is bound alike."""
+    path = tmp_path / "rec.pkl"
+    # (On this prefix SideCar bound to its own default costs decides otherwise.)
+    info = replay.record("philly:0e4a51:100", "flat", "sidecar", 1, 300, path)
+    assert info["recorded"] == info["decisions_seen"] > 150
+    with path.open("rb") as f:
+        assert pickle.load(f)["costs"]["name"] == "free"
+    assert _replayed_digest(path, "sidecar") == info["live_digest"]

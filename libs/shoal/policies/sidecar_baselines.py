@@ -31,9 +31,11 @@ does not.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts, jobs_by_id
@@ -120,6 +122,94 @@ class _RunningJobs:
         return sorted(by_id.values(), key=_ARRIVAL_KEY)
 
 
+class _WaitingByCount:
+    """Default-K8s's jobs without GPUs, by drawn count, kept from one decision to the next.
+
+    For each count ``c`` (at least 1), the ranks ``(arrival_s, job_id)`` of the jobs without
+    GPUs that drew ``c``, sorted. Brought up to a decision from the simulator's rebuilt and
+    left jobs (:meth:`shoal.policies.base.LiveJobs.rebuilt_since`, ``left_since``), so the
+    walk below need not pass over the long tail of jobs that drew more GPUs than are free.
+    Built again from every job when those are unknown or the cluster's GPUs changed (the
+    draw depends on them); not kept at all for a sequence the simulator did not number.
+    """
+
+    __slots__ = ("by_count", "count_of", "serial", "total")
+
+    def __init__(self) -> None:
+        self.by_count: dict[int, list[tuple[float, str]]] = {}
+        self.count_of: dict[str, tuple[tuple[float, str], int]] = {}
+        """Job id -> its rank and drawn count, for every job in :attr:`by_count`."""
+        self.serial = 0
+        self.total = -1
+
+    def refresh(self, view: ClusterView, jobs: Sequence[JobView], draw: Callable[[JobView], int]) -> bool:
+        """Bring the index to ``view`` (``jobs``: its jobs in arrival order; ``draw``: a job's
+        count). False when it cannot be kept for this view (the caller walks ``jobs``)."""
+        seq = view.jobs
+        serial = getattr(seq, "serial", 0)
+        changes: tuple[Collection[str], Collection[str]] | None = None
+        if self.serial and serial and self.total == view.total_gpus:
+            rebuilt_since = getattr(seq, "rebuilt_since", None)
+            left_since = getattr(seq, "left_since", None)
+            if rebuilt_since is not None and left_since is not None:
+                rebuilt, left = rebuilt_since(self.serial), left_since(self.serial)
+                if rebuilt is not None and left is not None:
+                    changes = (rebuilt, left)
+        self.serial, self.total = serial, view.total_gpus
+        if not serial:
+            return False
+        by_count, count_of = self.by_count, self.count_of
+        if changes is None:
+            by_count.clear()
+            count_of.clear()
+            for j in jobs:
+                if j.current_gpus:
+                    continue
+                if j.job_id in count_of:  # an id twice: not kept
+                    self.serial = 0
+                    return False
+                self._add(j, draw(j))
+            return True
+        rebuilt, left = changes
+        for job_id in itertools.chain(left, rebuilt):
+            had = count_of.pop(job_id, None)
+            if had is not None:
+                ranks = by_count[had[1]]
+                del ranks[bisect.bisect_left(ranks, had[0])]
+        if rebuilt:
+            index = jobs_by_id(view)
+            for job_id in rebuilt:
+                now = index.get(job_id)
+                if now is not None and not now.current_gpus and job_id not in count_of:
+                    self._add(now, draw(now))
+        return True
+
+    def _add(self, job: JobView, n: int) -> None:
+        if n <= 0:  # never started: not indexed
+            return
+        rank = (job.arrival_s, job.job_id)
+        self.count_of[job.job_id] = (rank, n)
+        bisect.insort(self.by_count.setdefault(n, []), rank)
+
+    def starts(self, free: int) -> Iterator[tuple[str, int]]:
+        """The jobs the arrival-order walk starts with ``free`` GPUs, and their counts: the
+        earliest job whose count fits, again and again while GPUs are free. (A job passed
+        over by the walk drew more than was free then, and no fewer GPUs are free later.)"""
+        heads = {c: 0 for c, ranks in self.by_count.items() if ranks and c <= free}
+        while heads:
+            best: tuple[float, str] | None = None
+            pick = 0
+            for c, at in heads.items():
+                rank = self.by_count[c][at]
+                if best is None or rank < best:
+                    best, pick = rank, c
+            assert best is not None
+            yield best[1], pick
+            free -= pick
+            heads[pick] += 1
+            heads = {c: at for c, at in heads.items() if c <= free and at < len(self.by_count[c])}
+
+
 def _keep_running(
     view: ClusterView, jobs: Sequence[JobView], kept: _RunningJobs | None = None
 ) -> tuple[dict[str, int], int]:
@@ -159,6 +249,9 @@ class DefaultK8s:
         self.seed = seed
         self._running = _RunningJobs()
         """The running jobs, kept between decisions (decides nothing: see :class:`_RunningJobs`)."""
+        self._waiting = _WaitingByCount()
+        """The jobs without GPUs by drawn count, kept between decisions (decides nothing:
+        see :class:`_WaitingByCount`)."""
         self._drawn: dict[str, tuple[JobView, int, int]] = {}
         """Job id -> (the view last drawn for, the cluster's GPUs then, :meth:`count`): a
         view is immutable and the simulator hands an unchanged job's view over again, so
@@ -178,10 +271,29 @@ class DefaultK8s:
         so once none is free no later job starts."""
         jobs = view.jobs if view.arrival_ordered else arrival_order(view.jobs)
         shares, free = _keep_running(view, jobs, self._running)
-        if free <= 0:
-            return Decision(shares=shares)
         total = view.total_gpus
         drawn = self._drawn
+
+        def draw(j: JobView) -> int:
+            hit = drawn.get(j.job_id)
+            if hit is not None and hit[0] is j and hit[1] == total:
+                return hit[2]
+            n = self.count(j, total)
+            drawn[j.job_id] = (j, total, n)
+            return n
+
+        # The index is brought up to every decision (it follows the jobs changed since the
+        # decision before). With every running job kept, the jobs the walk below looks at
+        # are those without GPUs, which the index holds by count.
+        indexed = self._waiting.refresh(view, jobs, draw)
+        if free <= 0:
+            return Decision(shares=shares)
+        if indexed and self._running.serial and len(shares) == len(self._running.by_id):
+            for job_id, n in self._waiting.starts(free):
+                shares[job_id] = n
+            if len(drawn) > 2 * len(jobs) + 64:  # forget the jobs that left
+                self._drawn = {j.job_id: drawn[j.job_id] for j in jobs if j.job_id in drawn}
+            return Decision(shares=shares)
         for j in jobs:
             job_id = j.job_id
             if job_id in shares:
