@@ -71,8 +71,9 @@ RUNS: tuple[tuple[str, str, int, bool], ...] = (
     ("philly:6214e9:400", "sidecar", 0, False),
     ("philly:6214e9:400", "sidecar-default-k8s", 1, False),
     ("philly:6214e9:400", "sidecar-termination", 0, True),
+    ("philly:6214e9:400", "elastic-tiresias", 0, False),
 )
-"""(trace, policy, seed, flat): 65 runs; seed is the model draw's and the policy's.
+"""(trace, policy, seed, flat): 66 runs; seed is the model draw's and the policy's.
 
 ``s55:<n>`` is not a trace: it is Gandiva_fair's §5.5 workload (``n`` jobs per user) on
 the §5.5 heterogeneous cluster (V100, P100 and K80 servers of 4 GPUs), where profiling,

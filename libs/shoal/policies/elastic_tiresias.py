@@ -62,7 +62,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
-from shoal.policies.tiresias import JobRecord, gang_size, las_memory, las_records
+from shoal.policies.tiresias import JobRecord, las_memory, las_records
+from shoal.policies.tiresias import gang_size_by_shape as gang_size
 
 
 def _rate(job: JobView, gpus: int) -> float:
@@ -150,14 +151,16 @@ class ElasticTiresias:
         expanded: list[tuple[JobView, tuple[int, ...]]] = []
         for rec in records:
             job = rec.job
-            counts = feasible_counts(job)
             gang = gang_size(job)
             want = gang
-            if job.current_gpus in counts:
+            current = job.current_gpus
+            # Feasible counts are positive: only a job holding GPUs can hold one of them
+            # (a waiting job, most of a long queue, asks for its gang).
+            if current and current in (counts := feasible_counts(job)):
                 # A compacted job keeps its smaller size; an expanded one first asks for
                 # its request and gets the extra GPUs back below if they are still idle.
-                want = min(job.current_gpus, gang) if job.elastic else job.current_gpus
-                if job.current_gpus > want:
+                want = min(current, gang) if job.elastic else current
+                if current > want:
                     expanded.append((job, counts))
             if 0 < want <= free:
                 shares[job.job_id] = want
