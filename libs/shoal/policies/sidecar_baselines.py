@@ -76,6 +76,22 @@ def _remaining(job: JobView) -> float:
     return max(1.0, job.iterations_done) if r is None else r
 
 
+def _changed_since(seq: Sequence[JobView], serial: int) -> tuple[Collection[str], Collection[str]] | None:
+    """The ids of the jobs a simulator's sequence ``seq`` rebuilt, and of those that left,
+    since its sequence numbered ``serial`` (:meth:`shoal.policies.base.LiveJobs.rebuilt_since`,
+    ``left_since``); ``None`` when unknown (another kind of sequence, a decision skipped)."""
+    if not serial:
+        return None
+    rebuilt_since = getattr(seq, "rebuilt_since", None)
+    left_since = getattr(seq, "left_since", None)
+    if rebuilt_since is None or left_since is None:
+        return None
+    rebuilt, left = rebuilt_since(serial), left_since(serial)
+    if rebuilt is None or left is None:
+        return None
+    return rebuilt, left
+
+
 class _RunningJobs:
     """The jobs with GPUs (``current_gpus > 0``) among a simulator's jobs, kept from one
     decision to the next: the simulator names the jobs whose view it rebuilt and those that
@@ -92,22 +108,16 @@ class _RunningJobs:
 
     def of(self, view: ClusterView, jobs: Sequence[JobView]) -> list[JobView]:
         """The running jobs of ``jobs`` (``view``'s, in arrival order), in that order."""
-        seq = view.jobs
-        serial = getattr(seq, "serial", 0)
-        rebuilt = left = None
-        if self.serial and serial:
-            rebuilt_since = getattr(seq, "rebuilt_since", None)
-            left_since = getattr(seq, "left_since", None)
-            if rebuilt_since is not None and left_since is not None:
-                rebuilt = rebuilt_since(self.serial)
-                left = left_since(self.serial)
+        serial = getattr(view.jobs, "serial", 0)
+        changes = _changed_since(view.jobs, self.serial) if serial else None
         self.serial = serial
-        if rebuilt is None or left is None:
+        if changes is None:
             running = [j for j in jobs if j.current_gpus]
             self.by_id = {j.job_id: j for j in running}
             if len(self.by_id) != len(running):  # an id twice: not kept
                 self.serial = 0
             return running
+        rebuilt, left = changes
         by_id = self.by_id
         for job_id in left:
             by_id.pop(job_id, None)
@@ -145,16 +155,8 @@ class _WaitingByCount:
     def refresh(self, view: ClusterView, jobs: Sequence[JobView], draw: Callable[[JobView], int]) -> bool:
         """Bring the index to ``view`` (``jobs``: its jobs in arrival order; ``draw``: a job's
         count). False when it cannot be kept for this view (the caller walks ``jobs``)."""
-        seq = view.jobs
-        serial = getattr(seq, "serial", 0)
-        changes: tuple[Collection[str], Collection[str]] | None = None
-        if self.serial and serial and self.total == view.total_gpus:
-            rebuilt_since = getattr(seq, "rebuilt_since", None)
-            left_since = getattr(seq, "left_since", None)
-            if rebuilt_since is not None and left_since is not None:
-                rebuilt, left = rebuilt_since(self.serial), left_since(self.serial)
-                if rebuilt is not None and left is not None:
-                    changes = (rebuilt, left)
+        serial = getattr(view.jobs, "serial", 0)
+        changes = _changed_since(view.jobs, self.serial) if serial and self.total == view.total_gpus else None
         self.serial, self.total = serial, view.total_gpus
         if not serial:
             return False
