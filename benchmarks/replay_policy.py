@@ -37,7 +37,9 @@ migrations, unplaced jobs). The recording is made by this tree's simulation of
 Only a policy that takes everything it knows from ``memory`` and the view is replayed
 faithfully: one that carries state of its own between calls (AFS-L's keys, Tiresias-L's
 records, Themis's columns, all keyed to the simulator's live view) sees tuple views here
-and takes its full path. Gandiva_fair carries none.
+and takes its full path. Gandiva_fair carries none. SideCar's (each job's predictions,
+kept with its view object) is replayed: the recording is one pickle, so a view that
+consecutive calls shared is one object again when loaded.
 
 Usage::
 
