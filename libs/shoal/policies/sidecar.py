@@ -280,11 +280,7 @@ class SideCarAdaptive:
         predictions kept; any other is built from its view."""
         key = (gpus_per_node, self.costs)
         seen = self._seen
-        if (
-            self._seen_for is None
-            or self._seen_for[0] != gpus_per_node
-            or self._seen_for[1] is not self.costs
-        ):
+        if self._seen_for != key:  # predictions made for other nodes or costs
             seen.clear()
             self._seen_for = key
         self._stamp = stamp = self._stamp + 1

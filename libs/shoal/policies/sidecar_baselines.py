@@ -39,7 +39,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts, jobs_by_id
-from shoal.policies.common import _ARRIVAL_KEY, arrival_order
+from shoal.policies.common import arrival_order
 from shoal.sim.costs import ReconfigCosts, charge, get_costs, measured
 
 
@@ -129,7 +129,7 @@ class _RunningJobs:
                     by_id[job_id] = j
                 else:
                     by_id.pop(job_id, None)
-        return sorted(by_id.values(), key=_ARRIVAL_KEY)
+        return arrival_order(by_id.values())
 
 
 class _WaitingByCount:
