@@ -72,8 +72,12 @@ RUNS: tuple[tuple[str, str, int, bool], ...] = (
     ("philly:6214e9:400", "sidecar-default-k8s", 1, False),
     ("philly:6214e9:400", "sidecar-termination", 0, True),
     ("philly:6214e9:400", "elastic-tiresias", 0, False),
+    # HeteroAFS: phase one's AFS-P kept between decisions, on a long queue and on the
+    # §5.5 heterogeneous cluster (trades and moves).
+    ("philly:6214e9:400", "afs-het", 0, False),
+    ("s55:8", "afs-het", 0, False),
 )
-"""(trace, policy, seed, flat): 66 runs; seed is the model draw's and the policy's.
+"""(trace, policy, seed, flat): 68 runs; seed is the model draw's and the policy's.
 
 ``s55:<n>`` is not a trace: it is Gandiva_fair's §5.5 workload (``n`` jobs per user) on
 the §5.5 heterogeneous cluster (V100, P100 and K80 servers of 4 GPUs), where profiling,

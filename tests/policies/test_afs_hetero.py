@@ -263,3 +263,87 @@ def test_the_simulator_runs_it_through_the_policy_interface() -> None:
     assert len(on_v100) == 4 and on_v100 >= {"j3", "j4", "j5"}
     # j4 and j5 arrive on the K80s and each swaps once with a 1.25× job; nothing oscillates.
     assert sum(len(d.policy_memory["swaps"]) for d in decided) == 2
+
+
+class _KeptAndFresh:
+    """HeteroAFS as the simulator runs it (one instance, whose phase-one AFS-P keeps what
+    it may between decisions), checked at every decision against a fresh instance."""
+
+    def __init__(self) -> None:
+        self.kept = HeteroAFS()
+        self.decisions = 0
+        self.traded = 0
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.kept, attr)
+
+    def decide(self, v: ClusterView, memory: Any) -> Decision:
+        d = self.kept.decide(v, memory)
+        fresh = HeteroAFS().decide(v, memory)
+        assert fresh == d
+        # In order too: the memory goes into the log, whose digest the equality harness reads.
+        assert list(fresh.shares.items()) == list(d.shares.items())
+        assert [list(m.items()) if isinstance(m, dict) else m for m in fresh.memory.values()] == [
+            list(m.items()) if isinstance(m, dict) else m for m in d.memory.values()
+        ]
+        self.decisions += 1
+        self.traded += len(d.memory["swaps"]) + len(d.memory["moves"])
+        return d
+
+
+def test_keeping_phase_ones_afs_p_between_decisions_changes_no_decision() -> None:
+    """6214e9's first jobs queue up behind long runners (AFS-P's leases and counters at
+    work, hundreds waiting) on the 16 x 4 topology; 2869ce on a flat pool; Gandiva_fair's
+    §5.5 workload on its heterogeneous cluster, where phases 2 and 4 trade and move."""
+    from shoal.fairness.workloads import SECTION55_GPUS, section55_workload
+    from shoal.sim import SimConfig, Simulator
+    from shoal.workloads import load_workload
+
+    for trace, flat in (("philly:6214e9:300", False), ("philly:2869ce:120", True)):
+        policy = _KeptAndFresh()
+        Simulator(load_workload(trace, seed=0), policy, SimConfig(flat=flat, retain_log=False)).run()
+        assert policy.decisions > 100
+    jobs = section55_workload(jobs_per_user=24, resnet_source="gavel")
+    policy = _KeptAndFresh()
+    cfg = SimConfig(cluster=dict(SECTION55_GPUS), gpus_per_node=4, retain_log=False)
+    Simulator(jobs, policy, cfg).run()
+    assert policy.decisions > 20 and policy.traded > 0
+
+
+def test_a_pick_no_generation_holds_leaves_phase_ones_afs_p_deciding_as_a_fresh_one() -> None:
+    """AFS-P picks ``c`` (3 GPUs of 4) but neither 2-GPU generation holds it: it gets no
+    lease, so the memory handed back is not the one phase one's AFS-P returned, and the
+    lease holders it kept must not be taken (else it starts jobs a fresh instance does not)."""
+    fast = {"v100": 2.0, "e": 5.0}
+
+    def rigid(job_id: str, arrival: float, gpus: int, elastic: bool = False) -> JobView:
+        k80 = linear(1.0, gpus + 2)
+        return JobView(
+            job_id=job_id,
+            arrival_s=arrival,
+            min_gpus=gpus,
+            max_gpus=gpus + 2 if elastic else gpus,
+            requested_gpus=gpus,
+            elastic=elastic,
+            throughput=k80,
+            throughput_by_type={"k80": k80, "v100": linear(fast.get(job_id, 2.0), gpus + 2)},
+        )
+
+    jobs = (
+        rigid("a", 0, 2),
+        rigid("b", 1, 2),
+        rigid("c", 2, 3),
+        rigid("d", 3, 1, True),
+        rigid("e", 4, 1, True),
+    )
+    kept = HeteroAFS(unit_s=100.0)
+    memory: dict[str, Any] = {}
+    dropped = 0
+    for t in range(0, 800, 25):
+        v = ClusterView(now_s=float(t), total_gpus=4, jobs=jobs, gpus_by_type={"v100": 2, "k80": 2})
+        d = decide(kept, v, memory)
+        assert d == HeteroAFS(unit_s=100.0).decide(v, memory)
+        picked = AFSP(unit_s=100.0, wake_at_every_lease_end=True).decide(v, memory).shares
+        dropped += "c" in picked and "c" not in d.shares
+        memory = d.memory
+    assert dropped > 10

@@ -69,8 +69,8 @@ from typing import Any
 
 from shoal.fairness.hetero import generation_order
 from shoal.policies.afs import AFSP, DEFAULT_UNIT_S
-from shoal.policies.base import ClusterView, Decision, JobView
-from shoal.policies.common import Ladder, view_arrival_order
+from shoal.policies.base import ClusterView, Decision, JobView, jobs_by_id
+from shoal.policies.common import Ladder, arrival_order
 
 
 def eq3_prefers(p_b: float, p_b_next: float, p_a: float, p_a_next: float) -> bool:
@@ -96,10 +96,10 @@ class _Job:
 
     __slots__ = ("count", "gen", "job", "ladder", "rank")
 
-    def __init__(self, job: JobView, rank: int) -> None:
+    def __init__(self, job: JobView, rank: int, ladder: Ladder) -> None:
         self.job = job
         self.rank = rank
-        self.ladder = Ladder(job)
+        self.ladder = ladder
         self.count = 0
         self.gen = ""
 
@@ -128,6 +128,9 @@ class HeteroAFS:
     name = "afs-het"
     elastic = True
     """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
+    reads_progress = False
+    """Length-unaware, as AFS-P: it reads curves (per generation), counts, arrival and
+    its memory only (:func:`shoal.policies.base.policy_reads_progress`)."""
 
     def __init__(
         self,
@@ -143,6 +146,15 @@ class HeteroAFS:
         self.unit_s = float(unit_s)
         self.min_gain = min_gain
         self.generation_rank = generation_rank
+        self._ladders: dict[str, tuple[JobView, Ladder]] = {}
+        """The picked jobs of the last decision: job id -> (view, its :class:`Ladder`),
+        taken again for the very same view (a ladder reads the view's counts only)."""
+        self._afsp = AFSP(self.unit_s, wake_at_every_lease_end=True)
+        """Phase 1's AFS-P, one instance for every decision: what it keeps between
+        decisions (its lease holders, counted order and uncounted jobs) is taken only when
+        the memory handed back is the very one it returned, and its decisions are a fresh
+        instance's (``tests/policies/test_afs_hetero.py`` checks every decision of two
+        Philly prefixes against a fresh instance)."""
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Decide each job's GPU count and generation.
@@ -157,17 +169,27 @@ class HeteroAFS:
         typed = bool(view.gpus_by_type)
         capacity = {g: n for g, n in view.gpus_by_type.items() if n > 0} if typed else {"": view.total_gpus}
         gens = generation_order(capacity, self.generation_rank) if typed else ("",)
-        jobs = [_Job(j, rank) for rank, j in enumerate(view_arrival_order(view))]
 
         # 1. Who runs: AFS-P itself decides, generation-blind, on the same memory
         # (its counters and leases), so both share one processor-sharing rule.
         # Generations can undo a pick, so wake at every lease end (see AFSP).
-        base = AFSP(self.unit_s, wake_at_every_lease_end=True).decide(view, memory)
+        base = self._afsp.decide(view, memory)
         counters: Mapping[str, Any] = base.memory.get("counters") or {}
-        order = sorted(
-            (e for e in jobs if base.shares.get(e.job.job_id, 0) > 0),
-            key=lambda e: (int(counters.get(e.job.job_id, 0)), e.rank),
-        )
+        # Phases 2-4 touch only the jobs AFS-P picked (no other ever gets a count), so
+        # only they get a working record, ranked in arrival order among themselves: a rank
+        # is only ever compared with another's, and the picked jobs' relative order is
+        # the same as in the whole queue (a long queue mostly waits).
+        index = jobs_by_id(view)
+        picked = [index[j] for j, n in base.shares.items() if n > 0]
+        jobs: list[_Job] = []
+        known, ladders = self._ladders, {}
+        for rank, j in enumerate(arrival_order(picked)):
+            kept = known.get(j.job_id)
+            ladder = kept[1] if kept is not None and kept[0] is j else Ladder(j)
+            ladders[j.job_id] = (j, ladder)
+            jobs.append(_Job(j, rank, ladder))
+        self._ladders = ladders
+        order = sorted(jobs, key=lambda e: (int(counters.get(e.job.job_id, 0)), e.rank))
 
         # 2. Generation: keep it while it fits, else the best free one; then trades.
         free = dict(capacity)
@@ -191,7 +213,11 @@ class HeteroAFS:
         mem: dict[str, Any] = dict(base.memory)
         running = {e.job.job_id for e in jobs if e.count}
         # A job AFS-P picked but no generation could hold does not run: no lease.
-        mem["leases"] = {j: t for j, t in (base.memory.get("leases") or {}).items() if j in running}
+        base_leases: Mapping[str, Any] = base.memory.get("leases") or {}
+        leases = {j: t for j, t in base_leases.items() if j in running}
+        # AFS-P's own mapping when nothing was dropped (the same items, in order): AFS-P
+        # then knows it as the one it returned.
+        mem["leases"] = base_leases if len(leases) == len(base_leases) else leases
         mem.update(
             {
                 "gen": {e.job.job_id: e.gen for e in jobs if e.count} if typed else {},
@@ -279,6 +305,8 @@ class HeteroAFS:
     @staticmethod
     def _spread(here: Sequence[_Job], gen: str, free: dict[str, int]) -> None:
         """Phase 3: AFS-P stage two on ``gen``, a heap keyed on ``(-f, arrival rank)``."""
+        if free[gen] <= 0:
+            return  # nothing to hand out (under contention, the usual case)
 
         def step(e: _Job) -> tuple[int, float, float]:
             nxt = e.ladder.next_count(e.count)
