@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import msgspec
 from hypothesis import given, settings
-from shoal.policies.base import ClusterView, JobView
+from hypothesis import strategies as hs
+from shoal.policies.base import ClusterView, Decision, JobView
 from shoal.policies.elastic_tiresias import ElasticTiresias
 from shoal.sim.engine import SimConfig, Simulator
 from shoal.workloads import load_workload
 
-from tests.policies.test_tiresias import LengthTripwire, assert_pure, job, view, views
+from tests.policies.test_tiresias import (
+    LengthTripwire,
+    assert_pure,
+    job,
+    kept_next_view,
+    next_view,
+    queued_views,
+    view,
+    views,
+)
 
 # Sub-linear curve: 8 GPUs give a speedup of 4 (efficiency 0.5), 4 GPUs 3.
 SUBLINEAR = (0.0, 1.0, 1.8, 2.4, 3.0, 3.3, 3.6, 3.8, 4.0)
@@ -184,3 +197,120 @@ def test_starvation_promotion_is_off_by_default_and_works_when_set() -> None:
     young = msgspec.structs.replace(runner, attained_service_gpu_s=10.0)
     memory["jobs"]["r"][3] = 0.0
     assert promoting.decide(view(at, 1, starved, young), memory).shares == {"r": 1}
+
+
+_KW = hs.fixed_dictionaries(
+    {
+        "queue_thresholds_gpu_s": hs.sampled_from([(500.0, 10_000.0), (300.0,), (180_000.0,)]),
+        "compaction_threshold": hs.sampled_from([0, 1, 3, 10]),
+        "qos_ratio": hs.sampled_from([0.0, 0.5, 1.0]),
+        "service_since_restart": hs.booleans(),
+    }
+)
+
+
+def _same(a: Decision, b: Decision) -> None:
+    """Equal decisions, the memory's entries in the same order (the log's digest reads it)."""
+    assert a == b
+    assert list(a.shares.items()) == list(b.shares.items())
+    assert list(a.memory["jobs"].items()) == list(b.memory["jobs"].items())
+
+
+@settings(max_examples=200, deadline=None)
+@given(queued_views(), _KW)
+def test_the_lazy_queue_walk_decides_as_a_record_for_every_job(
+    case: tuple[ClusterView, dict[str, Any]], kw: dict[str, Any]
+) -> None:
+    """decide (the jobs that never ran walked lazily, the plan stopped where no GPU is
+    free, the waiting jobs counted up to N + 1) equals decide_all, over a few rounds."""
+    v, memory = case
+    policy = ElasticTiresias(**kw)
+    for _ in range(3):
+        lazy = policy.decide(v, memory)
+        _same(lazy, ElasticTiresias(**kw).decide_all(v, memory))
+        memory = lazy.memory
+        v = next_view(v, lazy, 400.0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(queued_views(), _KW, hs.lists(hs.integers(0, 4), min_size=3, max_size=6))
+def test_carried_records_change_no_decision(
+    case: tuple[ClusterView, dict[str, Any]], kw: dict[str, Any], steps: list[int]
+) -> None:
+    """Records carried over between decisions decide as records read from memory. Each
+    round hands the policy its own memory, an equal copy (decoded from msgpack), or a
+    changed one (a record's base moved: the carried records must not be taken), over views
+    that keep unchanged jobs' objects, with completions and arrivals."""
+    v, memory = case
+    carried = ElasticTiresias(**kw)
+    for step in steps:
+        d = carried.decide(v, memory)
+        _same(d, ElasticTiresias(**kw).decide_all(v, memory))
+        memory = d.memory
+        if step == 1:
+            memory = msgspec.msgpack.decode(msgspec.msgpack.encode(memory))
+        elif step == 2 and memory["jobs"]:
+            first = next(iter(memory["jobs"]))
+            entry = list(memory["jobs"][first])
+            entry[0] += 50.0
+            memory = {**memory, "jobs": {**memory["jobs"], first: entry}}
+        v = kept_next_view(v, d, 400.0, step)
+
+
+class _AgainstEveryRecord:
+    """Elastic-Tiresias as the simulator runs it (one instance, carrying its records and
+    told which views were rebuilt), checked at every decision against decide_all."""
+
+    def __init__(self) -> None:
+        self.kept = ElasticTiresias()
+        self.decisions = 0
+        self.resized = 0
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.kept, attr)
+
+    def decide(self, v: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        d = self.kept.decide(v, memory)
+        _same(d, ElasticTiresias().decide_all(v, memory))
+        self.decisions += 1
+        self.resized += sum(
+            1 for j in v.jobs if j.current_gpus and d.shares.get(j.job_id, j.current_gpus) != j.current_gpus
+        )
+        return d
+
+
+def test_the_simulators_decisions_are_those_of_a_record_for_every_job() -> None:
+    """6214e9's first jobs queue up behind long runners (hundreds wait, compaction runs)
+    on the 16 x 4 topology; 2869ce on a flat pool (expansion too)."""
+    for trace, flat in (("philly:6214e9:300", False), ("philly:2869ce:150", True)):
+        policy = _AgainstEveryRecord()
+        Simulator(load_workload(trace, seed=0), policy, SimConfig(flat=flat, retain_log=False)).run()
+        assert policy.decisions > 100 and policy.resized > 10
+
+
+def test_a_rebuilt_job_with_service_and_no_record_is_looked_at() -> None:
+    """With the simulator's jobs, only the views rebuilt since the last decision are looked
+    at for service or GPUs without a record. A job that never ran here but shows service
+    (it ran elsewhere) is demoted as decide_all demotes it, and recorded."""
+    from shoal.policies.base import LiveJobs
+
+    a = job("a", arrival_s=0.0, requested_gpus=1, max_gpus=1)
+    b = job("b", arrival_s=1.0, requested_gpus=1, max_gpus=1)
+    policy = ElasticTiresias()
+    first = ClusterView(
+        now_s=0.0, total_gpus=1, jobs=LiveJobs({"a": a, "b": b}, serial=1), arrival_ordered=True
+    )
+    d = policy.decide(first, {})
+    assert d.shares == {"a": 1}
+    a2 = msgspec.structs.replace(a, current_gpus=1, attained_service_gpu_s=100.0)
+    b2 = msgspec.structs.replace(b, attained_service_gpu_s=20_000.0)
+    table = {"a": a2, "b": b2}
+    second = ClusterView(
+        now_s=100.0,
+        total_gpus=1,
+        jobs=LiveJobs(table, serial=2, after=1, rebuilt=("a", "b"), left=()),
+        arrival_ordered=True,
+    )
+    lazy = policy.decide(second, d.memory)
+    _same(lazy, ElasticTiresias().decide_all(second, d.memory))
+    assert "b" in lazy.memory["jobs"]  # demoted to G2: a place at its back

@@ -55,14 +55,28 @@ service base, first start, preemption time, group and place in the group's list;
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
-from shoal.policies.tiresias import JobRecord, las_memory, las_records
+from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts, jobs_by_id
+from shoal.policies.common import view_arrival_order
+from shoal.policies.tiresias import (
+    _POSITION,
+    _QUEUE,
+    UNPLACED,
+    JobRecord,
+    _arrival_key,
+    _next_position,
+    _record,
+    _requeue,
+    _stored,
+    las_memory,
+    las_records,
+)
 from shoal.policies.tiresias import gang_size_by_shape as gang_size
 
 
@@ -119,19 +133,146 @@ class ElasticTiresias:
         self.qos_ratio = qos_ratio
         self.service_since_restart = service_since_restart
         self.promote_knob = promote_knob
+        self._memo: _Memo | None = None
+        """What the last :meth:`decide` returned and the records of it (see there)."""
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
-        """Tiresias plan, then compaction (> N waiting) or expansion (none waiting)."""
+        """Tiresias plan, then compaction (> N waiting) or expansion (none waiting).
+
+        :meth:`decide_all`'s decision, without a record for every job of a long queue.
+        Most of such a queue is jobs that never ran: no record in memory, no attained
+        service, no GPUs. Each of them would get the same record, ``G0`` with no place,
+        which sorts behind ``G0``'s placed jobs, among its unplaced ones by arrival, and
+        ahead of ``G1``. No demotion touches them, and :func:`las_memory` writes nothing
+        for them unless they get GPUs. So they are walked lazily, in arrival order (their
+        order in the view), between the other jobs (sorted):
+
+        * the plan stops at the first job it meets with no GPU free (it gives nothing
+          after that, and the lent GPUs it gives back go only to jobs already met);
+        * the waiting jobs are counted only up to ``N + 1``;
+        * compaction takes them one by one, and stops where Algorithm 1 stops (no victim
+          left);
+        * only expansion, which runs when no job waits, has walked them all.
+
+        Those "other" jobs are the ones with a record, service or GPUs. Their records are
+        carried over from the last decide when ``memory["jobs"]`` lists what that decide
+        returned (the same mapping, or an equal one). Then, with the simulator's jobs
+        (:meth:`shoal.policies.base.LiveJobs.rebuilt_since` and ``left_since``), only
+        the jobs rebuilt since are looked at for new service or GPUs; any other sequence
+        takes one pass over every job for that. Memory from elsewhere builds every record
+        from its entry. A test checks every decision of two Philly prefixes against
+        :meth:`decide_all` (``tests/policies/test_elastic_tiresias.py``).
+        """
+        if self.promote_knob is not None:
+            return self.decide_all(view, memory)  # every waiting job's wait counts
+        thresholds = self.queue_thresholds_gpu_s
+        total = view.total_gpus
+        stored = _stored(memory)
+        index = jobs_by_id(view)
+        jobs: Sequence[JobView] = view.jobs if view.arrival_ordered else view_arrival_order(view)
+        serial = getattr(view.jobs, "serial", 0)
+        memo, self._memo = self._memo, None  # spent either way; a failed decide leaves none
+        others: dict[str, JobRecord] = {}
+        # The records a demotion may move: a carried record whose view is the same has
+        # the service it had after the last decide's demotions.
+        moved: list[JobRecord] | None = None
+        look: Iterable[JobView]  # the jobs that may have service or GPUs without a record
+        if memo is not None and (stored is memo.jobs or stored == memo.jobs):
+            moved = []
+            changes = _changed_since(view.jobs, memo.serial) if serial else None
+            for job_id, rec in memo.records.items():
+                job = index.get(job_id)
+                if job is not None:
+                    if job is not rec.job:
+                        rec.see(job, thresholds)
+                        moved.append(rec)
+                    others[job_id] = rec
+            if changes is None:
+                look = jobs
+            else:
+                look = [job for job_id in changes if (job := index.get(job_id)) is not None]
+        else:
+            for job_id, raw in stored.items():
+                job = index.get(job_id)
+                if job is not None:
+                    others[job_id] = _record(job, raw, thresholds)
+            look = jobs
+        served = [j for j in look if (j.attained_service_gpu_s or j.current_gpus) and j.job_id not in others]
+        for job in sorted(served, key=_job_arrival):
+            others[job.job_id] = rec = _record(job, None, thresholds)
+            if moved is not None:
+                moved.append(rec)
+        position = _next_position(others.values())
+        now = view.now_s
+        # Demotions, in arrival order (las_records' order; the other jobs never move).
+        for rec in sorted(
+            (r for r in (others.values() if moved is None else moved) if r.level > r.queue), key=_arrival_key
+        ):
+            position = _requeue(rec, position, now, None)
+        ordered = sorted(others.values(), key=JobRecord.order_key)
+        q1 = bisect.bisect_left(ordered, 1, key=_QUEUE)
+        unplaced = bisect.bisect_left(ordered, UNPLACED, 0, q1, key=_POSITION)
+
+        def fresh() -> Iterator[JobView]:
+            for job in jobs:
+                if job.job_id not in others:
+                    yield job
+
+        # Every job in pass order: G0's placed jobs, G0's unplaced ones and the jobs
+        # never run (both by arrival: their keys are (0, unplaced, arrival, id)), the rest.
+        middle: Iterable[JobView]
+        if unplaced < q1:
+            middle = heapq.merge((r.job for r in ordered[unplaced:q1]), fresh(), key=_job_arrival)
+        else:
+            middle = fresh()
+        walk = itertools.chain((r.job for r in ordered[:unplaced]), middle, (r.job for r in ordered[q1:]))
+        shares, free, walked, rest = self._tiresias_plan_lazily(total, walk, others)
+        # The waiting jobs in pass order: the plan's without GPUs, then the ones it never met.
+        waiting = (
+            job
+            for job in itertools.chain((j for j in walked if not shares.get(j.job_id)), rest)
+            if 0 < gang_size(job) <= total
+        )
+        first = list(itertools.islice(waiting, self.compaction_threshold + 1))
+        if len(first) > self.compaction_threshold:
+            free = self._compaction(ordered, itertools.chain(first, waiting), shares, free)
+        elif not first:  # every job was met (none waits): only the plan gave GPUs
+            free = self._expansion([j for j in walked if j.elastic and shares.get(j.job_id)], shares, free)
+        shares = {j: g for j, g in shares.items() if g}
+        started = sorted(
+            (_record(index[j], None, thresholds) for j in shares if j not in others), key=JobRecord.order_key
+        )
+        if started:  # their place is that of the jobs never run, as in the pass
+            merged = heapq.merge(ordered[unplaced:q1], started, key=JobRecord.order_key)
+            ordered = [*ordered[:unplaced], *merged, *ordered[q1:]]
+        recorded: dict[str, JobRecord] = {}
+        new_memory = las_memory(
+            view,
+            ordered,
+            shares,
+            thresholds,
+            service_since_restart=self.service_since_restart,
+            promote_knob=None,
+            recorded=recorded,
+        )
+        self._memo = _Memo(new_memory["jobs"], recorded, serial)
+        return Decision(shares=shares, memory=new_memory)
+
+    def decide_all(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        """:meth:`decide` with a record for every job, all sorted (the reference form;
+        the one that runs with a ``promote_knob``)."""
         records = las_records(view, memory, self.queue_thresholds_gpu_s, self.promote_knob)
         shares, free = self._tiresias_plan(view.total_gpus, records)
         # Jobs that could never fit do not count as waiting (they would block expansion).
         waiting = [
-            r for r in records if not shares.get(r.job.job_id) and 0 < gang_size(r.job) <= view.total_gpus
+            r.job for r in records if not shares.get(r.job.job_id) and 0 < gang_size(r.job) <= view.total_gpus
         ]
         if len(waiting) > self.compaction_threshold:
             free = self._compaction(records, waiting, shares, free)
         elif not waiting:
-            free = self._expansion(records, shares, free)
+            free = self._expansion(
+                [r.job for r in records if r.job.elastic and shares.get(r.job.job_id)], shares, free
+            )
         shares = {j: g for j, g in shares.items() if g}
         new_memory = las_memory(
             view,
@@ -142,6 +283,34 @@ class ElasticTiresias:
             promote_knob=self.promote_knob,
         )
         return Decision(shares=shares, memory=new_memory)
+
+    @staticmethod
+    def _tiresias_plan_lazily(
+        total: int, walk: Iterator[JobView], others: Mapping[str, JobRecord]
+    ) -> tuple[dict[str, int], int, list[JobView], Iterator[JobView]]:
+        """:meth:`_tiresias_plan` over ``walk`` (every job, in pass order), stopped at the
+        first job met with no GPU free: the plan gives that job and every later one
+        nothing. Returns the shares, the GPUs left, the jobs met (in order) and the rest
+        of ``walk`` (``others``: the jobs with a record; only they can hold GPUs)."""
+        free = total
+        shares: dict[str, int] = {}
+        expanded: list[tuple[JobView, tuple[int, ...]]] = []
+        walked: list[JobView] = []
+        for job in walk:
+            if free <= 0:
+                return shares, _give_back(expanded, shares, free), walked, itertools.chain((job,), walk)
+            walked.append(job)
+            gang = gang_size(job)
+            want = gang
+            current = job.current_gpus
+            if current and current in (counts := feasible_counts(job)):
+                want = min(current, gang) if job.elastic else current
+                if current > want:
+                    expanded.append((job, counts))
+            if 0 < want <= free:
+                shares[job.job_id] = want
+                free -= want
+        return shares, _give_back(expanded, shares, free), walked, iter(())
 
     @staticmethod
     def _tiresias_plan(total: int, records: Sequence[JobRecord]) -> tuple[dict[str, int], int]:
@@ -165,23 +334,18 @@ class ElasticTiresias:
             if 0 < want <= free:
                 shares[job.job_id] = want
                 free -= want
-        for job, counts in expanded:  # priority order
-            has = shares.get(job.job_id, 0)
-            if not has:
-                continue
-            fits = [c for c in counts if has < c <= min(job.current_gpus, has + free)]
-            if fits:
-                free -= fits[-1] - has
-                shares[job.job_id] = fits[-1]
-        return shares, free
+        return shares, _give_back(expanded, shares, free)
 
     def _min_size(self, job: JobView, counts: tuple[int, ...]) -> int:
         return max(counts[0], math.ceil(self.qos_ratio * gang_size(job)))
 
     def _compaction(
-        self, records: Sequence[JobRecord], waiting: Sequence[JobRecord], shares: dict[str, int], free: int
+        self, records: Sequence[JobRecord], waiting: Iterable[JobView], shares: dict[str, int], free: int
     ) -> int:
-        """Algorithm 1 lines 1–6: shrink jobs of groups i ≠ 0 to admit waiting jobs."""
+        """Algorithm 1 lines 1–6: shrink jobs of groups i ≠ 0 to admit waiting jobs.
+
+        ``records``: every job of a group ``i ≠ 0`` with its record, in pass order (the
+        victims' order); ``waiting``: the waiting jobs in pass order, taken one by one."""
         victims: list[tuple[JobView, tuple[int, ...], int]] = []
         for rec in records:
             job = rec.job
@@ -200,8 +364,7 @@ class ElasticTiresias:
             if step is not None:
                 heap.append((step[0], i, has, step[1]))
         heapq.heapify(heap)
-        for rec in waiting:
-            cand = rec.job
+        for cand in waiting:
             need = gang_size(cand)
             if need <= free:
                 shares[cand.job_id] = need
@@ -239,16 +402,16 @@ class ElasticTiresias:
     @staticmethod
     def _step_down(job: JobView, counts: tuple[int, ...], low: int, has: int) -> tuple[float, int] | None:
         """Cheapest next scale-in of ``job``: (lost speedup per freed GPU, new count)."""
-        lower = [c for c in counts if low <= c < has]
-        if not lower:
+        i = bisect.bisect_left(counts, has)  # feasible counts are increasing
+        if i == 0 or counts[i - 1] < low:
             return None
-        to = lower[-1]
+        to = counts[i - 1]
         return ((_speedup(job, has) - _speedup(job, to)) / (has - to), to)
 
     @staticmethod
-    def _expansion(records: Sequence[JobRecord], shares: dict[str, int], free: int) -> int:
-        """Algorithm 1 lines 7–13: idle GPUs to the largest relative throughput gain."""
-        jobs = [r.job for r in records if r.job.elastic and shares.get(r.job.job_id)]
+    def _expansion(jobs: Sequence[JobView], shares: dict[str, int], free: int) -> int:
+        """Algorithm 1 lines 7–13: idle GPUs to the largest relative throughput gain
+        (``jobs``: the elastic jobs given GPUs, in pass order)."""
 
         def step_up(i: int) -> tuple[float, int] | None:
             job = jobs[i]
@@ -279,3 +442,44 @@ class ElasticTiresias:
             if s is not None:
                 heapq.heappush(heap, (-s[0], i, s[1]))
         return free
+
+
+def _give_back(expanded: Sequence[tuple[JobView, tuple[int, ...]]], shares: dict[str, int], free: int) -> int:
+    """The plan's last step: expanded jobs (in pass order) take back their extra GPUs from
+    what is still free; returns the GPUs left."""
+    for job, counts in expanded:
+        has = shares.get(job.job_id, 0)
+        if not has:
+            continue
+        fits = [c for c in counts if has < c <= min(job.current_gpus, has + free)]
+        if fits:
+            free -= fits[-1] - has
+            shares[job.job_id] = fits[-1]
+    return free
+
+
+def _job_arrival(job: JobView) -> tuple[float, str]:
+    return (job.arrival_s, job.job_id)
+
+
+class _Memo:
+    """What :meth:`ElasticTiresias.decide` keeps for the next: the jobs mapping of the
+    memory it returned, the records that mapping lists (job id -> record) and the serial
+    of its jobs (:attr:`shoal.policies.base.LiveJobs.serial`; 0: not a simulator's)."""
+
+    __slots__ = ("jobs", "records", "serial")
+
+    def __init__(self, jobs: Mapping[str, Any], records: dict[str, JobRecord], serial: int) -> None:
+        self.jobs = jobs
+        self.records = records
+        self.serial = serial
+
+
+def _changed_since(seq: Sequence[JobView], serial: int) -> Collection[str] | None:
+    """The ids of the jobs the simulator's sequence ``seq`` rebuilt since its sequence
+    numbered ``serial`` (:meth:`shoal.policies.base.LiveJobs.rebuilt_since`; a job that
+    left is not among the live ones anyway); None when unknown."""
+    if not serial:
+        return None
+    rebuilt_since = getattr(seq, "rebuilt_since", None)
+    return rebuilt_since(serial) if rebuilt_since is not None else None
