@@ -31,17 +31,26 @@ Choices where the paper leaves room:
   is "the maximum number of GPUs each job can utilize" instead of its request, taken
   as the smallest feasible count with the job's peak throughput.
 * No memory: SRTF/SRSF re-decide from the view at every event.
+
+Cost of a decision in a long queue: a job's rank key (its remaining time or service
+at its size, then arrival) is read from its view alone, and a waiting job's view does
+not change while it waits. So the keys of every job are kept sorted from one decision
+to the next, and with the simulator's jobs
+(:meth:`shoal.policies.base.LiveJobs.rebuilt_since`, ``left_since``) only the jobs
+whose view was rebuilt (the running ones, arrivals) are ranked again; the walk down the
+ranking stops when no GPU is free. Any other sequence of jobs ranks every job afresh.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts
-from shoal.policies.common import Ladder, remaining_time_s, request_size, throughput_at, view_arrival_order
+from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts, jobs_by_id
+from shoal.policies.common import Ladder, arrival_order, remaining_time_s, request_size, throughput_at
 
 
 def _normaliser(job: JobView) -> float:
@@ -79,6 +88,7 @@ class _ShortestFirst:
 
     def __init__(self, use_max_gpus: bool = False) -> None:
         self.use_max_gpus = use_max_gpus
+        self._ranking = _Ranking()
 
     def _priority(self, job: JobView, size: int) -> float:
         t = remaining_time_s(job, size)
@@ -86,28 +96,34 @@ class _ShortestFirst:
             return t * size
         return t
 
+    def _key(self, job: JobView) -> _Key | None:
+        """``job``'s place in the ranking, ``(priority, arrival, id, size)``: the order
+        of ``(priority, arrival rank)``, as ids are unique. None: no size, never given GPUs."""
+        size = peak_size(job) if self.use_max_gpus else request_size(job)
+        if size <= 0:
+            return None
+        return (self._priority(job, size), job.arrival_s, job.job_id, size)
+
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Requests in increasing remaining time (service), then leftovers for -E."""
-        jobs = view_arrival_order(view)
-        ranked = []
-        for rank, job in enumerate(jobs):
-            size = peak_size(job) if self.use_max_gpus else request_size(job)
-            if size > 0:
-                ranked.append((self._priority(job, size), rank, size))
-        ranked.sort()
+        keys = self._ranking.keys_of(view, self._key)
         free = view.total_gpus
         shares: dict[str, int] = {}
-        for _, rank, size in ranked:
+        for _, _, job_id, size in keys:
+            if free <= 0:
+                break  # every size is positive: nothing more fits
             if size <= free:
-                shares[jobs[rank].job_id] = size
+                shares[job_id] = size
                 free -= size
         if self.altruistic and free > 0:
-            self._distribute_leftover(jobs, shares, free)
+            index = jobs_by_id(view)
+            self._distribute_leftover(arrival_order(index[j] for j in shares), shares, free)
         return Decision(shares=shares)
 
     @staticmethod
     def _distribute_leftover(jobs: list[JobView], shares: dict[str, int], free: int) -> None:
-        # AFS §5.5: the secondary goal, the largest throughput, with the leftover GPUs.
+        """AFS §5.5: the secondary goal, the largest throughput, with the leftover GPUs.
+        ``jobs``: the jobs given GPUs, in arrival order (a job's rank: its place there)."""
         heap: list[tuple[float, int, int, int]] = []
         ladders: dict[int, Ladder] = {}
         norms: dict[int, float] = {}
@@ -166,3 +182,79 @@ class SRSFElastic(_ShortestFirst):
     """Shares may be regulated (network packing): :attr:`shoal.policies.base.Policy.elastic`."""
     service = True
     altruistic = True
+
+
+_Key = tuple[float, float, str, int]
+
+
+class _Ranking:
+    """Every job's rank key (:meth:`_ShortestFirst._key`), sorted, kept between decisions.
+
+    ``of`` maps a job id to the view its key was read from and the key (None: never
+    ranked). With the simulator's jobs, the decision after the one that read them names
+    the views it rebuilt and the jobs that left (:meth:`shoal.policies.base.LiveJobs.rebuilt_since`,
+    ``left_since``): only those are read again, the others' views are the very objects
+    the keys came from. Any other sequence (a tuple, a decision skipped) reads every job.
+    """
+
+    __slots__ = ("keys", "of", "serial")
+
+    def __init__(self) -> None:
+        self.keys: list[_Key] = []
+        self.of: dict[str, tuple[JobView, _Key | None]] = {}
+        self.serial = 0
+
+    def keys_of(self, view: ClusterView, key: Callable[[JobView], _Key | None]) -> list[_Key]:
+        """The sorted keys of ``view``'s jobs (``key``: job -> its key or None)."""
+        serial = getattr(view.jobs, "serial", 0)
+        changes = _changed_since(view.jobs, self.serial) if serial else None
+        self.serial = serial
+        keys, of = self.keys, self.of
+        if changes is None:
+            of.clear()
+            for job in view.jobs:
+                of[job.job_id] = (job, key(job))
+            if len(of) != len(view.jobs):  # an id twice: rank each entry, keep nothing
+                self.serial = 0
+                keys[:] = sorted(k for j in view.jobs if (k := key(j)) is not None)
+                return keys
+            keys[:] = sorted(k for _, k in of.values() if k is not None)
+            return keys
+        rebuilt, left = changes
+        for job_id in left:
+            kept = of.pop(job_id, None)
+            if kept is not None and kept[1] is not None:
+                del keys[bisect.bisect_left(keys, kept[1])]
+        if rebuilt:
+            index = jobs_by_id(view)
+            for job_id in rebuilt:
+                now = index.get(job_id)
+                kept = of.get(job_id)
+                if kept is not None:
+                    if kept[0] is now:
+                        continue
+                    if kept[1] is not None:
+                        del keys[bisect.bisect_left(keys, kept[1])]
+                if now is None:
+                    of.pop(job_id, None)
+                    continue
+                k = key(now)
+                of[job_id] = (now, k)
+                if k is not None:
+                    bisect.insort(keys, k)
+        return keys
+
+
+def _changed_since(seq: Sequence[JobView], serial: int) -> tuple[Collection[str], Collection[str]] | None:
+    """The ids of the jobs the simulator's sequence ``seq`` rebuilt, and of those that
+    left, since its sequence numbered ``serial``; None when unknown."""
+    if not serial:
+        return None
+    rebuilt_since = getattr(seq, "rebuilt_since", None)
+    left_since = getattr(seq, "left_since", None)
+    if rebuilt_since is None or left_since is None:
+        return None
+    rebuilt, left = rebuilt_since(serial), left_since(serial)
+    if rebuilt is None or left is None:
+        return None
+    return rebuilt, left
