@@ -79,8 +79,10 @@ RUNS: tuple[tuple[str, str, int, bool], ...] = (
     # SRTF's kept ranking (only rebuilt views ranked again) on a long queue.
     ("philly:6214e9:400", "srtf", 0, False),
     ("philly:6214e9:400", "srsf-e", 1, True),
+    # Tiresias-L looking only at rebuilt views for service without a record.
+    ("philly:6214e9:400", "tiresias-l", 0, False),
 )
-"""(trace, policy, seed, flat): 70 runs; seed is the model draw's and the policy's.
+"""(trace, policy, seed, flat): 71 runs; seed is the model draw's and the policy's.
 
 ``s55:<n>`` is not a trace: it is Gandiva_fair's §5.5 workload (``n`` jobs per user) on
 the §5.5 heterogeneous cluster (V100, P100 and K80 servers of 4 GPUs), where profiling,

@@ -118,7 +118,7 @@ import heapq
 import itertools
 import math
 import operator
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts, jobs_by_id
@@ -431,10 +431,11 @@ class TiresiasL:
         self.queue_thresholds_gpu_s = thresholds
         self.service_since_restart = service_since_restart
         self.promote_knob = promote_knob
-        self._memo: tuple[Mapping[str, Any], dict[str, JobRecord]] | None = None
-        """``(memory["jobs"], records)`` of the last :meth:`decide`: its records are
+        self._memo: tuple[Mapping[str, Any], dict[str, JobRecord], int] | None = None
+        """``(memory["jobs"], records, serial)`` of the last :meth:`decide`: its records are
         that mapping's entries (:func:`las_memory`'s ``recorded``), taken by the next decide whose
-        memory lists the same (see :meth:`decide`)."""
+        memory lists the same (see :meth:`decide`), and the serial of its jobs
+        (:attr:`shoal.policies.base.LiveJobs.serial`; 0: not a simulator's)."""
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """One Tiresias pass: queues in order, list order inside, requested GPUs, backfill.
@@ -455,7 +456,8 @@ class TiresiasL:
         thresholds = self.queue_thresholds_gpu_s
         stored = _stored(memory)
         index = jobs_by_id(view)
-        jobs = view_arrival_order(view)
+        jobs: Sequence[JobView] = view.jobs if view.arrival_ordered else view_arrival_order(view)
+        serial = getattr(view.jobs, "serial", 0)
         memo, self._memo = self._memo, None  # spent either way; a failed decide leaves none
         # Every job that may have a place, be demoted, or be given one without a start:
         # the recorded ones, the served ones, the running ones.
@@ -463,7 +465,14 @@ class TiresiasL:
         # The records that may be demoted: a carried record whose view is the same has
         # the service it had after the last decide's demotions.
         moved: list[JobRecord] | None = None
+        # The jobs that may have service or GPUs without a record: every job, or with the
+        # simulator's jobs and carried records, only those rebuilt since (another job's view
+        # is the one the last decide saw, when it had a record if it had either).
+        look: Iterable[JobView] = jobs
         if memo is not None and (stored is memo[0] or stored == memo[0]):
+            rebuilt = _rebuilt_since(view.jobs, memo[2]) if serial else None
+            if rebuilt is not None:
+                look = [job for job_id in rebuilt if (job := index.get(job_id)) is not None]
             moved = []
             for job_id, rec in memo[1].items():
                 job = index.get(job_id)
@@ -478,7 +487,7 @@ class TiresiasL:
                 if job is not None:
                     others[job_id] = _record(job, raw, thresholds)
         position = _next_position(others.values())
-        for job in [j for j in jobs if j.attained_service_gpu_s or j.current_gpus]:
+        for job in [j for j in look if j.attained_service_gpu_s or j.current_gpus]:
             if job.job_id not in others:
                 others[job.job_id] = rec = _record(job, None, thresholds)
                 if moved is not None:
@@ -521,7 +530,7 @@ class TiresiasL:
             promote_knob=None,
             recorded=recorded,
         )
-        self._memo = (new_memory["jobs"], recorded)
+        self._memo = (new_memory["jobs"], recorded, serial)
         return Decision(shares=shares, memory=new_memory)
 
     def decide_all(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
@@ -562,6 +571,16 @@ def gang_size_by_shape(job: JobView) -> int:
 _JOB = operator.attrgetter("job")
 _QUEUE = operator.attrgetter("queue")
 _POSITION = operator.attrgetter("position")
+
+
+def _rebuilt_since(seq: Sequence[JobView], serial: int) -> Collection[str] | None:
+    """The ids of the jobs the simulator's sequence ``seq`` rebuilt since its sequence
+    numbered ``serial`` (:meth:`shoal.policies.base.LiveJobs.rebuilt_since`); None when
+    unknown (another kind of sequence, a decision skipped)."""
+    if not serial:
+        return None
+    rebuilt_since = getattr(seq, "rebuilt_since", None)
+    return rebuilt_since(serial) if rebuilt_since is not None else None
 
 
 def _arrival_key(rec: JobRecord) -> tuple[float, str]:
