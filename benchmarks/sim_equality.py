@@ -81,8 +81,11 @@ RUNS: tuple[tuple[str, str, int, bool], ...] = (
     ("philly:6214e9:400", "srsf-e", 1, True),
     # Tiresias-L looking only at rebuilt views for service without a record.
     ("philly:6214e9:400", "tiresias-l", 0, False),
+    # Max-Min and Optimus walking the simulator's jobs without a copy of the queue.
+    ("philly:6214e9:400", "max-min", 0, False),
+    ("philly:6214e9:400", "optimus", 0, True),
 )
-"""(trace, policy, seed, flat): 71 runs; seed is the model draw's and the policy's.
+"""(trace, policy, seed, flat): 73 runs; seed is the model draw's and the policy's.
 
 ``s55:<n>`` is not a trace: it is Gandiva_fair's §5.5 workload (``n`` jobs per user) on
 the §5.5 heterogeneous cluster (V100, P100 and K80 servers of 4 GPUs), where profiling,

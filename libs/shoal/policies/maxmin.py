@@ -27,7 +27,7 @@ import heapq
 from collections.abc import Mapping
 from typing import Any
 
-from shoal.policies.base import ClusterView, Decision
+from shoal.policies.base import ClusterView, Decision, JobView
 from shoal.policies.common import Ladder, throughput_at, view_arrival_order
 
 
@@ -42,18 +42,21 @@ class MaxMin:
 
     def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
         """Level GPU counts across jobs (the fewest GPUs first)."""
-        jobs = view_arrival_order(view)
+        # In arrival order; the simulator's jobs already are (iterated, never copied:
+        # a long queue mostly gets nothing).
+        jobs: dict[int, JobView] = {}  # rank -> job, for the jobs given a share
         free = view.total_gpus
         # Round one: every job at 0 GPUs, in arrival order (see the module docstring).
         ladders: dict[int, Ladder] = {}
         heap: list[tuple[int, int]] = []
-        for rank, job in enumerate(jobs):
+        for rank, job in enumerate(view.jobs if view.arrival_ordered else view_arrival_order(view)):
             if free <= 0:
                 break
             ladder = Ladder(job)
             first = ladder.next_count(0)
             if first == 0 or first > free:
                 continue
+            jobs[rank] = job
             ladders[rank] = ladder
             free -= first
             heap.append((first, rank))

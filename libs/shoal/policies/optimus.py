@@ -197,9 +197,25 @@ class Optimus:
             raise ValueError(f"fit_counts must be positive, got {tuple(fit_counts)}")
         self.cap_at_request = cap_at_request
         self.fit_counts = tuple(sorted(set(fit_counts))) if fit_counts is not None else None
+        self._counts_by_shape: dict[tuple[Any, ...], tuple[int, ...]] = {}
 
     def counts(self, job: JobView) -> tuple[int, ...]:
-        """The feasible counts Optimus may give ``job``."""
+        """The feasible counts Optimus may give ``job`` (memoised on the fields they are
+        read from: a decision asks for those of every job it walks, and most jobs share a
+        few shapes)."""
+        key = (job.elastic, job.requested_gpus, job.min_gpus, job.max_gpus, job.allowed_gpu_counts)
+        memo = self._counts_by_shape
+        try:
+            hit = memo.get(key)
+        except TypeError:  # a hand-built view with a list of allowed counts
+            return self._counts(job)
+        if hit is None:
+            hit = self._counts(job)
+            if len(memo) < 4096:
+                memo[key] = hit
+        return hit
+
+    def _counts(self, job: JobView) -> tuple[int, ...]:
         counts = feasible_counts(job)
         if self.cap_at_request and job.elastic:
             cap = gang_size(job)
@@ -219,7 +235,8 @@ class Optimus:
         free = view.total_gpus
         state: list[tuple[JobView, tuple[int, ...], tuple[float, ...], float]] = []
         alloc: list[int] = []
-        for job in view_arrival_order(view):
+        # In arrival order; the simulator's jobs already are (iterated, never copied).
+        for job in view.jobs if view.arrival_ordered else view_arrival_order(view):
             if free <= 0 and self._stop_when_full:
                 # The GPUs ran out in step 1: no later job gets its smallest allocation
                 # and eq. (9) has nothing to give, so the rest of a long queue is not
