@@ -314,3 +314,31 @@ def test_a_rebuilt_job_with_service_and_no_record_is_looked_at() -> None:
     lazy = policy.decide(second, d.memory)
     _same(lazy, ElasticTiresias().decide_all(second, d.memory))
     assert "b" in lazy.memory["jobs"]  # demoted to G2: a place at its back
+
+
+def test_compaction_shrinks_the_victim_first_in_pass_order_among_equals() -> None:
+    """Two G1 victims with the same curve and GPUs lose the same per freed GPU: the one
+    first in G1's list (pass order, not arrival order) is shrunk. Both forms agree."""
+    curve = (0.0, 1.0, 1.5, 1.8, 2.0)
+
+    def victim(job_id: str, arrival: float) -> JobView:
+        return job(
+            job_id,
+            arrival_s=arrival,
+            requested_gpus=4,
+            max_gpus=4,
+            throughput=curve,
+            current_gpus=4,
+            attained_service_gpu_s=1000.0,
+        )
+
+    late, early = victim("late", 5.0), victim("early", 1.0)
+    # late holds the earlier place in G1's list: [base, first start, stopped, queue, position].
+    memory = {"jobs": {"late": [0.0, 0.0, -1.0, 1.0, 0.0], "early": [0.0, 0.0, -1.0, 1.0, 1.0]}}
+    # w waits in G2 (service past 10,000 GPU-s), behind both.
+    w = job("w", arrival_s=0.0, requested_gpus=1, max_gpus=1, attained_service_gpu_s=20_000.0)
+    v = view(100.0, 8, early, late, w)
+    policy = ElasticTiresias(compaction_threshold=0)
+    d = policy.decide(v, memory)
+    assert d.shares == {"late": 3, "early": 4, "w": 1}
+    _same(d, ElasticTiresias(compaction_threshold=0).decide_all(v, memory))

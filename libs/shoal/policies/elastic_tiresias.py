@@ -235,7 +235,10 @@ class ElasticTiresias:
         )
         first = list(itertools.islice(waiting, self.compaction_threshold + 1))
         if len(first) > self.compaction_threshold:
-            free = self._compaction(ordered, itertools.chain(first, waiting), shares, free)
+            # The victims come from the jobs given GPUs that hold a record (the jobs
+            # never run are in G0), in pass order.
+            holders = sorted((others[j] for j in shares if j in others), key=JobRecord.order_key)
+            free = self._compaction(holders, itertools.chain(first, waiting), shares, free)
         elif not first:  # every job was met (none waits): only the plan gave GPUs
             free = self._expansion([j for j in walked if j.elastic and shares.get(j.job_id)], shares, free)
         shares = {j: g for j, g in shares.items() if g}
@@ -344,8 +347,9 @@ class ElasticTiresias:
     ) -> int:
         """Algorithm 1 lines 1–6: shrink jobs of groups i ≠ 0 to admit waiting jobs.
 
-        ``records``: every job of a group ``i ≠ 0`` with its record, in pass order (the
-        victims' order); ``waiting``: the waiting jobs in pass order, taken one by one."""
+        ``records``: at least every job of a group ``i ≠ 0`` given GPUs, with its record,
+        in pass order (the victims' order); ``waiting``: the waiting jobs in pass order,
+        taken one by one."""
         victims: list[tuple[JobView, tuple[int, ...], int]] = []
         for rec in records:
             job = rec.job
