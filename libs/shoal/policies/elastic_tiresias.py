@@ -228,6 +228,9 @@ class ElasticTiresias:
         walk = itertools.chain((r.job for r in ordered[:unplaced]), middle, (r.job for r in ordered[q1:]))
         shares, free, walked, rest = self._tiresias_plan_lazily(total, walk, others)
         # The waiting jobs in pass order: the plan's without GPUs, then the ones it never met.
+        # Read lazily, partly while compaction runs: that is decide_all's list, as
+        # compaction gives GPUs only to the candidate it holds (a later waiting job still
+        # has none when it is reached) and never takes a victim's last GPU.
         waiting = (
             job
             for job in itertools.chain((j for j in walked if not shares.get(j.job_id)), rest)
