@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from shoal.policies.base import ClusterView, Decision, JobView, check_decision
@@ -189,3 +190,36 @@ def test_any_view_ranked_afresh_decides_as_every_job_ranked(view: ClusterView) -
         d = policy.decide(view, {})
         ref = _every_job_ranked(policy, view)
         assert d == ref and list(d.shares.items()) == list(ref.shares.items())
+
+
+def test_a_failed_decision_leaves_no_ranking_to_take() -> None:
+    """A decision that fails while ranking the rebuilt views (here a key that raises once)
+    leaves the kept ranking half brought up to date: the next decision ranks every job."""
+    from shoal.policies.base import LiveJobs
+
+    a, b = job("a", 1, 100.0, arrival_s=0.0), job("b", 1, 50.0, arrival_s=1.0)
+    policy = SRTF()
+    first = ClusterView(
+        now_s=0.0, total_gpus=1, jobs=LiveJobs({"a": a, "b": b}, serial=1), arrival_ordered=True
+    )
+    assert policy.decide(first, {}).shares == {"b": 1}
+    b2 = msgspec.structs.replace(b, remaining_iterations=10.0, current_gpus=1)
+    table = {"a": a, "b": b2}
+    second = ClusterView(
+        now_s=10.0,
+        total_gpus=1,
+        jobs=LiveJobs(table, serial=2, after=1, rebuilt=("b",), left=()),
+        arrival_ordered=True,
+    )
+    real = policy._priority
+    policy._priority = lambda j, size: (_ for _ in ()).throw(RuntimeError("once"))  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        policy.decide(second, {})
+    policy._priority = real  # type: ignore[method-assign]
+    third = ClusterView(
+        now_s=10.0,
+        total_gpus=1,
+        jobs=LiveJobs(table, serial=3, after=2, rebuilt=(), left=()),
+        arrival_ordered=True,
+    )
+    assert policy.decide(third, {}) == _every_job_ranked(policy, third) == Decision(shares={"b": 1})

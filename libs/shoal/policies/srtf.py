@@ -208,17 +208,17 @@ class _Ranking:
         """The sorted keys of ``view``'s jobs (``key``: job -> its key or None)."""
         serial = getattr(view.jobs, "serial", 0)
         changes = _changed_since(view.jobs, self.serial) if serial else None
-        self.serial = serial
+        self.serial = 0  # until brought up to date (a failed call leaves nothing to take)
         keys, of = self.keys, self.of
         if changes is None:
             of.clear()
             for job in view.jobs:
                 of[job.job_id] = (job, key(job))
             if len(of) != len(view.jobs):  # an id twice: rank each entry, keep nothing
-                self.serial = 0
                 keys[:] = sorted(k for j in view.jobs if (k := key(j)) is not None)
                 return keys
             keys[:] = sorted(k for _, k in of.values() if k is not None)
+            self.serial = serial
             return keys
         rebuilt, left = changes
         for job_id in left:
@@ -242,6 +242,7 @@ class _Ranking:
                 of[job_id] = (now, k)
                 if k is not None:
                     bisect.insort(keys, k)
+        self.serial = serial
         return keys
 
 
