@@ -59,7 +59,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts, jobs_by_id
@@ -71,6 +71,7 @@ from shoal.policies.tiresias import (
     JobRecord,
     _arrival_key,
     _next_position,
+    _rebuilt_since,
     _record,
     _requeue,
     _stored,
@@ -179,7 +180,7 @@ class ElasticTiresias:
         look: Iterable[JobView]  # the jobs that may have service or GPUs without a record
         if memo is not None and (stored is memo.jobs or stored == memo.jobs):
             moved = []
-            changes = _changed_since(view.jobs, memo.serial) if serial else None
+            changes = _rebuilt_since(view.jobs, memo.serial) if serial else None
             for job_id, rec in memo.records.items():
                 job = index.get(job_id)
                 if job is not None:
@@ -480,13 +481,3 @@ class _Memo:
         self.jobs = jobs
         self.records = records
         self.serial = serial
-
-
-def _changed_since(seq: Sequence[JobView], serial: int) -> Collection[str] | None:
-    """The ids of the jobs the simulator's sequence ``seq`` rebuilt since its sequence
-    numbered ``serial`` (:meth:`shoal.policies.base.LiveJobs.rebuilt_since`; a job that
-    left is not among the live ones anyway); None when unknown."""
-    if not serial:
-        return None
-    rebuilt_since = getattr(seq, "rebuilt_since", None)
-    return rebuilt_since(serial) if rebuilt_since is not None else None
