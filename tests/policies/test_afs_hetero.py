@@ -12,6 +12,8 @@ from shoal.policies.afs import AFSP
 from shoal.policies.afs_hetero import HeteroAFS, eq3_prefers
 from shoal.policies.base import ClusterView, Decision, JobView, Policy, check_decision
 
+from tests.policies.checked import CheckedAtEveryDecision, run_checked
+
 
 def linear(rate: float, max_gpus: int) -> tuple[float, ...]:
     return (0.0, *(rate * k for k in range(1, max_gpus + 1)))
@@ -265,20 +267,17 @@ def test_the_simulator_runs_it_through_the_policy_interface() -> None:
     assert sum(len(d.policy_memory["swaps"]) for d in decided) == 2
 
 
-class _KeptAndFresh:
-    """HeteroAFS as the simulator runs it (one instance, whose phase-one AFS-P keeps what
-    it may between decisions), checked at every decision against a fresh instance."""
+def test_keeping_phase_ones_afs_p_between_decisions_changes_no_decision() -> None:
+    """6214e9's first jobs queue up behind long runners (AFS-P's leases and counters at
+    work, hundreds waiting) on the 16 x 4 topology; 2869ce on a flat pool; Gandiva_fair's
+    §5.5 workload on its heterogeneous cluster, where phases 2 and 4 trade and move."""
+    from shoal.fairness.workloads import SECTION55_GPUS, section55_workload
+    from shoal.sim import SimConfig, Simulator
 
-    def __init__(self) -> None:
-        self.kept = HeteroAFS()
-        self.decisions = 0
-        self.traded = 0
+    traded = 0
 
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self.kept, attr)
-
-    def decide(self, v: ClusterView, memory: Any) -> Decision:
-        d = self.kept.decide(v, memory)
+    def against_a_fresh_one(v: ClusterView, memory: Any, d: Decision) -> None:
+        nonlocal traded
         fresh = HeteroAFS().decide(v, memory)
         assert fresh == d
         # In order too: the memory goes into the log, whose digest the equality harness reads.
@@ -286,28 +285,16 @@ class _KeptAndFresh:
         assert [list(m.items()) if isinstance(m, dict) else m for m in fresh.memory.values()] == [
             list(m.items()) if isinstance(m, dict) else m for m in d.memory.values()
         ]
-        self.decisions += 1
-        self.traded += len(d.memory["swaps"]) + len(d.memory["moves"])
-        return d
-
-
-def test_keeping_phase_ones_afs_p_between_decisions_changes_no_decision() -> None:
-    """6214e9's first jobs queue up behind long runners (AFS-P's leases and counters at
-    work, hundreds waiting) on the 16 x 4 topology; 2869ce on a flat pool; Gandiva_fair's
-    §5.5 workload on its heterogeneous cluster, where phases 2 and 4 trade and move."""
-    from shoal.fairness.workloads import SECTION55_GPUS, section55_workload
-    from shoal.sim import SimConfig, Simulator
-    from shoal.workloads import load_workload
+        traded += len(d.memory["swaps"]) + len(d.memory["moves"])
 
     for trace, flat in (("philly:6214e9:300", False), ("philly:2869ce:120", True)):
-        policy = _KeptAndFresh()
-        Simulator(load_workload(trace, seed=0), policy, SimConfig(flat=flat, retain_log=False)).run()
-        assert policy.decisions > 100
+        assert run_checked(HeteroAFS(), against_a_fresh_one, trace, flat).decisions > 100
     jobs = section55_workload(jobs_per_user=24, resnet_source="gavel")
-    policy = _KeptAndFresh()
+    traded = 0
+    policy = CheckedAtEveryDecision(HeteroAFS(), against_a_fresh_one)
     cfg = SimConfig(cluster=dict(SECTION55_GPUS), gpus_per_node=4, retain_log=False)
     Simulator(jobs, policy, cfg).run()
-    assert policy.decisions > 20 and policy.traded > 0
+    assert policy.decisions > 20 and traded > 0
 
 
 def test_a_pick_no_generation_holds_leaves_phase_ones_afs_p_deciding_as_a_fresh_one() -> None:

@@ -13,6 +13,7 @@ from shoal.policies.elastic_tiresias import ElasticTiresias
 from shoal.sim.engine import SimConfig, Simulator
 from shoal.workloads import load_workload
 
+from tests.policies.checked import run_checked
 from tests.policies.test_tiresias import (
     LengthTripwire,
     assert_pure,
@@ -257,34 +258,15 @@ def test_carried_records_change_no_decision(
         v = kept_next_view(v, d, 400.0, step)
 
 
-class _AgainstEveryRecord:
-    """Elastic-Tiresias as the simulator runs it (one instance, carrying its records and
-    told which views were rebuilt), checked at every decision against decide_all."""
-
-    def __init__(self) -> None:
-        self.kept = ElasticTiresias()
-        self.decisions = 0
-        self.resized = 0
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self.kept, attr)
-
-    def decide(self, v: ClusterView, memory: Mapping[str, Any]) -> Decision:
-        d = self.kept.decide(v, memory)
-        _same(d, ElasticTiresias().decide_all(v, memory))
-        self.decisions += 1
-        self.resized += sum(
-            1 for j in v.jobs if j.current_gpus and d.shares.get(j.job_id, j.current_gpus) != j.current_gpus
-        )
-        return d
-
-
 def test_the_simulators_decisions_are_those_of_a_record_for_every_job() -> None:
     """6214e9's first jobs queue up behind long runners (hundreds wait, compaction runs)
     on the 16 x 4 topology; 2869ce on a flat pool (expansion too)."""
+
+    def against_every_record(v: ClusterView, memory: Mapping[str, Any], d: Decision) -> None:
+        _same(d, ElasticTiresias().decide_all(v, memory))
+
     for trace, flat in (("philly:6214e9:300", False), ("philly:2869ce:150", True)):
-        policy = _AgainstEveryRecord()
-        Simulator(load_workload(trace, seed=0), policy, SimConfig(flat=flat, retain_log=False)).run()
+        policy = run_checked(ElasticTiresias(), against_every_record, trace, flat)
         assert policy.decisions > 100 and policy.resized > 10
 
 

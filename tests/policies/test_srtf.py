@@ -11,9 +11,8 @@ from hypothesis import given, settings
 from shoal.policies.base import ClusterView, Decision, JobView, check_decision
 from shoal.policies.common import arrival_order, request_size
 from shoal.policies.srtf import SRSF, SRTF, SRSFElastic, SRTFElastic, peak_size
-from shoal.sim.engine import SimConfig, Simulator
-from shoal.workloads import load_workload
 
+from tests.policies.checked import run_checked
 from tests.policies.test_policy_properties import views
 
 LINEAR = tuple(float(k) for k in range(9))
@@ -152,34 +151,20 @@ def _every_job_ranked(policy: Any, view: ClusterView) -> Decision:
     return Decision(shares=shares)
 
 
-class _AgainstEveryJobRanked:
-    """A policy as the simulator runs it (one instance, its ranking kept between
-    decisions), checked at every decision against :func:`_every_job_ranked`."""
-
-    def __init__(self, kept: Any) -> None:
-        self.kept = kept
-        self.decisions = 0
-        self.started = 0
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self.kept, attr)
-
-    def decide(self, v: ClusterView, memory: Mapping[str, Any]) -> Decision:
-        d = self.kept.decide(v, memory)
-        ref = _every_job_ranked(self.kept, v)
-        assert d == ref and list(d.shares.items()) == list(ref.shares.items())
-        self.decisions += 1
-        self.started += sum(1 for j in v.jobs if not j.current_gpus and d.shares.get(j.job_id))
-        return d
-
-
 @pytest.mark.parametrize("make", [SRTF, SRSF, SRTFElastic, SRSFElastic, lambda: SRTF(use_max_gpus=True)])
 def test_keeping_the_ranking_between_decisions_changes_no_decision(make: Callable[[], Any]) -> None:
     """6214e9's first jobs queue up behind long runners (hundreds wait at each decision)
     on the 16 x 4 topology; 2869ce on a flat pool."""
     for trace, flat in (("philly:6214e9:300", False), ("philly:2869ce:150", True)):
-        policy = _AgainstEveryJobRanked(make())
-        Simulator(load_workload(trace, seed=0), policy, SimConfig(flat=flat, retain_log=False)).run()
+        kept = make()
+
+        def against_every_job_ranked(
+            v: ClusterView, memory: Mapping[str, Any], d: Decision, kept: Any = kept
+        ) -> None:
+            ref = _every_job_ranked(kept, v)
+            assert d == ref and list(d.shares.items()) == list(ref.shares.items())
+
+        policy = run_checked(kept, against_every_job_ranked, trace, flat)
         assert policy.decisions > 100 and policy.started > 50
 
 

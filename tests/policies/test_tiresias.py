@@ -19,6 +19,8 @@ from shoal.policies.tiresias import TiresiasL, gang_size
 from shoal.sim.engine import SimConfig, Simulator
 from shoal.workloads import TraceJob, load_workload, make_job
 
+from tests.policies.checked import run_checked
+
 # ---------------------------------------------------------------------------
 # shared helpers
 # ---------------------------------------------------------------------------
@@ -448,34 +450,17 @@ def test_tiresias_l_carried_records_change_no_decision(
         v = kept_next_view(v, d, 400.0, step)
 
 
-class _AgainstEveryRecord:
-    """Tiresias-L as the simulator runs it (one instance, carrying its records and told
-    which views were rebuilt), checked at every decision against decide_all."""
-
-    def __init__(self) -> None:
-        self.kept = TiresiasL()
-        self.decisions = 0
-        self.started = 0
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self.kept, attr)
-
-    def decide(self, v: ClusterView, memory: Mapping[str, Any]) -> Decision:
-        d = self.kept.decide(v, memory)
-        ref = TiresiasL().decide_all(v, memory)
-        assert d == ref
-        assert list(d.memory["jobs"].items()) == list(ref.memory["jobs"].items())
-        self.decisions += 1
-        self.started += sum(1 for j in v.jobs if not j.current_gpus and d.shares.get(j.job_id))
-        return d
-
-
 def test_the_simulators_decisions_are_those_of_a_record_for_every_job() -> None:
     """6214e9's first jobs queue up behind long runners (hundreds wait) on the 16 x 4
     topology; 2869ce on a flat pool."""
+
+    def against_every_record(v: ClusterView, memory: Mapping[str, Any], d: Decision) -> None:
+        ref = TiresiasL().decide_all(v, memory)
+        assert d == ref
+        assert list(d.memory["jobs"].items()) == list(ref.memory["jobs"].items())
+
     for trace, flat in (("philly:6214e9:300", False), ("philly:2869ce:150", True)):
-        policy = _AgainstEveryRecord()
-        Simulator(load_workload(trace, seed=0), policy, SimConfig(flat=flat, retain_log=False)).run()
+        policy = run_checked(TiresiasL(), against_every_record, trace, flat)
         assert policy.decisions > 100 and policy.started > 50
 
 
