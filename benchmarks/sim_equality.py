@@ -84,8 +84,13 @@ RUNS: tuple[tuple[str, str, int, bool], ...] = (
     # Max-Min and Optimus walking the simulator's jobs without a copy of the queue.
     ("philly:6214e9:400", "max-min", 0, False),
     ("philly:6214e9:400", "optimus", 0, True),
+    # Themis's kept columns through a long queue (b436b2 is overloaded: most decisions
+    # on its first 600 jobs see 128 to 255 active jobs, where the columns rank), and its
+    # length-unaware variant.
+    ("philly:b436b2:600", "themis", 0, False),
+    ("philly:b436b2:300", "themis-unaware", 1, True),
 )
-"""(trace, policy, seed, flat): 73 runs; seed is the model draw's and the policy's.
+"""(trace, policy, seed, flat): 75 runs; seed is the model draw's and the policy's.
 
 ``s55:<n>`` is not a trace: it is Gandiva_fair's §5.5 workload (``n`` jobs per user) on
 the §5.5 heterogeneous cluster (V100, P100 and K80 servers of 4 GPUs), where profiling,

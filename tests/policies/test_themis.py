@@ -255,3 +255,32 @@ def test_the_length_unaware_variant_is_themis_without_lengths() -> None:
     assert unaware.decide(v, {}) == Themis(fairness_knob=0.5).decide(blind, {})
     grid = get_policy("themis-unaware", lease_s=300.0, lease_grid=True)
     assert grid.tick_s == 300.0  # type: ignore[attr-defined]  # the simulator's re-run grid
+
+
+def test_the_kept_columns_decide_as_decide_all_through_a_long_queue() -> None:
+    """b436b2's first 300 jobs (an overloaded VC: a long queue) on the 16 x 4 topology,
+    with the bands of :meth:`Themis.decide` lowered so that all three run many times
+    (decide_all below 32 jobs, the columns written in decide_all's order up to 96, the
+    column form's order from 96), with the columns kept from one decision to the next.
+    Every decision equals decide_all's, and in the two lower bands it is the same bytes."""
+    from collections.abc import Mapping
+    from typing import Any
+
+    from tests.policies.checked import run_checked
+
+    kept, reference = Themis(), Themis()
+    kept.ranks_from_jobs, kept.columns_from_jobs = 32, 96
+    bands = [0, 0, 0]
+
+    def against_decide_all(v: ClusterView, memory: Mapping[str, Any], d: Decision) -> None:
+        want = reference.decide_all(v, memory)
+        assert d == want
+        n = len(v.jobs)
+        band = 0 if n < kept.ranks_from_jobs else 1 if n < kept.columns_from_jobs else 2
+        bands[band] += 1
+        if band < 2:
+            assert msgspec.msgpack.encode(d) == msgspec.msgpack.encode(want)
+
+    policy = run_checked(kept, against_decide_all, "philly:b436b2:300", False)
+    assert policy.decisions > 1000 and policy.started > 300 and policy.resized > 100
+    assert min(bands) > 100, bands

@@ -66,7 +66,8 @@ is the plain form, which it must equal, and which a property test compares it wi
 Every job bids, so ranking is a pass over the whole queue; it is done with array
 operations over columns of what ``ρ`` needs of each job (:class:`_Rows`: arrival, work
 left over peak throughput, total work, peak, first sight), which stay put while a job
-waits and are redone only for new jobs and changed views. The operations are those of
+waits and are redone only for new jobs and changed views (the simulator's view says
+which views it rebuilt since the previous decision, so only those are compared). The operations are those of
 the per-job record, in the same order, so the keys are the same floats, and a stable
 sort on them keeps arrival order for ties. The jobs that may hold GPUs (a running
 job's view is new at every decision) bring the same columns taken afresh, with the
@@ -100,14 +101,14 @@ import itertools
 import math
 import operator
 import random
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from shoal.policies.base import ClusterView, Decision, JobView, feasible_counts, jobs_by_id
 from shoal.policies.common import view_arrival_order
-from shoal.policies.tiresias import gang_size
+from shoal.policies.tiresias import _rebuilt_since, gang_size
 
 _INF = float("inf")
 
@@ -259,7 +260,7 @@ class _Rows:
     and the rows are built afresh, so they never change a decision.
     """
 
-    __slots__ = ("cols", "fresh", "ids", "idx", "leased", "obj", "of", "plain", "row", "size")
+    __slots__ = ("cols", "fresh", "ids", "idx", "leased", "obj", "of", "plain", "row", "serial", "size")
 
     def __init__(
         self,
@@ -275,6 +276,9 @@ class _Rows:
         """The jobs given GPUs at the decision that returned :attr:`of`."""
         self.plain = False
         """Whether that decision was written in :meth:`Themis.decide_all`'s order."""
+        self.serial = 0
+        """The serial of that decision's job sequence (:meth:`LiveJobs.rebuilt_since`; 0
+        when it had none)."""
         self.row: dict[str, int] = {}
         self.obj: dict[str, JobView] = {}
         self.size = 0
@@ -309,6 +313,7 @@ class _Rows:
     def update(
         self,
         policy: Themis,
+        view: ClusterView,
         jobs: Sequence[JobView],
         ids: Sequence[str],
         seen_prev: Mapping[str, Any],
@@ -320,10 +325,24 @@ class _Rows:
         A running job's view changes at every decision, and its rank comes from the
         columns the decision takes of it (``rank_order``'s ``held_cols``), so its row is
         redone only when it has none; its view will have changed again by the time it
-        waits."""
+        waits. When the simulator says which views it rebuilt since the decision these
+        rows were last brought up to date at (:meth:`LiveJobs.rebuilt_since`), only those
+        are looked at: any other job's view is the object it was then, and was compared
+        then."""
         self.fresh = False
         row = self.row
-        for job in itertools.compress(jobs, map(operator.is_not, map(self.obj.get, ids), jobs)):
+        obj = self.obj
+        rebuilt = _rebuilt_since(view.jobs, self.serial) if self.serial else None
+        if rebuilt is None:
+            changed: Iterable[JobView] = itertools.compress(
+                jobs, map(operator.is_not, map(obj.get, ids), jobs)
+            )
+        else:
+            index = jobs_by_id(view)
+            changed = (
+                job for jid in rebuilt if (job := index.get(jid)) is not None and obj.get(jid) is not job
+            )
+        for job in changed:
             if not job.current_gpus or job.job_id not in row:
                 self._put(policy, job, seen_prev, contention, now)
         if ids != self.ids:  # a job came or went (a kept job keeps its row)
@@ -348,7 +367,7 @@ class _Rows:
     def rank_order(
         self,
         holders: Sequence[int],
-        held_cols: Sequence[tuple[float, ...]],
+        held_cols: Sequence[float],
         contention: float,
         now: float,
         n_now: int,
@@ -357,15 +376,16 @@ class _Rows:
 
         The array operations are those of :class:`_Bidder`, in the same order, so the
         keys are the same floats. The jobs at positions ``holders`` (those that may hold
-        GPUs) bring their own columns, ``held_cols``: arrival, remaining work, total
-        work, peak throughput, first sight (contention and time) and the throughput of
-        what they hold now, taken at this decision (a running job's view changes at
+        GPUs) bring their own columns, ``held_cols`` (seven floats per holder, one
+        after the other): arrival, remaining work, total work, peak throughput, first
+        sight (contention and time) and the throughput of what they hold now, taken at
+        this decision (a running job's view changes at
         every decision, so its row would be stale)."""
         cols = self.cols[:, self.idx]  # a copy
         with np.errstate(all="ignore"):
             if holders:
                 at = np.fromiter(holders, np.intp, len(holders))
-                held = np.array(held_cols, np.float64).T
+                held = np.array(held_cols, np.float64).reshape(-1, 7).T
                 remaining, peak, rate = held[1].copy(), held[3], held[6]
                 held[1] = np.where(peak > 0, remaining / peak, _INF)  # what the rows hold
                 cols[:, at] = held[:6]
@@ -412,7 +432,10 @@ class _Rows:
             out[jid] = [contention, now, 0.0]
         return out
 
-    def finish(self, out: Mapping[str, Any], shares: Mapping[str, int], plain: bool) -> None:
+    def finish(
+        self, view: ClusterView, out: Mapping[str, Any], shares: Mapping[str, int], plain: bool
+    ) -> None:
+        self.serial = getattr(view.jobs, "serial", 0) or 0
         self.of = out
         self.leased = set(shares)
         self.plain = plain
@@ -517,7 +540,7 @@ class Themis:
         ):
             rows = _Rows(self, jobs, ids, seen_prev, contention, now)
         else:
-            rows.update(self, jobs, ids, seen_prev, contention, now)
+            rows.update(self, view, jobs, ids, seen_prev, contention, now)
 
         def start(job: JobView) -> tuple[float, float, float]:
             first = seen_prev.get(job.job_id)
@@ -546,7 +569,13 @@ class Themis:
         # holder columns) is taken here; a working record is made for one only when the
         # auction reaches it.
         holders: list[int] = []
-        held_cols: list[tuple[float, ...]] = []
+        holder_ids: list[str] = []
+        held_cols: list[float] = []  # seven per holder, flat
+        kept_at: list[int] = []  # the positions of the holders that keep their GPUs
+        get_first = seen_prev.get
+        counts_of = self._counts
+        grid = self.lease_grid
+        running_until = now + 1e-9
         for i in itertools.chain(
             itertools.compress(range(n_now), map(_CURRENT, jobs)), rows.positions(rows.leased, jobs, view)
         ):
@@ -555,16 +584,34 @@ class Themis:
             holding.add(i)
             holders.append(i)
             job = jobs[i]
-            c0, t0, lease_end = starts[i] = start(job)
-            counts = self._counts(job)
-            gpus = job.current_gpus if job.current_gpus in counts else 0
+            jid = job.job_id
+            holder_ids.append(jid)
+            # start(job), _rate(job, gpus) inlined (a call each per holder per decision
+            # was a measurable part of a long run): the same arithmetic.
+            first = get_first(jid)
+            if first is not None and len(first) >= 2:
+                c0, t0 = float(first[0]), float(first[1])
+                lease_end = float(first[2]) if len(first) > 2 else 0.0
+            else:
+                c0, t0, lease_end = contention, now, 0.0
+            starts[i] = (c0, t0, lease_end)
+            counts = counts_of(job)
+            gpus = job.current_gpus
+            if gpus not in counts:
+                gpus = 0
             remaining, work, peak = _work(job, counts, lease, lengths)
-            held_cols.append((job.arrival_s, remaining, work, peak, c0, t0, _rate(job, gpus)))
-            held = same_round if self.lease_grid else lease_end > now + 1e-9
-            if gpus and held:
-                kept[job.job_id] = gpus
+            if gpus > 0:
+                curve = job.throughput
+                rate = curve[gpus] if gpus < len(curve) else curve[-1]
+            else:
+                rate = 0.0
+            held_cols += (job.arrival_s, remaining, work, peak, c0, t0, rate)
+            if gpus and (same_round if grid else lease_end > running_until):
+                kept[jid] = gpus
+                kept_at.append(i)
         if sum(kept.values()) > total:
             kept = {}  # GPUs were lost: every lease ends now.
+            kept_at = []
         free = total - sum(kept.values())
 
         built: dict[int, _Bidder] = {}
@@ -586,11 +633,12 @@ class Themis:
 
             # Step one of the auction takes the participants in rank order only while GPUs
             # are free; the lease holders among them take part in the rest.
-            rank_of = np.empty(n_now, dtype=np.intp)
-            rank_of[order] = np.arange(n_now)
-            for i in holders:
-                if jobs[i].job_id in kept and (r := int(rank_of[i])) < k:
-                    participants[r] = at(r)
+            if kept_at:
+                rank_of = np.empty(n_now, dtype=np.intp)
+                rank_of[order] = np.arange(n_now)
+                for r in rank_of[kept_at].tolist():
+                    if r < k:
+                        participants[r] = at(r)
             r = 0
             while r < k and free > 0:
                 b = participants.get(r) or at(r)
@@ -612,7 +660,7 @@ class Themis:
 
         if plain:
             return self._written_as_decide_all(
-                view, jobs, order, built, kept, start, rows, now, contention, round_no
+                view, jobs, order, built, kept, seen_prev, rows, now, contention, round_no
             )
 
         # The shares and leases: the holders first, then the others in the order their
@@ -620,23 +668,28 @@ class Themis:
         shares: dict[str, int] = {}
         wake = float("inf")
         out = rows.memory_out(seen_prev, jobs, ids, contention, now)
-        for i in itertools.chain(holders, itertools.filterfalse(holding.__contains__, built)):
-            job = jobs[i]
-            jid = job.job_id
-            record = built.get(i)
+        get_old = out.get
+        renewed = now + lease  # a granted or changed allocation's fresh lease
+        get_built = built.get
+        for i, jid in itertools.chain(
+            zip(holders, holder_ids, strict=True),
+            ((i, jobs[i].job_id) for i in itertools.filterfalse(holding.__contains__, built)),
+        ):
+            record = get_built(i)
             gpus = record.gpus if record is not None else kept.get(jid, 0)
-            c0, t0, lease_end = starts.get(i) or start(job)
+            c0, t0, lease_end = starts.get(i) or start(jobs[i])
             if gpus:
                 shares[jid] = gpus
                 if kept.get(jid) != gpus:
-                    lease_end = now + lease  # granted or changed: a fresh lease
-                wake = min(wake, lease_end)
+                    lease_end = renewed
+                if lease_end < wake:  # min(wake, lease_end)
+                    wake = lease_end
             else:
                 lease_end = 0.0
-            old = out.get(jid)
+            old = get_old(jid)
             if old is None or old[0] != c0 or old[1] != t0 or old[2] != lease_end:
                 out[jid] = [c0, t0, lease_end]
-        rows.finish(out, shares, plain=False)
+        rows.finish(view, out, shares, plain=False)
         self._rows = rows
         new_memory: dict[str, Any] = {"contention": contention, "t": now, "n": n_now, "jobs": out}
         if self.lease_grid:
@@ -652,7 +705,7 @@ class Themis:
         order: np.ndarray | None,
         built: Mapping[int, _Bidder],
         kept: Mapping[str, int],
-        start: Callable[[JobView], tuple[float, float, float]],
+        seen_prev: Mapping[str, Any],
         rows: _Rows,
         now: float,
         contention: float,
@@ -667,20 +720,28 @@ class Themis:
         shares: dict[str, int] = {}
         out: dict[str, list[float]] = {}
         wake = float("inf")
+        get_first = seen_prev.get
         for job in view.jobs if order is None else map(jobs.__getitem__, order.tolist()):
             jid = job.job_id
             b = records.get(jid)
             gpus = b.gpus if b is not None else kept.get(jid, 0)
-            c0, t0, lease_end = start(job)
+            # start(job) inlined (a call per job per decision): the same values.
+            first = get_first(jid)
+            if first is not None and len(first) >= 2:
+                c0, t0 = float(first[0]), float(first[1])
+            else:
+                c0, t0, first = contention, now, None
             if gpus:
                 shares[jid] = gpus
                 if kept.get(jid) != gpus:
                     lease_end = now + lease  # granted or changed: a fresh lease
+                else:
+                    lease_end = float(first[2]) if first is not None and len(first) > 2 else 0.0
                 wake = min(wake, lease_end)
             else:
                 lease_end = 0.0
             out[jid] = [c0, t0, lease_end]
-        rows.finish(out, shares, plain=True)
+        rows.finish(view, out, shares, plain=True)
         self._rows = rows
         new_memory: dict[str, Any] = {"contention": contention, "t": now, "n": len(jobs), "jobs": out}
         if self.lease_grid:
