@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 import pytest
@@ -13,6 +15,7 @@ from shoal.policies.themis import Themis
 from shoal.sim.engine import SimConfig, Simulator
 from shoal.workloads import load_workload
 
+from tests.policies.checked import run_checked
 from tests.policies.test_tiresias import assert_pure, job, next_view, view, views
 
 
@@ -263,11 +266,6 @@ def test_the_kept_columns_decide_as_decide_all_through_a_long_queue() -> None:
     (decide_all below 32 jobs, the columns written in decide_all's order up to 96, the
     column form's order from 96), with the columns kept from one decision to the next.
     Every decision equals decide_all's, and in the two lower bands it is the same bytes."""
-    from collections.abc import Mapping
-    from typing import Any
-
-    from tests.policies.checked import run_checked
-
     kept, reference = Themis(), Themis()
     kept.ranks_from_jobs, kept.columns_from_jobs = 32, 96
     bands = [0, 0, 0]

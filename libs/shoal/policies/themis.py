@@ -67,12 +67,12 @@ Every job bids, so ranking is a pass over the whole queue; it is done with array
 operations over columns of what ``ρ`` needs of each job (:class:`_Rows`: arrival, work
 left over peak throughput, total work, peak, first sight), which stay put while a job
 waits and are redone only for new jobs and changed views (the simulator's view says
-which views it rebuilt since the previous decision, so only those are compared). The operations are those of
-the per-job record, in the same order, so the keys are the same floats, and a stable
-sort on them keeps arrival order for ties. The jobs that may hold GPUs (a running
-job's view is new at every decision) bring the same columns taken afresh, with the
-throughput of what they hold, and are ranked in the same array operations by ρ at their
-present allocation. Working records are then made only for the participants the auction
+which views it rebuilt since the previous decision, so only those are compared). The
+operations are those of the per-job record, in the same order, so the keys are the
+same floats, and a stable sort on them keeps arrival order for ties. The jobs that may
+hold GPUs (a running job's view is new at every decision) bring the same columns taken
+afresh, with the throughput of what they hold, and are ranked in the same array
+operations by ρ at their present allocation. Working records are then made only for the participants the auction
 reaches before the GPUs run out and the lease holders among the participants; the
 leftover round, when GPUs remain, makes them for everyone as before. The two forms
 write the same decision in different orders: the column form the holders first, then the
@@ -332,7 +332,7 @@ class _Rows:
         self.fresh = False
         row = self.row
         obj = self.obj
-        rebuilt = _rebuilt_since(view.jobs, self.serial) if self.serial else None
+        rebuilt = _rebuilt_since(view.jobs, self.serial)
         if rebuilt is None:
             changed: Iterable[JobView] = itertools.compress(
                 jobs, map(operator.is_not, map(obj.get, ids), jobs)
@@ -379,8 +379,8 @@ class _Rows:
         GPUs) bring their own columns, ``held_cols`` (seven floats per holder, one
         after the other): arrival, remaining work, total work, peak throughput, first
         sight (contention and time) and the throughput of what they hold now, taken at
-        this decision (a running job's view changes at
-        every decision, so its row would be stale)."""
+        this decision (a running job's view changes at every decision, so its row would
+        be stale)."""
         cols = self.cols[:, self.idx]  # a copy
         with np.errstate(all="ignore"):
             if holders:
