@@ -35,6 +35,22 @@ def test_simulate_writes_results_json(tmp_path: Path, capsys: pytest.CaptureFixt
     assert doc["policy"] == "fifo" and doc["trace"] == "philly:2869ce:25"
 
 
+def test_simulate_keeps_no_envelopes_and_decides_as_a_retained_log(tmp_path: Path) -> None:
+    from shoal.sim.engine import SimConfig, Simulator, make_policy
+    from shoal.workloads import load_workload
+
+    code = main(["simulate", *TINY, "--policy", "afs-p", "--quiet", "--output", str(tmp_path)])
+    assert code == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["config"]["retain_log"] is False
+    sim = Simulator(load_workload(TINY[1], seed=0), make_policy("afs-p"), SimConfig(retain_log=True))
+    kept = sim.run()
+    assert len(sim.log.envelopes) == kept.summary["events"] > 0
+    assert doc["final_digest"] == kept.final_digest
+    assert doc["event_counts"] == dict(kept.event_counts)
+    assert doc["summary"]["avg_jct_s"] == kept.summary["avg_jct_s"]
+
+
 def test_simulate_heterogeneous_with_tickets(tmp_path: Path) -> None:
     code = main(
         [

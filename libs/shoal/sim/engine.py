@@ -207,6 +207,8 @@ class SimConfig(Struct, frozen=True, kw_only=True):
     """``None``: ``free`` when flat, ``measured`` (shoal's trainer, :func:`shoal.sim.costs.measured`) on a topology."""
     tick_s: float | None = None
     """Policy re-run period; ``None``: the policy's own ``tick_s``/``lease_s``/``quantum_s``."""
+    # Keep every event's envelope in ``log.envelopes`` (to replay or inspect the log);
+    # False folds and counts each event without making one (the same results).
     retain_log: bool = True
     max_time_s: float | None = None
     """Stop at this virtual time (unfinished jobs are reported, not counted in JCT)."""
