@@ -154,8 +154,12 @@ def decide_shares(
         if packed is not decision:  # (the same object: nothing regulated, checked above)
             check_decision(view, packed)
         decision = packed
-    shares = {j: s for j, s in sorted(decision.shares.items()) if s > 0}
-    gpu_types = {j: t for j, t in sorted(decision.gpu_types.items()) if j in shares and t}
+    # Sorted by job id: the ids alone are sorted (str keys compare faster than pairs, and
+    # the ids are distinct, so the order is that of the pairs).
+    decided = decision.shares
+    shares = {j: s for j in sorted(decided) if (s := decided[j]) > 0}
+    types = decision.gpu_types
+    gpu_types = {j: t for j in sorted(types) if j in shares and (t := types[j])} if types else {}
     return SharesDecided(
         epoch=epoch,
         shares=shares,

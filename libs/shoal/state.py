@@ -300,24 +300,28 @@ def _shares_decided(state: ClusterState, e: ev.SharesDecided, at: float) -> None
     state.policy_memory = e.policy_memory
     jobs = state.jobs
     types = e.gpu_types
-    new_shares: dict[str, int] = {}
-    for job_id in state.shares.keys() - e.shares.keys():
+    decided = e.shares
+    for job_id in state.shares.keys() - decided.keys():
         job = jobs[job_id]
         _settle(job, at)
         job.gpus = 0
         job.gpu_type = ""
-    for job_id, gpus in e.shares.items():
+    # The positive shares of live jobs, in the event's order: a copy of the event's,
+    # less the (rare) shares of unknown or finished jobs and zero shares.
+    new_shares = dict(decided)
+    for job_id, gpus in decided.items():
         maybe = jobs.get(job_id)
         if maybe is None or maybe.status in FINISHED_STATUSES:
+            del new_shares[job_id]
             continue
         job = maybe
-        gpu_type = types.get(job_id, "")
+        gpu_type = types.get(job_id, "") if types else ""
         if gpus != job.gpus or gpu_type != job.gpu_type:
             _settle(job, at)
             job.gpus = gpus
             job.gpu_type = gpu_type
-        if gpus:
-            new_shares[job_id] = gpus
+        if not gpus:
+            del new_shares[job_id]
     state.shares = new_shares
 
 

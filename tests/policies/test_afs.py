@@ -209,6 +209,38 @@ def test_afs_l_fast_equals_naive_at_scale() -> None:
     assert AFSL().decide(view, {}) == AFSLNaive().decide(view, {})
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_afs_l_list_chain_equals_naive_through_many_picks(seed: int) -> None:
+    """The lists backend of the chain search, over dozens of picks on 50 jobs with ties
+    and with steps of several GPUs (some that do not fit the GPUs left), picks as the
+    literal scan."""
+    import random
+
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(50):
+        top = rng.choice((2, 4, 8, 16))
+        gains = [rng.choice((0.5, 0.7, 0.9, 0.95)) ** k for k in range(top)]
+        curve = [0.0]
+        for g in gains:
+            curve.append(curve[-1] + g)
+        kw: dict[str, object] = {}
+        if rng.random() < 0.3:
+            kw["allowed_gpu_counts"] = tuple(c for c in (1, 2, 4, 8, 16) if c <= top)
+        remaining = float(rng.choice((100, 1000, 5000)))
+        jobs.append(job(f"j{i:03d}", tuple(curve), remaining, arrival=i // 5, **kw))
+    view = cluster(rng.choice((60, 97, 160)), *jobs)
+    e1, e2 = _entries(view, length_aware=True), _entries(view, length_aware=True)
+    for e in (*e1, *e2):
+        e.set_count(e.first)
+    spare = view.total_gpus - sum(e.count for e in e1)
+    assert spare > 0
+    left = afs_l_stage_two_fast(e1, spare, vector_from=1 << 30)
+    assert left == afs_l_stage_two_naive(e2, spare)
+    assert [e.count for e in e1] == [e.count for e in e2]
+    assert sum(e.count for e in e1) > len(jobs) + 5  # many picks were made
+
+
 @settings(max_examples=150, deadline=None)
 @given(views(max_jobs=16, max_gpus=40, sane=False), hs.data())
 def test_afs_l_kept_keys_decide_as_every_job_keyed(view: ClusterView, data: hs.DataObject) -> None:

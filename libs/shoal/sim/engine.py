@@ -812,11 +812,16 @@ class Simulator:
             current_types = {}
         unchanged = shares.shares == current and shares.gpu_types == current_types
         emitted = not unchanged or memory != state.policy_memory
+        # The (job, GPUs) pairs in exactly one of the shares in force and the new ones
+        # (empty when they are equal): most decisions change one or two jobs' shares.
+        changed: set[tuple[str, int]] = set()
         if emitted and not unchanged:
+            changed = current.items() ^ shares.shares.items()
             # Settle progress under the old rates before the fold sees new shares: the
-            # running jobs whose (job, GPUs) pair is not among the new shares.
-            differ = current.items() - shares.shares.items()
-            for job in sorted((running_jobs[j] for j, _ in differ), key=_seq):
+            # running jobs whose (job, GPUs) pair is not among the new shares (the pairs
+            # of `changed` that are the shares in force).
+            differ = [running_jobs[j] for j, g in changed if current.get(j) == g]
+            for job in sorted(differ, key=_seq):
                 self._settle(job, now, report=True)
         if emitted:
             self._emit(shares)
@@ -861,8 +866,13 @@ class Simulator:
                 self._emit(placed)
 
         # Only a job whose GPU count differs or whose GPUs moved can change (a job given
-        # 0 that holds none is classified as no change, as before).
-        candidates = {j for j, _ in self._alloc.items() ^ new_alloc.items()}
+        # 0 that holds none is classified as no change, as before). Without placement the
+        # new GPU counts are the shares, and nothing above changed the counts in force:
+        # `changed` already holds the pairs that differ.
+        if self.placing:
+            candidates = {j for j, _ in self._alloc.items() ^ new_alloc.items()}
+        else:
+            candidates = {j for j, _ in changed}
         candidates.update(moved)
         for job in sorted((active[j] for j in candidates), key=_seq):
             j = job.id
