@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Mapping
 
 import msgspec
@@ -192,19 +193,24 @@ def test_afs_l_tie_in_eq3_keeps_the_gpu_with_the_earlier_finisher(vector_from: i
     assert [e.count for e in e1] == [e.count for e in e2] == [2, 1]
 
 
+def _concave_curve(rng: random.Random, tops: tuple[int, ...]) -> tuple[int, tuple[float, ...]]:
+    """A random top GPU count of ``tops`` and a concave curve up to it, with ties (the
+    gains are drawn from four values)."""
+    top = rng.choice(tops)
+    gains = [rng.choice((0.5, 0.7, 0.9, 0.95)) ** k for k in range(top)]
+    curve = [0.0]
+    for g in gains:
+        curve.append(curve[-1] + g)
+    return top, tuple(curve)
+
+
 def test_afs_l_fast_equals_naive_at_scale() -> None:
     """A 500-job, 1,024-GPU view with ties: numpy chain = literal scan."""
-    import random
-
     rng = random.Random(7)
     jobs = []
     for i in range(500):
-        top = rng.choice((4, 8, 16, 32))
-        gains = [rng.choice((0.5, 0.7, 0.9, 0.95)) ** k for k in range(top)]
-        curve = [0.0]
-        for g in gains:
-            curve.append(curve[-1] + g)
-        jobs.append(job(f"j{i:03d}", tuple(curve), float(rng.choice((100, 1000, 5000))), arrival=i // 7))
+        _, curve = _concave_curve(rng, (4, 8, 16, 32))
+        jobs.append(job(f"j{i:03d}", curve, float(rng.choice((100, 1000, 5000))), arrival=i // 7))
     view = cluster(1024, *jobs)
     assert AFSL().decide(view, {}) == AFSLNaive().decide(view, {})
 
@@ -214,21 +220,15 @@ def test_afs_l_list_chain_equals_naive_through_many_picks(seed: int) -> None:
     """The lists backend of the chain search, over dozens of picks on 50 jobs with ties
     and with steps of several GPUs (some that do not fit the GPUs left), picks as the
     literal scan."""
-    import random
-
     rng = random.Random(seed)
     jobs = []
     for i in range(50):
-        top = rng.choice((2, 4, 8, 16))
-        gains = [rng.choice((0.5, 0.7, 0.9, 0.95)) ** k for k in range(top)]
-        curve = [0.0]
-        for g in gains:
-            curve.append(curve[-1] + g)
+        top, curve = _concave_curve(rng, (2, 4, 8, 16))
         kw: dict[str, object] = {}
         if rng.random() < 0.3:
             kw["allowed_gpu_counts"] = tuple(c for c in (1, 2, 4, 8, 16) if c <= top)
         remaining = float(rng.choice((100, 1000, 5000)))
-        jobs.append(job(f"j{i:03d}", tuple(curve), remaining, arrival=i // 5, **kw))
+        jobs.append(job(f"j{i:03d}", curve, remaining, arrival=i // 5, **kw))
     view = cluster(rng.choice((60, 97, 160)), *jobs)
     e1, e2 = _entries(view, length_aware=True), _entries(view, length_aware=True)
     for e in (*e1, *e2):
