@@ -127,7 +127,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
     The log keeps no envelopes (``retain_log=False``): ``shoal simulate`` and
     ``shoal compare`` read the folded state, the counts and the series, never an
-    envelope, and keeping one per event costs about a fifth of a flat run's CPU.
+    envelope, so making and keeping one per event would be work nothing reads.
 
     Raises:
         CommandError: contradictory or invalid flags.
