@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 from shoal.cli import main
+from shoal.sim.engine import SimConfig, Simulator, make_policy
+from shoal.workloads import load_workload
 
 TINY = ["--trace", "philly:2869ce:25"]
 
@@ -36,9 +38,6 @@ def test_simulate_writes_results_json(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_simulate_keeps_no_envelopes_and_decides_as_a_retained_log(tmp_path: Path) -> None:
-    from shoal.sim.engine import SimConfig, Simulator, make_policy
-    from shoal.workloads import load_workload
-
     code = main(["simulate", *TINY, "--policy", "afs-p", "--quiet", "--output", str(tmp_path)])
     assert code == 0
     doc = json.loads((tmp_path / "results.json").read_text())
