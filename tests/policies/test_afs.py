@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 import pytest
@@ -25,7 +26,7 @@ from shoal.policies.afs import (
     eq3,
     first_evicting_lease_end,
 )
-from shoal.policies.base import ClusterView, JobView, LiveJobs, check_decision
+from shoal.policies.base import ClusterView, Decision, JobView, LiveJobs, check_decision
 from shoal.policies.common import Ladder
 
 from tests.policies.test_policy_properties import later, views
@@ -729,6 +730,38 @@ def test_every_policy_completes_a_philly_trace(flat: bool) -> None:
     # The naive forms take exactly the same decisions.
     assert _run("afs-l-naive", "philly:2869ce:150", flat=flat)["avg_jct_s"] == results["afs-l"]["avg_jct_s"]
     assert _run("afs-p-naive", "philly:2869ce:150", flat=flat)["avg_jct_s"] == results["afs-p"]["avg_jct_s"]
+
+
+class _AFSPWithoutMemos(AFSP):
+    """AFS-P that forgets what it kept between decisions: every decision takes the full
+    passes (the lease holders, the counted order, the uncounted jobs, the counters)."""
+
+    def decide(self, view: ClusterView, memory: Mapping[str, Any]) -> Decision:
+        self._counted = self._holders = self._uncounted = None
+        self._clean_counters = self._counters_made = None
+        return super().decide(view, memory)
+
+
+def test_afs_p_memos_change_no_decision_in_the_simulator() -> None:
+    """What AFS-P keeps between the simulator's decisions (the counted keys moved and
+    pruned in place, the lease holders, the kept counters) decides as the full passes
+    do, over a contended Philly run where counted jobs finish and leases end: the same
+    event log. (A pruning of the counted keys that changed the list while the wake-up
+    search still walked it decided differently here.)"""
+    from shoal.sim.engine import SimConfig, Simulator
+    from shoal.workloads import load_workload
+
+    trace = "philly:2869ce:300"
+    jobs = load_workload(trace, seed=0)
+    results = [
+        Simulator(jobs, policy, SimConfig(flat=True, total_gpus=8), trace=trace).run()
+        for policy in (AFSP(), _AFSPWithoutMemos())
+    ]
+    kept, full = results
+    assert kept.summary["completed"] == 300
+    assert kept.summary["preemptions"] > 0
+    assert kept.final_digest and kept.final_digest == full.final_digest
+    assert (kept.summary, kept.event_counts) == (full.summary, full.event_counts)
 
 
 def test_afs_p_processor_sharing_in_the_simulator() -> None:

@@ -858,11 +858,20 @@ class _Counted:
     the job's arrival time, which is its submission time and never changes.)
     """
 
-    __slots__ = ("keys", "of")
+    __slots__ = ("keys", "of", "rank_of")
 
-    def __init__(self, of: Mapping[str, Any], keys: list[tuple[int, _Rank]]) -> None:
+    def __init__(
+        self,
+        of: Mapping[str, Any],
+        keys: list[tuple[int, _Rank]],
+        rank_of: dict[str, _Rank] | None = None,
+    ) -> None:
         self.of = of
         self.keys = keys
+        self.rank_of = rank_of
+        # job id -> the rank in its key, for every key (None: not made yet). Made when a
+        # counted job first finishes (_drop_finished) and kept up by _move_keys, so a
+        # finished job's key is found by bisection: its job, and so its rank, is gone.
 
 
 def _counted_keys(
@@ -884,10 +893,12 @@ def _move_keys(
     old: Mapping[str, Any],
     bumped: Mapping[str, int],
     index: Mapping[str, JobView],
+    rank_of: dict[str, _Rank] | None = None,
 ) -> bool:
     """Update ``keys`` (sorted, of ``old``'s positive counters) in place to the new
-    counters of the lease holders in ``bumped``. False if a key was not where it should
-    be (then ``keys`` is no longer to be trusted)."""
+    counters of the lease holders in ``bumped``, and ``rank_of`` (when given: job id ->
+    rank of each key) with the newly counted ones. False if a key was not where it
+    should be (then neither is to be trusted)."""
     for job_id, counter in bumped.items():
         before = old.get(job_id, 0)
         if counter == before:
@@ -901,7 +912,42 @@ def _move_keys(
             del keys[i]
         if counter >= 1:
             bisect.insort(keys, (counter, rank))
+            if rank_of is not None:
+                rank_of[job_id] = rank
     return True
+
+
+def _drop_finished(
+    keys: list[tuple[int, _Rank]],
+    rank_of: dict[str, _Rank] | None,
+    old: Mapping[str, Any],
+    new: Mapping[str, Any],
+    left: Collection[str] | None,
+) -> tuple[list[tuple[int, _Rank]], dict[str, _Rank] | None]:
+    """The keys of ``new``'s counters, from ``keys``: those of ``new`` and of the counted
+    jobs that finished since ``old`` (one each, at its counter in ``old``), and the ranks
+    of the keys (``rank_of``, made here if ``None``).
+
+    ``left``, when given, names every job that left since ``old`` was made: the finished
+    jobs' keys are then taken out by bisection (``keys`` is changed in place), not by a
+    pass over every counted job. Otherwise, or if a key is not where it should be, the
+    keys are filtered (a new list, and ranks ``None``).
+    """
+    if left is not None:
+        if rank_of is None:
+            rank_of = {rank[1]: rank for _, rank in keys}
+        for job_id in left:
+            if job_id in rank_of and job_id not in new:
+                # Finished: not active, so not bumped; its key is at its counter in old.
+                key = (old.get(job_id, 0), rank_of.pop(job_id))
+                i = bisect.bisect_left(keys, key)
+                if i == len(keys) or keys[i] != key:
+                    break
+                del keys[i]
+        else:
+            if len(keys) == len(new):
+                return keys, rank_of
+    return [k for k in keys if k[1][1] in new], None
 
 
 class _Uncounted:
@@ -1075,6 +1121,8 @@ class _ByCounter:
 
 
 _FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
+_THIRD = operator.itemgetter(2)
 _FOURTH = operator.itemgetter(3)
 _WAITING_KEY = operator.itemgetter(0, 1)
 
@@ -1201,15 +1249,34 @@ def _counters_out(
     the changed counters, the mapping of every lease holder's (the rebuilt mapping lists
     them in its order). ``left``, when given: every job of ``old`` was active when
     ``old`` was made, and no job that left since is missing from ``left`` (so when none of
-    them is counted, no counted job finished, told without a pass over the counted jobs).
+    them is counted, no counted job finished, told without a pass over the counted jobs;
+    and when some of them are, the counted jobs that finished are those of them no longer
+    active).
     """
-    if (
-        isinstance(old, dict)
-        # Every counted job is still active: none of them left (when that is known and
-        # none is named; a name may be of a job still here), else the pass.
-        and ((left is not None and old.keys().isdisjoint(left)) or active.keys() >= old.keys())
-        and (clean or 0 not in old.values())
-    ):
+    if not isinstance(old, dict):
+        finished = True  # the rebuild, from any mapping
+    elif left is not None:
+        # A counted job finished: one named in ``left`` and no longer active (a name
+        # there may be of a job still here).
+        finished = any(j in old and j not in active for j in left)
+        if finished and clean:
+            # The rebuild below without its pass over every counted job: the same items
+            # in the same order (old's, less the finished and the bumped ones, then the
+            # positive bumped ones), by deletions from a copy. Every job of ``old`` that
+            # is not active left since, so it is named in ``left``.
+            if every is not None:
+                bumped = every()
+            out = dict(old)
+            for j in left:
+                if j in out and j not in active:
+                    del out[j]
+            for j in bumped:
+                out.pop(j, None)
+            out.update((j, c) for j, c in bumped.items() if c)
+            return out
+    else:
+        finished = not active.keys() >= old.keys()
+    if not finished and isinstance(old, dict) and (clean or 0 not in old.values()):
         changed = {j: c for j, c in bumped.items() if c != old.get(j, 0)}
         if not changed:
             return old
@@ -1564,10 +1631,11 @@ class AFSP:
         # The same pass over the waiting jobs in (counter, rank) order, taken only until
         # the GPUs run out (a long queue mostly gets nothing).
         keys = None
+        rank_of = None
         if counted is not None and counted.of is old_counters:
-            keys = counted.keys
-            if not _move_keys(keys, old_counters, bumped, index):
-                keys = None
+            keys, rank_of = counted.keys, counted.rank_of
+            if not _move_keys(keys, old_counters, bumped, index, rank_of):
+                keys = rank_of = None
         if uncounted is not None and not (clean and uncounted.refresh(view.jobs, index, old_counters)):
             uncounted = None
         if uncounted is None and clean and getattr(view.jobs, "serial", 0):
@@ -1599,7 +1667,8 @@ class AFSP:
             self._stage_two(entries, free)
             shares = _shares(entries)
         else:
-            shares = {rank[1]: first for rank, _, first, _ in started}
+            # {rank[1]: first for rank, _, first, _ in started}, by C-level maps.
+            shares = dict(zip(map(_JOB_ID, map(_SECOND, started)), map(_THIRD, started), strict=True))
 
         new_counters = counters_out()
         if list(shares) == list(leases):
@@ -1612,12 +1681,6 @@ class AFSP:
         # Counters never fall, and zeros are dropped: clean memory stays clean.
         new_clean = clean or min(new_counters.values(), default=1) >= 1
         self._clean_counters = new_counters if new_clean else None
-        if waiting.keys is not None and new_clean:
-            # keys: every positive counter of new_counters, and the finished jobs'.
-            keys = waiting.keys
-            if len(keys) != len(new_counters):  # a counted job finished
-                keys = [k for k in keys if k[1][1] in new_counters]
-            self._counted = _Counted(new_counters, keys)
         if uncounted is not None and new_clean:
             # It holds every job without a positive counter in new_counters (they are
             # among those without one in old_counters, and it dropped none of those).
@@ -1642,6 +1705,15 @@ class AFSP:
                 memory_out["next_decision_at_s"] = first_evicting_lease_end(
                     started, new_leases, _WaitingOrder(passed, waiting), free, unit
                 )
+        if waiting.keys is not None and new_clean:
+            # keys: every positive counter of new_counters, and the finished jobs'. Last:
+            # _drop_finished changes the list in place, which the waiting order above
+            # walks by position.
+            if waiting.keys is not keys:  # made afresh by the pass: no ranks kept
+                keys, rank_of = waiting.keys, None
+            if len(keys) != len(new_counters):  # a counted job finished
+                keys, rank_of = _drop_finished(keys, rank_of, old_counters, new_counters, left)
+            self._counted = _Counted(new_counters, keys, rank_of)
         return Decision(shares=shares, memory=memory_out)
 
     def _stage_two(self, entries: Sequence[_Entry], free: int) -> None:
