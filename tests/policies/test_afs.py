@@ -670,7 +670,8 @@ def test_afs_p_kept_uncounted_jobs_with_the_rebuilt_views_named_change_no_decisi
     naming the views rebuilt since the decision before: exactly those, more, or not
     known), which keeps the jobs without a counter between decisions (_Uncounted), and a
     fresh one per decision fed the decoded memory and a tuple of the jobs decide the
-    same, memory listed alike, while jobs run, finish, come back and arrive."""
+    same, memory listed alike, while jobs run, finish, come back and arrive, and the
+    cluster shrinks and grows."""
     unit = 100.0
     kept = AFSP(unit_s=unit)
     kept_memory = fresh_memory = _random_memory(view, data, unit)
@@ -706,7 +707,12 @@ def test_afs_p_kept_uncounted_jobs_with_the_rebuilt_views_named_change_no_decisi
         if data.draw(hs.booleans()):  # one arrives
             jobs.append(job(f"new{serial}", (0.0, 1.0, 1.5), None, arrival=view.now_s + dt))
         jobs.sort(key=lambda j: (j.arrival_s, j.job_id))
-        view = msgspec.structs.replace(view, now_s=view.now_s + dt, jobs=tuple(jobs), arrival_ordered=True)
+        # Sometimes the cluster shrinks (a lease holder that no longer fits waits, perhaps
+        # without a counter) or grows back.
+        total = max(1, view.total_gpus + data.draw(hs.sampled_from((0, 0, 0, -1, -3, 2))))
+        view = msgspec.structs.replace(
+            view, now_s=view.now_s + dt, jobs=tuple(jobs), arrival_ordered=True, total_gpus=total
+        )
 
 
 # -- in the simulator -------------------------------------------------------------------

@@ -955,10 +955,14 @@ class _Uncounted:
     order), kept by an :class:`AFSP` from one decision to the next, so that stage one
     finds the counter-0 jobs without walking past every counted job ahead of them.
 
-    It may list more (jobs counted or finished since; they are dropped when a walk
-    reaches them, :meth:`_ByCounter.pop`) but never fewer: at the end of a decision it
-    holds every job of that decision without a positive counter in the counters it
-    returned (:attr:`counters`). Counters never fall, so the next decision, when it gets
+    It may list more (jobs counted or finished since, and lease holders; they are
+    dropped when a walk reaches them, :meth:`_ByCounter.pop`) but never fewer: at the end
+    of a decision it holds every job of that decision without a positive counter in the
+    counters it returned (:attr:`counters`) and without a lease in the leases it returned.
+    A lease holder waits again only once its unit ended, with a positive counter, or when
+    a decision drops it (the cluster shrank), and such a decision keeps no list; a job
+    that left and came back is rebuilt, so :meth:`refresh` adds it again. Counters never
+    fall, so the next decision, when it gets
     that very mapping back and the simulator names the jobs it rebuilt since
     (:meth:`shoal.policies.base.LiveJobs.rebuilt_since`, where a job that arrived counts
     as rebuilt), adds only the new jobs among those (:meth:`refresh`). Otherwise it is
@@ -1060,20 +1064,19 @@ class _ByCounter:
         kept = self._kept
         if kept is not None:
             # The kept ranks: a job counted or finished since goes from the list for good
-            # (counters never fall); a lease holder, or a job counted now, is passed over.
+            # (counters never fall), and so does a lease holder (see _Uncounted); a job
+            # counted now is passed over.
             ranks, old, index = kept.ranks, self._old, self._index
             u = self._u
             while u < len(ranks):
                 rank = ranks[u]
                 job_id = rank[1]
-                job = index.get(job_id)
-                if job is None or job_id in old:
+                if job_id in held or job_id in old or index.get(job_id) is None:
                     del ranks[u]
                     kept.ids.discard(job_id)
                     continue
+                job = index[job_id]
                 u += 1
-                if job_id in held:
-                    continue
                 counter = bumped.get(job_id)
                 if counter is None or counter < 1:  # (an evicted lease holder is counted now)
                     self._u = u
@@ -1681,9 +1684,11 @@ class AFSP:
         # Counters never fall, and zeros are dropped: clean memory stays clean.
         new_clean = clean or min(new_counters.values(), default=1) >= 1
         self._clean_counters = new_counters if new_clean else None
-        if uncounted is not None and new_clean:
-            # It holds every job without a positive counter in new_counters (they are
-            # among those without one in old_counters, and it dropped none of those).
+        if uncounted is not None and new_clean and not dropped:
+            # It holds every job without a positive counter in new_counters that holds no
+            # lease in new_leases (they are among those without one in old_counters, and
+            # it dropped none of those but lease holders). Not when a lease holder was
+            # dropped: it waits now, perhaps without a counter, and the list may lack it.
             uncounted.counters = new_counters
             uncounted.serial = getattr(view.jobs, "serial", 0)
             self._uncounted = uncounted
