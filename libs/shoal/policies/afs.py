@@ -1124,8 +1124,6 @@ class _ByCounter:
 
 
 _FIRST = operator.itemgetter(0)
-_SECOND = operator.itemgetter(1)
-_THIRD = operator.itemgetter(2)
 _FOURTH = operator.itemgetter(3)
 _WAITING_KEY = operator.itemgetter(0, 1)
 
@@ -1261,7 +1259,7 @@ def _counters_out(
     elif left is not None:
         # A counted job finished: one named in ``left`` and no longer active (a name
         # there may be of a job still here).
-        finished = any(j in old and j not in active for j in left)
+        finished = not old.keys().isdisjoint(left) and any(j in old and j not in active for j in left)
         if finished and clean:
             # The rebuild below without its pass over every counted job: the same items
             # in the same order (old's, less the finished and the bumped ones, then the
@@ -1670,8 +1668,7 @@ class AFSP:
             self._stage_two(entries, free)
             shares = _shares(entries)
         else:
-            # {rank[1]: first for rank, _, first, _ in started}, by C-level maps.
-            shares = dict(zip(map(_JOB_ID, map(_SECOND, started)), map(_THIRD, started), strict=True))
+            shares = {rank[1]: first for rank, _, first, _ in started}
 
         new_counters = counters_out()
         if list(shares) == list(leases):
