@@ -924,9 +924,10 @@ def _drop_finished(
     new: Mapping[str, Any],
     left: Collection[str] | None,
 ) -> tuple[list[tuple[int, _Rank]], dict[str, _Rank] | None]:
-    """The keys of ``new``'s counters, from ``keys``: those of ``new`` and of the counted
-    jobs that finished since ``old`` (one each, at its counter in ``old``), and the ranks
-    of the keys (``rank_of``, made here if ``None``).
+    """From ``keys`` (sorted: the keys of ``new``'s counters, and of the counted jobs that
+    finished since ``old``, each of those at its counter in ``old``), the keys of
+    ``new``'s counters alone, with the rank in each key by job (``rank_of``, made here
+    if ``None``).
 
     ``left``, when given, names every job that left since ``old`` was made: the finished
     jobs' keys are then taken out by bisection (``keys`` is changed in place), not by a
@@ -962,12 +963,11 @@ class _Uncounted:
     A lease holder waits again only once its unit ended, with a positive counter, or when
     a decision drops it (the cluster shrank), and such a decision keeps no list; a job
     that left and came back is rebuilt, so :meth:`refresh` adds it again. Counters never
-    fall, so the next decision, when it gets
-    that very mapping back and the simulator names the jobs it rebuilt since
-    (:meth:`shoal.policies.base.LiveJobs.rebuilt_since`, where a job that arrived counts
-    as rebuilt), adds only the new jobs among those (:meth:`refresh`). Otherwise it is
-    dropped, and a contended decision over the simulator's jobs builds it again by a
-    pass over the queue.
+    fall, so the next decision, when it gets that very mapping back and the simulator
+    names the jobs it rebuilt since (:meth:`shoal.policies.base.LiveJobs.rebuilt_since`,
+    where a job that arrived counts as rebuilt), adds only the new jobs among those
+    (:meth:`refresh`). Otherwise it is dropped, and a contended decision over the
+    simulator's jobs builds it again by a pass over the queue.
     """
 
     __slots__ = ("counters", "ids", "ranks", "serial")
