@@ -1313,7 +1313,7 @@ class _Holders:
     ``changes_no_decision`` runs both and compares decisions and memory, in order).
     """
 
-    __slots__ = ("counters_of", "heap", "need", "of", "rows", "serial")
+    __slots__ = ("counters_of", "heap", "need", "of", "rows", "serial", "shares")
 
     def __init__(
         self, leases: dict[str, float], counters: Mapping[str, Any], started: Sequence[_Held]
@@ -1331,6 +1331,11 @@ class _Holders:
         self.serial = 0
         """The serial of the jobs of the decision these rows were carried to
         (:attr:`shoal.policies.base.LiveJobs.serial`; 0: not a simulator's)."""
+        self.shares: dict[str, int] | None = None
+        """A copy of the shares of that decision, while they are ``{job id: smallest
+        share}`` of the rows in the order of :attr:`of`: set by the decision when stage
+        two had no GPUs (:meth:`AFSP.decide`), and None from the first row dropped or
+        read again with another smallest share (:meth:`advance`)."""
 
     def advance(
         self,
@@ -1375,11 +1380,14 @@ class _Holders:
             if job is None:  # finished: the full pass skips it
                 del rows[job_id], leases[job_id]
                 need -= row[2]
+                self.shares = None
                 continue
             rank = (job.arrival_s, job_id)
             first = _ladder(job)[1]
             if rank != row[0] or not first:
                 return None
+            if first != row[2]:
+                self.shares = None
             need += first - row[2]
             rows[job_id] = (rank, job, first, row[3])
         # Leases that ended: the smallest starts (see the class docstring).
@@ -1410,6 +1418,7 @@ class _Holders:
             else:  # the unit ended just now: evicted
                 del leases[job_id], rows[job_id]
                 need -= row[2]
+                self.shares = None
         self.need = need
         return leases, bumped, units_of, list(map(rows.__getitem__, leases)), need
 
@@ -1657,8 +1666,14 @@ class AFSP:
             else:
                 passed.append(w)
         fresh = started[n_held:]  # the jobs started from the queue
-        if held_rows is None or fresh:
-            started.sort(key=_FIRST)  # (held rows carried over are in rank order already)
+        if held_rows is None:
+            started.sort(key=_FIRST)
+        elif fresh:
+            # Held rows carried over are in rank order already: the fresh ones are put in
+            # their places (ranks are unique, so this is the order the sort gives).
+            del started[n_held:]
+            for row in fresh:
+                bisect.insort(started, row, key=_FIRST)
         if free > 0:
             entries = []
             for rank, job, first, _ in started:
@@ -1667,6 +1682,10 @@ class AFSP:
                 entries.append(e)
             self._stage_two(entries, free)
             shares = _shares(entries)
+        elif held_rows is not None and not fresh and holders is not None and holders.shares is not None:
+            # The held rows of the decision before, none dropped and every smallest share
+            # the same (_Holders.shares), each given its smallest share again.
+            shares = dict(holders.shares)
         else:
             shares = {rank[1]: first for rank, _, first, _ in started}
 
@@ -1675,6 +1694,11 @@ class AFSP:
             # Every job runs on under its lease, and none started (the usual case): the
             # same mapping, made by this decision.
             new_leases = leases
+        elif not dropped:
+            # Every lease holder is started, so has a share: the leases in the shares'
+            # order, a new one for each job started now (keys met again keep their place).
+            new_leases = dict.fromkeys(shares, float(now))
+            new_leases.update(leases)
         else:
             new_leases = dict(zip(shares, map(leases.get, shares, itertools.repeat(float(now))), strict=True))
         memory_out: dict[str, Any] = {"counters": new_counters, "leases": new_leases}
@@ -1697,6 +1721,8 @@ class AFSP:
             else:
                 holders = _Holders(new_leases, new_counters, started)
             holders.serial = serial
+            # Stage two had no GPUs: each job its smallest share, in the order of new_leases.
+            holders.shares = dict(shares) if free <= 0 else None
             self._holders = holders
         if started:
             # Only an eviction changes shares. While every job fits, units are counted at
