@@ -1172,6 +1172,7 @@ def first_evicting_lease_end(
     waiting: _WaitingOrder,
     left: int,
     unit: float,
+    first_lease: _Held | None = None,
 ) -> float:
     """The first lease end at which AFS-P would change shares, if nothing else happens.
 
@@ -1189,7 +1190,9 @@ def first_evicting_lease_end(
     early: waking at a lease end is always correct, only slower.
 
     ``running``: the jobs stage one started (:data:`_Held`); ``leases``: their lease
-    starts (those jobs' and no other); ``left``: the GPUs stage one left (``L``).
+    starts (those jobs' and no other); ``left``: the GPUs stage one left (``L``);
+    ``first_lease``, when given: the job of ``running`` whose lease starts first (else it
+    is looked for in ``running``).
     """
     free = left
     # The first step of the search below without its heap (nearly every call ends
@@ -1202,11 +1205,16 @@ def first_evicting_lease_end(
         end = starts[0] + unit
         if len(starts) > 1 and starts[1] + unit - end <= _LEASE_EPS:
             return end
-        for rank, job, first, counter in running:
-            if leases[job.job_id] == starts[0]:
-                if waiting.any_starts_before((counter + 1, rank), free + first):
-                    return end
-                break
+        if first_lease is not None:
+            rank, _, first, counter = first_lease
+            if waiting.any_starts_before((counter + 1, rank), free + first):
+                return end
+        else:
+            for rank, job, first, counter in running:
+                if leases[job.job_id] == starts[0]:
+                    if waiting.any_starts_before((counter + 1, rank), free + first):
+                        return end
+                    break
     return _lease_end_search(running, leases, waiting, left, unit)
 
 
@@ -1421,6 +1429,17 @@ class _Holders:
                 self.shares = None
         self.need = need
         return leases, bumped, units_of, list(map(rows.__getitem__, leases)), need
+
+    def first_lease(self) -> _Held:
+        """The row whose lease in :attr:`of` starts first (the earliest by rank among
+        equal starts): the heap's first entry that is not stale (those before it are
+        dropped). :attr:`of` must not be empty."""
+        heap, rows, of = self.heap, self.rows, self.of
+        while True:
+            start, _, job_id = heap[0]
+            if job_id in rows and of[job_id] == start:
+                return rows[job_id]
+            heapq.heappop(heap)
 
     def carry(self, leases: dict[str, float], counters: Mapping[str, Any], started: Iterable[_Held]) -> None:
         """Become the memo of the decision that started the held jobs (every row
@@ -1731,7 +1750,12 @@ class AFSP:
                 memory_out["next_decision_at_s"] = min(new_leases.values()) + unit
             else:
                 memory_out["next_decision_at_s"] = first_evicting_lease_end(
-                    started, new_leases, _WaitingOrder(passed, waiting), free, unit
+                    started,
+                    new_leases,
+                    _WaitingOrder(passed, waiting),
+                    free,
+                    unit,
+                    holders.first_lease() if holders is not None else None,
                 )
         if waiting.keys is not None and new_clean:
             # keys: every positive counter of new_counters, and the finished jobs'. Last:
