@@ -1321,7 +1321,7 @@ class _Holders:
     ``changes_no_decision`` runs both and compares decisions and memory, in order).
     """
 
-    __slots__ = ("counters_of", "heap", "need", "of", "rows", "serial", "shares")
+    __slots__ = ("counters_of", "gone", "heap", "need", "of", "rows", "serial", "shares")
 
     def __init__(
         self, leases: dict[str, float], counters: Mapping[str, Any], started: Sequence[_Held]
@@ -1340,10 +1340,12 @@ class _Holders:
         """The serial of the jobs of the decision these rows were carried to
         (:attr:`shoal.policies.base.LiveJobs.serial`; 0: not a simulator's)."""
         self.shares: dict[str, int] | None = None
-        """A copy of the shares of that decision, while they are ``{job id: smallest
-        share}`` of the rows in the order of :attr:`of`: set by the decision when stage
-        two had no GPUs (:meth:`AFSP.decide`), and None from the first row dropped or
-        read again with another smallest share (:meth:`advance`)."""
+        """A copy of the shares of that decision when stage two had no GPUs: ``{job id:
+        smallest share}`` of the rows, in the order of :attr:`of` (set by
+        :meth:`AFSP.decide`). None once :meth:`advance` reads a row again with another
+        smallest share; the rows it dropped are listed in :attr:`gone`."""
+        self.gone: list[str] = []
+        """The job ids of the rows the last :meth:`advance` dropped (finished or evicted)."""
 
     def advance(
         self,
@@ -1369,6 +1371,8 @@ class _Holders:
         """
         old, counters, rows = self.of, self.counters_of, self.rows
         need = self.need
+        gone: list[str] = []
+        self.gone = gone
         get = index.get
         leases = dict(old)
         # Jobs that left, and held jobs whose view was rebuilt (read again). The order
@@ -1388,7 +1392,7 @@ class _Holders:
             if job is None:  # finished: the full pass skips it
                 del rows[job_id], leases[job_id]
                 need -= row[2]
-                self.shares = None
+                gone.append(job_id)
                 continue
             rank = (job.arrival_s, job_id)
             first = _ladder(job)[1]
@@ -1426,7 +1430,7 @@ class _Holders:
             else:  # the unit ended just now: evicted
                 del leases[job_id], rows[job_id]
                 need -= row[2]
-                self.shares = None
+                gone.append(job_id)
         self.need = need
         return leases, bumped, units_of, list(map(rows.__getitem__, leases)), need
 
@@ -1685,6 +1689,7 @@ class AFSP:
             else:
                 passed.append(w)
         fresh = started[n_held:]  # the jobs started from the queue
+        appended = True  # the fresh rows rank after every held one (the tail, in order)
         if held_rows is None:
             started.sort(key=_FIRST)
         elif fresh:
@@ -1692,7 +1697,11 @@ class AFSP:
             # their places (ranks are unique, so this is the order the sort gives).
             del started[n_held:]
             for row in fresh:
-                bisect.insort(started, row, key=_FIRST)
+                i = bisect.bisect_right(started, row[0], key=_FIRST)
+                appended = appended and i == len(started)
+                started.insert(i, row)
+        # ``started`` is the held rows in the order of ``leases``, then the fresh ones.
+        in_order = held_rows is not None and appended
         if free > 0:
             entries = []
             for rank, job, first, _ in started:
@@ -1701,15 +1710,29 @@ class AFSP:
                 entries.append(e)
             self._stage_two(entries, free)
             shares = _shares(entries)
-        elif held_rows is not None and not fresh and holders is not None and holders.shares is not None:
-            # The held rows of the decision before, none dropped and every smallest share
-            # the same (_Holders.shares), each given its smallest share again.
+        elif in_order and holders is not None and holders.shares is not None:
+            # The shares of the decision before (its held rows at their smallest shares, in
+            # rank order: _Holders.shares), less the rows dropped since, then the jobs
+            # started now, which rank after every held one: the rows of ``started``.
             shares = dict(holders.shares)
+            for job_id in holders.gone:
+                del shares[job_id]
+            for rank, _, first, _ in fresh:
+                shares[rank[1]] = first
         else:
             shares = {rank[1]: first for rank, _, first, _ in started}
 
         new_counters = counters_out()
-        if list(shares) == list(leases):
+        if in_order:
+            # Every job started has a share, in the order of ``started``: the held jobs in
+            # the order of ``leases``, then the jobs started now, with new leases.
+            if fresh:
+                new_leases = dict(leases)
+                for rank, _, _, _ in fresh:
+                    new_leases[rank[1]] = float(now)
+            else:
+                new_leases = leases
+        elif list(shares) == list(leases):
             # Every job runs on under its lease, and none started (the usual case): the
             # same mapping, made by this decision.
             new_leases = leases
