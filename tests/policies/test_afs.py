@@ -608,6 +608,31 @@ def test_afs_p_stage_one_goes_by_lease_then_counter_then_arrival(
     assert set(decision.shares) == expected
 
 
+def test_afs_p_a_running_job_given_a_smaller_smallest_share_is_read_again() -> None:
+    """A lease holder whose smallest share falls (its minimum lowered) between two
+    decisions gets the new one, and the GPU it frees goes to a waiting job: the kept
+    shares of the decision before are not reused (one AFS-P fed its own memory against a
+    fresh one fed the decoded memory)."""
+    curve = (0.0, 1.0, 1.8)
+    wide = msgspec.structs.replace(job("a", curve, arrival=0.0), min_gpus=2, requested_gpus=2)
+    others = (job("b", curve, arrival=1.0), job("c", curve, arrival=2.0), job("d", curve, arrival=3.0))
+    view = cluster(3, wide, *others, now=10.0)
+    kept = AFSP(unit_s=100.0)
+    # c ran a unit before: a non-empty counters mapping, which the next decision gets
+    # back (so it takes the kept lease holders).
+    first = kept.decide(view, {"counters": {"c": 1}, "leases": {}})
+    assert first.shares == {"a": 2, "b": 1}
+    narrow = msgspec.structs.replace(wide, min_gpus=1, requested_gpus=1, current_gpus=2)
+    later_view = msgspec.structs.replace(view, now_s=20.0, jobs=(narrow, *view.jobs[1:]))
+    d_kept = kept.decide(later_view, first.memory)
+    d_fresh = AFSP(unit_s=100.0).decide(
+        later_view, msgspec.msgpack.decode(msgspec.msgpack.encode(first.memory))
+    )
+    # Still contended (4 smallest GPUs on 3): d, without a counter, takes the GPU freed.
+    assert d_kept.shares == d_fresh.shares == {"a": 1, "b": 1, "d": 1}
+    assert d_kept.memory == d_fresh.memory
+
+
 @settings(max_examples=100, deadline=None)
 @given(view=views(max_jobs=16, max_gpus=10), data=hs.data())
 def test_afs_p_remembering_the_counted_order_changes_no_decision(
@@ -670,8 +695,8 @@ def test_afs_p_kept_uncounted_jobs_with_the_rebuilt_views_named_change_no_decisi
     naming the views rebuilt since the decision before: exactly those, more, or not
     known), which keeps the jobs without a counter between decisions (_Uncounted), and a
     fresh one per decision fed the decoded memory and a tuple of the jobs decide the
-    same, memory listed alike, while jobs run, finish, come back and arrive, and the
-    cluster shrinks and grows."""
+    same, memory listed alike, while jobs run, finish, come back and arrive, a job's
+    smallest share changes, and the cluster shrinks and grows."""
     unit = 100.0
     kept = AFSP(unit_s=unit)
     kept_memory = fresh_memory = _random_memory(view, data, unit)
@@ -706,6 +731,14 @@ def test_afs_p_kept_uncounted_jobs_with_the_rebuilt_views_named_change_no_decisi
             jobs.append(gone.pop(data.draw(hs.integers(0, len(gone) - 1))))
         if data.draw(hs.booleans()):  # one arrives
             jobs.append(job(f"new{serial}", (0.0, 1.0, 1.5), None, arrival=view.now_s + dt))
+        running = [i for i, j in enumerate(jobs) if j.job_id in d_kept.shares]
+        if running and data.draw(hs.integers(0, 2)) == 0:
+            # A running job is given another smallest share (its bounds changed): a lease
+            # holder's kept row and shares are read again.
+            i = data.draw(hs.sampled_from(running))
+            j = jobs[i]
+            low = j.max_gpus if j.min_gpus < j.max_gpus else 1
+            jobs[i] = msgspec.structs.replace(j, min_gpus=low, requested_gpus=max(low, j.requested_gpus))
         jobs.sort(key=lambda j: (j.arrival_s, j.job_id))
         # Sometimes the cluster shrinks (a lease holder that no longer fits waits, perhaps
         # without a counter) or grows back.
