@@ -1321,7 +1321,7 @@ class _Holders:
     ``changes_no_decision`` runs both and compares decisions and memory, in order).
     """
 
-    __slots__ = ("counters_of", "gone", "heap", "need", "of", "rows", "serial", "shares")
+    __slots__ = ("counters_of", "gone", "heap", "need", "of", "order", "rows", "serial", "shares")
 
     def __init__(
         self, leases: dict[str, float], counters: Mapping[str, Any], started: Sequence[_Held]
@@ -1330,6 +1330,9 @@ class _Holders:
         self.counters_of = counters
         self.rows: dict[str, _Held] = {h[1].job_id: h for h in started}
         """job id -> the job as stage one started it, for every key of :attr:`of`."""
+        self.order: list[_Held] = list(started)
+        """The rows in rank order, which is the order of :attr:`of` (the decision lists
+        its leases in the order of its shares, and those in rank order)."""
         self.heap = [(leases[job_id], h[0], job_id) for job_id, h in self.rows.items()]
         """``(lease start, rank, job id)``, a heap; an entry whose job left or whose start
         is no longer the job's in :attr:`of` is stale and skipped."""
@@ -1340,10 +1343,12 @@ class _Holders:
         """The serial of the jobs of the decision these rows were carried to
         (:attr:`shoal.policies.base.LiveJobs.serial`; 0: not a simulator's)."""
         self.shares: dict[str, int] | None = None
-        """A copy of the shares of that decision when stage two had no GPUs: ``{job id:
+        """The shares that decision returned when stage two had no GPUs: ``{job id:
         smallest share}`` of the rows, in the order of :attr:`of` (set by
-        :meth:`AFSP.decide`). None once :meth:`advance` reads a row again with another
-        smallest share; the rows it dropped are listed in :attr:`gone`."""
+        :meth:`AFSP.decide`, which copies them before it changes them; a caller does not
+        change a decision's shares, as it does not change its memory, which :attr:`of`
+        is). None once :meth:`advance` reads a row again with another smallest share; the
+        rows it dropped are listed in :attr:`gone`."""
         self.gone: list[str] = []
         """The job ids of the rows the last :meth:`advance` dropped (finished or evicted)."""
 
@@ -1359,17 +1364,19 @@ class _Holders:
         Returns ``(leases, bumped, units, held, need)``: the leases still held (in the
         order of :attr:`of`), the new counters of the holders whose lease ended (the full
         pass lists every holder; the others' counters are unchanged), those holders'
-        units, the held jobs in rank order (the order of :attr:`of`) and the sum of their
+        units, the held jobs in rank order (the order of :attr:`of`: :attr:`order` itself,
+        edited in place, which the decision adds to and hands back) and the sum of their
         smallest shares. None when the full pass must run instead: a held job's arrival
-        changed or its smallest share is 0. The memo is spent either way (the decision
-        makes it the next one's with :meth:`carry`).
+        changed or its smallest share is 0 (or a row is not where :attr:`order` should
+        have it). The memo is spent either way (the decision makes it the next one's with
+        :meth:`carry`).
 
         ``look``, when given: the jobs whose view may have changed or that left since
         the decision of :attr:`serial` (:meth:`shoal.policies.base.LiveJobs.rebuilt_since`
         and ``left_since``); any other row's job has the view the row holds, so only
         these are looked at instead of every row.
         """
-        old, counters, rows = self.of, self.counters_of, self.rows
+        old, counters, rows, order = self.of, self.counters_of, self.rows, self.order
         need = self.need
         gone: list[str] = []
         self.gone = gone
@@ -1389,8 +1396,12 @@ class _Holders:
         for job_id in changed:
             row = rows[job_id]
             job = get(job_id)
+            # Its place in the order, found by its rank (ranks are unique).
+            i = bisect.bisect_left(order, row[0], key=_FIRST)
+            if i == len(order) or order[i] is not row:
+                return None
             if job is None:  # finished: the full pass skips it
-                del rows[job_id], leases[job_id]
+                del rows[job_id], leases[job_id], order[i]
                 need -= row[2]
                 gone.append(job_id)
                 continue
@@ -1401,7 +1412,7 @@ class _Holders:
             if first != row[2]:
                 self.shares = None
             need += first - row[2]
-            rows[job_id] = (rank, job, first, row[3])
+            rows[job_id] = order[i] = (rank, job, first, row[3])
         # Leases that ended: the smallest starts (see the class docstring).
         heap = self.heap
         ended: list[tuple[_Rank, str, float]] = []
@@ -1423,16 +1434,19 @@ class _Holders:
             counter = bumped[job_id] = int(counters.get(job_id, 0)) + units
             start += units * unit
             row = rows[job_id]
+            i = bisect.bisect_left(order, rank, key=_FIRST)
+            if i == len(order) or order[i] is not row:
+                return None
             if now - start > _LEASE_EPS:
                 leases[job_id] = start  # a later unit, in progress: held
-                rows[job_id] = (rank, row[1], row[2], counter)
+                rows[job_id] = order[i] = (rank, row[1], row[2], counter)
                 heapq.heappush(heap, (start, rank, job_id))
             else:  # the unit ended just now: evicted
-                del leases[job_id], rows[job_id]
+                del leases[job_id], rows[job_id], order[i]
                 need -= row[2]
                 gone.append(job_id)
         self.need = need
-        return leases, bumped, units_of, list(map(rows.__getitem__, leases)), need
+        return leases, bumped, units_of, order, need
 
     def first_lease(self) -> _Held:
         """The row whose lease in :attr:`of` starts first (the earliest by rank among
@@ -1763,8 +1777,9 @@ class AFSP:
             else:
                 holders = _Holders(new_leases, new_counters, started)
             holders.serial = serial
+            holders.order = started  # in rank order: the order of new_leases
             # Stage two had no GPUs: each job its smallest share, in the order of new_leases.
-            holders.shares = dict(shares) if free <= 0 else None
+            holders.shares = shares if free <= 0 else None
             self._holders = holders
         if started:
             # Only an eviction changes shares. While every job fits, units are counted at
