@@ -1262,6 +1262,7 @@ def _counters_out(
     and when some of them are, the counted jobs that finished are those of them no longer
     active).
     """
+    trim: Collection[str] | None = None
     if not isinstance(old, dict):
         finished = True  # the rebuild, from any mapping
     elif left is not None:
@@ -1269,20 +1270,7 @@ def _counters_out(
         # there may be of a job still here).
         finished = not old.keys().isdisjoint(left) and any(j in old and j not in active for j in left)
         if finished and clean:
-            # The rebuild below without its pass over every counted job: the same items
-            # in the same order (old's, less the finished and the bumped ones, then the
-            # positive bumped ones), by deletions from a copy. Every job of ``old`` that
-            # is not active left since, so it is named in ``left``.
-            if every is not None:
-                bumped = every()
-            out = dict(old)
-            for j in left:
-                if j in out and j not in active:
-                    del out[j]
-            for j in bumped:
-                out.pop(j, None)
-            out.update((j, c) for j, c in bumped.items() if c)
-            return out
+            trim = left
     else:
         finished = not active.keys() >= old.keys()
     if not finished and isinstance(old, dict) and (clean or 0 not in old.values()):
@@ -1298,7 +1286,19 @@ def _counters_out(
         return out
     if every is not None:
         bumped = every()
-    out = {j: c for j, c in old.items() if c and j in active and j not in bumped}
+    if trim is not None:
+        # The rebuild below without its pass over every counted job: the same items in
+        # the same order (old's, less the finished and the bumped ones, then the positive
+        # bumped ones), by deletions from a copy. Every job of ``old`` that is not active
+        # left since, so it is named in ``left``.
+        out = dict(old)
+        for j in trim:
+            if j in out and j not in active:
+                del out[j]
+        for j in bumped:
+            out.pop(j, None)
+    else:
+        out = {j: c for j, c in old.items() if c and j in active and j not in bumped}
     out.update((j, c) for j, c in bumped.items() if c)
     return out
 
