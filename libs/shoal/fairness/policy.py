@@ -100,7 +100,7 @@ from shoal.fairness.hetero import (
     record_sample,
 )
 from shoal.fairness.shares import fair_shares_newest_first, spill_leftover
-from shoal.fairness.split_stride import PlacedJob, split_stride_quantum
+from shoal.fairness.split_stride import LargeEntry, PlacedJob, split_stride_entries
 from shoal.fairness.stride import STRIDE1
 from shoal.fairness.trader import Trade, holdings, homogeneous_user, trading_round, undo_trades
 from shoal.placement.hinted import NODE_HINTS, NODE_SLOTS
@@ -174,13 +174,9 @@ def _span(
     return tuple(takes), len(set(nodes)) == len(nodes)
 
 
-def _generation_of(placement: Mapping[str, list[str]]) -> dict[str, str]:
-    """Job -> generation, read back from node names ``<generation>#<index>``."""
-    return {j: _generation_of_node(nodes[0]) for j, nodes in placement.items() if nodes}
-
-
 @functools.lru_cache(maxsize=4096)
 def _generation_of_node(node: str) -> str:
+    """The generation of a node named ``<generation>#<index>``."""
     return node.rsplit("#", 1)[0]
 
 
@@ -340,7 +336,9 @@ class GandivaFairPolicy:
                     pinned_of.setdefault(user, {})[pin] = pinned_of.get(user, {}).get(pin, 0.0) + n
             elif largest >= n:  # some generation can hold the gang
                 flexible_of[user] = flexible_of.get(user, 0.0) + n
-        old_gen = _generation_of(mem.get("placement", {}))
+        # Each job's nodes at the previous decision; its generation is read from their
+        # names (``<generation>#<index>``) where the job is looked at.
+        placement_mem: dict[str, list[str]] = mem.get("placement", {})
 
         # 1. Opportunistic profiling (§3.5). The per-user and per-job dicts of the old
         # memory are shared, and copied before one is changed.
@@ -355,7 +353,8 @@ class GandivaFairPolicy:
             copied: set[str] = set()
             for jid, it0 in sorted(mem.get("ran", {}).items()):
                 job = jobs.get(jid)
-                gen = old_gen.get(jid)
+                was = placement_mem.get(jid)
+                gen = _generation_of_node(was[0]) if was else None
                 if job is None or gen is None or now <= t0 or job.iterations_done <= it0:
                     continue
                 sample = (job.iterations_done - it0) / (now - t0) / size[jid]
@@ -446,18 +445,20 @@ class GandivaFairPolicy:
             # rest (new jobs, jobs whose holding shrank after a trade) are chosen
             # again, so jobs follow traded GPUs (§3.5 "Trading").
             rest: list[str] = []
+            load_u, held_u = load[user], held[user]
             for jid in jids:
-                job, prev = jobs[jid], old_gen.get(jid)
+                job, was = jobs[jid], placement_mem.get(jid)
+                prev = _generation_of_node(was[0]) if was else None
                 if job.pinned_gpu_type is not None:
                     g = choose_generation(size[jid], order, {}, {}, pinned=job.pinned_gpu_type, capacity=cap)
-                elif prev in gens and load[user].get(prev, 0.0) + size[jid] <= held[user][prev] + 1e-9:
+                elif prev in gens and load_u.get(prev, 0.0) + size[jid] <= held_u[prev] + 1e-9:
                     g = prev
                 else:
                     rest.append(jid)
                     continue
                 if g is not None:
                     gen_of[jid] = g
-                    load[user][g] = load[user].get(g, 0.0) + size[jid]
+                    load_u[g] = load_u.get(g, 0.0) + size[jid]
             for jid in rest:
                 if only is not None:  # choose_generation's answer with one generation
                     g = only if cap[only] >= size[jid] else None
@@ -465,15 +466,15 @@ class GandivaFairPolicy:
                     g = choose_generation(
                         size[jid],
                         order,
-                        held[user],
-                        load[user],
+                        held_u,
+                        load_u,
                         rates(user) or None,
                         capacity=cap,
-                        previous=old_gen.get(jid),
+                        previous=_generation_of_node(was[0]) if (was := placement_mem.get(jid)) else None,
                     )
                 if g is not None:
                     gen_of[jid] = g
-                    load[user][g] = load[user].get(g, 0.0) + size[jid]
+                    load_u[g] = load_u.get(g, 0.0) + size[jid]
         if len(gens) > 1 and new_quantum:
             movable: dict[str, dict[str, list[int]]] = {}
             for jid, g in gen_of.items():
@@ -502,7 +503,6 @@ class GandivaFairPolicy:
                 )
 
         # 5-6. Placement, balance and split stride, per generation.
-        placement_mem: dict[str, list[str]] = mem.get("placement", {})
         central_all: dict[str, dict[str, float]] = {}
         local_all: dict[str, float] = {}
         base_central: dict[str, dict[str, float]] = mem.get("base_central", {})
@@ -513,7 +513,8 @@ class GandivaFairPolicy:
         slots_mem: dict[str, int] = mem.get("slots", {})
         new_slots: dict[str, int] = {}
         for gen in order:
-            node_gpus = _node_gpus(gen, gens[gen], view.gpus_per_node)
+            gen_gpus, per_node = gens[gen], view.gpus_per_node
+            node_gpus = _node_gpus(gen, gen_gpus, per_node)
             here = list(gen_of) if only is not None else [j for j in gen_of if gen_of[j] == gen]
             # Eq. (1) on effective tickets: the user's holding here over the GPUs its
             # jobs here need, once per user (in the loop below).
@@ -556,7 +557,7 @@ class GandivaFairPolicy:
                 else:
                     # A gang on several nodes: _add_load of what _span says it takes there.
                     key = tuple(prev_nodes)
-                    span = _span(gen, gens[gen], view.gpus_per_node, key, size[j])
+                    span = _span(gen, gen_gpus, per_node, key, size[j])
                     if span is not None:
                         placed[j] = key
                         takes, apart = span
@@ -575,12 +576,14 @@ class GandivaFairPolicy:
                     if node_sizes is not None and len(nodes) == 1:
                         node_sizes[nodes[0]].append(size[j])
                     base_local.pop(j, None)
+            moved = False
             if new_quantum:
-                sizes_here = {j: size[j] for j in placed}
+                # Balance and packing read the sizes of the jobs of `placed` only: `size`
+                # (every job's) serves as it is.
                 moves = rebalance(
                     node_gpus,
                     placed,
-                    sizes_here,
+                    size,
                     tpg,
                     threshold=self.balance_threshold,
                     max_migrations=1,
@@ -595,28 +598,34 @@ class GandivaFairPolicy:
                 for m in moves:
                     placed[m.job_id] = (m.target,)
                 moves_pack = packing_migrations(
-                    node_gpus, placed, sizes_here, max_migrations=max(node_gpus.values(), default=1)
+                    node_gpus, placed, size, max_migrations=max(node_gpus.values(), default=1)
                 )
                 for m in moves_pack:
                     placed[m.job_id] = (m.target,)
                 for m in moves + moves_pack:
                     base_local.pop(m.job_id, None)
                 migrations.extend(moves + moves_pack)
-            result = split_stride_quantum(
-                node_gpus,
-                [
-                    PlacedJob(
-                        job_id=j,
-                        size=size[j],
-                        job_tickets=tpg[j] * size[j],
-                        servers=placed[j],
-                        arrival_s=jobs[j].arrival_s,
+                moved = bool(moves or moves_pack)
+            # split_stride_quantum's two levels, built here in job-id order: a small job
+            # as a PlacedJob on its server, a large job as its central entry.
+            small_by_server: dict[str, list[PlacedJob]] = {n: [] for n in node_gpus}
+            large: list[LargeEntry] = []
+            for j in sorted(placed):
+                servers, s_j = placed[j], size[j]
+                if len(servers) == 1:
+                    small_by_server[servers[0]].append(
+                        PlacedJob(
+                            job_id=j,
+                            size=s_j,
+                            job_tickets=tpg[j] * s_j,
+                            servers=servers,
+                            arrival_s=jobs[j].arrival_s,
+                        )
                     )
-                    for j in sorted(placed)
-                ],
-                base_central.get(gen, {}),
-                base_local,
-                self.stride1,
+                else:
+                    large.append((f"job:{j}", s_j, True, tpg[j] * s_j, servers))
+            result = split_stride_entries(
+                node_gpus, small_by_server, large, base_central.get(gen, {}), base_local, self.stride1
             )
             central_all[gen] = result.central_passes
             local_all.update(result.local_passes)
@@ -624,7 +633,13 @@ class GandivaFairPolicy:
                 shares[j] = size[j]
                 if view.gpus_by_type:
                     gpu_types[j] = gen
-            new_placement.update({j: list(n) for j, n in placed.items()})
+            if only is not None and not fresh and not moved and list(placed) == list(placement_mem):
+                # Every job kept the nodes it had, and the jobs are those of the previous
+                # placement in its order: that placement as it is (a long queue's jobs
+                # mostly wait where they are), not a copy of it.
+                new_placement = placement_mem
+            else:
+                new_placement.update({j: list(n) for j, n in placed.items()})
             new_slots.update(self._slots(node_gpus, placed, size, placement_mem, slots_mem, jobs))
 
         scheduled = sorted(shares)

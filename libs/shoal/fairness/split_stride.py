@@ -38,6 +38,7 @@ from msgspec import Struct
 
 from shoal.fairness.stride import (
     STRIDE1,
+    Gang,
     StrideJob,
     gang_aware_stride,
     gang_aware_stride_into,
@@ -95,10 +96,8 @@ def split_stride_quantum(
     """
     # A small job goes to its server's local stride as it is (it has the fields
     # gang_aware_stride reads).
-    small_by_server: dict[str, list[PlacedJob]] = {s: [] for s in server_gpus}
-    # Central entries: (key, size in GPUs, is_large, tickets, servers): the servers'
-    # aggregates, then the large jobs (the order of the passes returned).
-    large: list[tuple[str, int, bool, float, tuple[str, ...]]] = []
+    small_by_server: dict[str, list[Gang]] = {s: [] for s in server_gpus}
+    large: list[LargeEntry] = []
     for job in jobs:
         servers = job.servers
         if len(servers) == 1:
@@ -106,7 +105,41 @@ def split_stride_quantum(
         else:
             # _large_key, inline (a call per large job per quantum is measurable).
             large.append((f"job:{job.job_id}", job.size, True, job.job_tickets, servers))
-    entries: list[tuple[str, int, bool, float, tuple[str, ...]]] = [
+    return split_stride_entries(server_gpus, small_by_server, large, central_passes, local_passes, stride1)
+
+
+LargeEntry = tuple[str, int, bool, float, tuple[str, ...]]
+"""A large job's central entry: (``"job:<id>"``, size in GPUs, ``True``, job tickets, servers)."""
+
+
+def split_stride_entries(
+    server_gpus: Mapping[str, int],
+    small_by_server: Mapping[str, Sequence[Gang]],
+    large: list[LargeEntry],
+    central_passes: Mapping[str, float],
+    local_passes: Mapping[str, float],
+    stride1: float = STRIDE1,
+) -> SplitStrideResult:
+    """:func:`split_stride_quantum` on its jobs already split by level, for a caller that
+    has them so (Gandiva_fair's policy builds them as it places the jobs, without a
+    :class:`PlacedJob` per large job).
+
+    Args:
+        server_gpus: As for :func:`split_stride_quantum`.
+        small_by_server: Every server of ``server_gpus``, in its order, -> the small jobs
+            on it, in the order of ``jobs``.
+        large: The large jobs' central entries (:data:`LargeEntry`), in the order of
+            ``jobs`` (read only).
+        central_passes: As for :func:`split_stride_quantum`.
+        local_passes: As for :func:`split_stride_quantum`.
+        stride1: The stride constant.
+
+    Returns:
+        The same result as :func:`split_stride_quantum` on those jobs.
+    """
+    # Central entries: (key, size in GPUs, is_large, tickets, servers): the servers'
+    # aggregates, then the large jobs (the order of the passes returned).
+    entries: list[LargeEntry] = [
         (server, server_gpus[server], False, sum(j.job_tickets for j in small), (server,))
         for server, small in small_by_server.items()
         if small
