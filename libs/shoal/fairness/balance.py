@@ -215,11 +215,17 @@ def rebalance(
         lo = min(finite, key=finite.__getitem__)
         if finite[hi] - finite[lo] <= threshold * mean:
             break
-        if place is None:
-            place = {j: tuple(n) for j, n in placement.items()}
-        # The single-node jobs of both nodes (and their sizes), in placement order.
-        on_hi = [(j, job_size[j]) for j, n in place.items() if n == (hi,)]
-        on_lo = [job_size[j] for j, n in place.items() if n == (lo,)]
+        # The single-node jobs of both nodes (and their sizes), in placement order, read
+        # from the caller's placement until a move has been made (one pass, no copy).
+        on_hi: list[tuple[str, int]] = []
+        on_lo: list[int] = []
+        for j, n in (placement if place is None else place).items():
+            if len(n) == 1:
+                node = n[0]
+                if node == hi:
+                    on_hi.append((j, job_size[j]))
+                if node == lo:
+                    on_lo.append(job_size[j])
         best: tuple[tuple[int, float, str], str] | None = None
         risk_before = idle_risk(node_gpus[hi], [s for _, s in on_hi]) + idle_risk(node_gpus[lo], on_lo)
         for job, size in on_hi:
@@ -244,6 +250,8 @@ def rebalance(
             break
         job = best[1]
         moves.append(Migration(job_id=job, source=hi, target=lo))
+        if place is None:
+            place = {j: tuple(n) for j, n in placement.items()}
         place[job] = (lo,)
     return moves
 
