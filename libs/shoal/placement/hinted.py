@@ -111,9 +111,9 @@ def place_hinted(
         from shoal.placement.min_migration import place_min_migration
 
         fallback = place_min_migration
-    # Each node's usable GPUs, sorted: the slots index these; ``free`` starts as copies.
-    usable: dict[str, list[int]] = {n.node_id: sorted(n.gpu_indices) for n in topology.nodes}
-    free: dict[str, list[int]] = {n: list(g) for n, g in usable.items()}
+    # Each node's usable GPUs, sorted; a slot indexes those of its node (sorted again
+    # there: the few jobs with a slot to take are fewer than the nodes).
+    free: dict[str, list[int]] = {n.node_id: sorted(n.gpu_indices) for n in topology.nodes}
     wanted: dict[str, int] = {}
     # Each hinted job's nodes, and their distinct ids in hint order.
     targets: dict[str, list[NodeSlots]] = {}
@@ -143,7 +143,7 @@ def place_hinted(
         else:
             targets[job] = nodes
             ids_of[job] = (
-                (nodes[0].node_id,) if len(nodes) == 1 else tuple(dict.fromkeys(n.node_id for n in nodes))
+                (nodes[0].node_id,) if len(nodes) == 1 else tuple(dict.fromkeys([n.node_id for n in nodes]))
             )
 
     # Jobs that hold GPUs on their hinted nodes first, then the others, each by id.
@@ -182,9 +182,10 @@ def place_hinted(
             kept_any.add(job)
         slot = slot_of.get(job)
         if isinstance(slot, int) and slot >= 0 and len(got) < want:
-            node_id = targets[job][0].node_id
+            first = targets[job][0]
+            node_id = first.node_id
             here = free[node_id]
-            for i in usable[node_id][slot : slot + want]:
+            for i in sorted(first.gpu_indices)[slot : slot + want]:
                 if len(got) < want and i in here:
                     here.remove(i)
                     got.append(GpuRef(node_id=node_id, index=i))
