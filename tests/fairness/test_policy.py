@@ -405,3 +405,62 @@ def test_pack_on_placement_sends_a_new_small_job_where_it_raises_no_idle_risk(pa
     assert {j: placed[j] for j in ("A0", "A1", "B2")} == memory["placement"]  # kept where they were
     assert idle_risk(4, [4, 1]) > idle_risk(4, [4]) and idle_risk(4, [4, 2, 1]) <= idle_risk(4, [4, 2])
     assert placed["C"] == (["#0"] if pack else ["#1"])
+
+
+def _resized(jobs: list[JobView], job_id: str, size: int) -> list[JobView]:
+    return [job(j.job_id, j.user, size, arrival_s=j.arrival_s) if j.job_id == job_id else j for j in jobs]
+
+
+def _departed(jobs: list[JobView], memory: dict[str, Any]) -> list[JobView]:
+    # The 1-GPU jobs of user A on the second server leave.
+    gone = {j for j, n in memory["placement"].items() if j.startswith("a-") and n == ["#1"]}
+    return [j for j in jobs if j.job_id not in gone]
+
+
+@pytest.mark.parametrize(
+    "events",
+    [
+        # A kept job grows on its server: balance moves another job, the jobs and their order unchanged.
+        {3: lambda jobs, memory: _resized(jobs, "a-0", 3)},
+        # The last job's gang outgrows its server: it is placed anew, still last.
+        {2: lambda jobs, memory: _resized(jobs, "z-0", 8)},
+        # One user's jobs on the second server leave, then a job arrives.
+        {4: _departed, 7: lambda jobs, memory: [*jobs, job("c-0", "C", 2, arrival_s=400.0)]},
+    ],
+    ids=["grown", "regang", "departed-arrived"],
+)
+def test_a_quantum_in_which_no_job_moves_hands_the_placement_on_as_it_was(events: dict[int, Any]) -> None:
+    """On one generation, a quantum in which every job keeps its nodes returns the previous
+    placement itself; a quantum with a move, a job placed anew, a departure or an arrival
+    writes a new one that shows it. Either way the decision and its memory bytes are those
+    of a replay from the log (memory decoded from msgpack), and the memory given is left
+    as it was."""
+    jobs = [job(f"a-{k}", "A", 1, arrival_s=float(k)) for k in range(4)]
+    jobs += [job(f"b-{k}", "B", 1, arrival_s=10.0 + k) for k in range(4)]
+    jobs += [job("z-0", "Z", 1, arrival_s=50.0)]
+    direct, replay = GandivaFairPolicy(), GandivaFairPolicy()
+    memory: dict[str, Any] = {}
+    decoded: dict[str, Any] = {}
+    kept = 0
+    for q in range(10):
+        if q in events:
+            jobs = events[q](jobs, memory)
+        view = ClusterView(now_s=q * 60.0, total_gpus=8, jobs=tuple(jobs), gpus_per_node=4)
+        before = msgspec.msgpack.encode(memory)
+        d = direct.decide(view, memory)
+        check_decision(view, d)
+        assert msgspec.msgpack.encode(memory) == before, q
+        r = replay.decide(view, decoded)
+        assert d.shares == r.shares, q
+        assert msgspec.msgpack.encode(d.memory) == msgspec.msgpack.encode(r.memory), q
+        placement = d.memory["placement"]
+        assert set(placement) == {j.job_id for j in jobs}, q
+        for j in jobs:  # each gang's servers (4 GPUs each) hold it
+            assert 4 * len(placement[j.job_id]) >= j.requested_gpus, (q, j.job_id)
+        for m in d.memory["migrations"]:
+            assert placement[m["job_id"]] == [m["target"]], q
+        if placement is memory.get("placement"):
+            kept += 1
+            assert q not in events and not d.memory["migrations"], q
+        memory, decoded = d.memory, msgspec.msgpack.decode(msgspec.msgpack.encode(d.memory))
+    assert kept >= 5, kept
