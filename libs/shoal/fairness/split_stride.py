@@ -70,6 +70,10 @@ class SplitStrideResult(Struct, frozen=True, kw_only=True):
     idle_gpus: int
 
 
+LargeEntry = tuple[str, int, bool, float, tuple[str, ...]]
+"""A large job's central entry: (``"job:<id>"``, size in GPUs, ``True``, job tickets, servers)."""
+
+
 def _large_key(job_id: str) -> str:
     return f"job:{job_id}"
 
@@ -106,10 +110,6 @@ def split_stride_quantum(
             # _large_key, inline (a call per large job per quantum is measurable).
             large.append((f"job:{job.job_id}", job.size, True, job.job_tickets, servers))
     return split_stride_entries(server_gpus, small_by_server, large, central_passes, local_passes, stride1)
-
-
-LargeEntry = tuple[str, int, bool, float, tuple[str, ...]]
-"""A large job's central entry: (``"job:<id>"``, size in GPUs, ``True``, job tickets, servers)."""
 
 
 def split_stride_entries(
